@@ -1,0 +1,68 @@
+"""Configuration of the native MLA model (`model_type: "mla"`).
+
+It is a Llama configuration (embeddings, MLP, norms, RoPE frequencies of the *source* head dim) plus the shape of the
+latent attention. Per layer and token the KV cache holds `kv_lora_rank[layer]` latent values plus `qk_rope_head_dim`
+values of the shared, already-rotated RoPE key; nothing per head.
+
+RoPE of the shared key uses rotate_half layout inside the `qk_rope_head_dim` dims: dim `j` pairs with
+`j + qk_rope_head_dim/2`, and pair `j` of layer `l` rotates with the source frequency index `rope_pairs[l][j]`
+(an index into the source model's `head_dim/2` inverse frequencies, whatever RoPE scaling produced them).
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers.models.llama.configuration_llama import LlamaConfig
+
+
+@strict
+class MLAConfig(LlamaConfig):
+    model_type = "mla"
+
+    kv_lora_rank: int | list[int] = 64
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_pairs: list[list[int]] | None = None
+    softmax_scale: float | None = None
+    o_proj_bias: bool | None = None
+    # "auto": absorbed weights for decode steps (one new token over a cache), expanded K/V otherwise.
+    mla_attention_mode: str = "auto"
+    # "auto": the Triton kernel on CUDA when triton is importable, the torch reference elsewhere.
+    mla_decode_kernel: str = "auto"
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.qk_nope_head_dim is None:
+            self.qk_nope_head_dim = self.head_dim
+        if self.v_head_dim is None:
+            self.v_head_dim = self.head_dim
+        if self.softmax_scale is None:
+            self.softmax_scale = self.head_dim**-0.5
+        if self.o_proj_bias is None:
+            self.o_proj_bias = self.attention_bias
+        if isinstance(self.kv_lora_rank, int):
+            self.kv_lora_rank = [self.kv_lora_rank] * self.num_hidden_layers
+        if self.rope_pairs is None:
+            self.rope_pairs = [list(range(self.qk_rope_head_dim // 2)) for _ in range(self.num_hidden_layers)]
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if len(self.kv_lora_rank) != self.num_hidden_layers or len(self.rope_pairs) != self.num_hidden_layers:
+            raise ValueError("kv_lora_rank and rope_pairs need one entry per layer")
+        for pairs in self.rope_pairs:
+            if len(pairs) != self.qk_rope_head_dim // 2 or any(not 0 <= p < self.head_dim // 2 for p in pairs):
+                raise ValueError("each rope_pairs entry needs qk_rope_head_dim/2 source frequency indices")
+        if self.mla_attention_mode not in ("auto", "expanded", "absorbed"):
+            raise ValueError(f"mla_attention_mode must be auto, expanded or absorbed, got {self.mla_attention_mode}")
+        if self.mla_decode_kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"mla_decode_kernel must be auto, torch or triton, got {self.mla_decode_kernel}")
+
+    def kv_cache_elements_per_token(self) -> int:
+        """Cached values per token summed over layers (latent + rope key)."""
+        return sum(r + self.qk_rope_head_dim for r in self.kv_lora_rank)
+
+
+__all__ = ["MLAConfig"]

@@ -1,0 +1,319 @@
+"""The native MLA model: Llama blocks whose attention caches one latent per token.
+
+Per layer (shapes at the point of use; H query heads, G kv groups, d_c latent, d_r rope key, d_n nope, d_v value):
+
+    q_proj     [H*(d_n+d_r), D]   query per head: nope part, then rope part
+    kv_a_proj  [d_c+d_r, D]       latent c (cached) and the shared rope key k_r (cached after rotation)
+    kv_b_proj  [G*(d_n+d_v), d_c] per kv group: nope key and value from the latent
+    o_proj     [D, H*d_v]
+
+Prefill and training expand the latent to per-group K/V and run the usual attention (sdpa/eager). Decode uses the
+absorbed form (A_CC_ME in the design notes): the query's nope part is multiplied into `W_uk`, scores are taken
+against the latent and the rope key apart and added, and values are read from the latent then mapped by `W_uv`.
+The cache (`DynamicCache`) holds per layer `keys = c [B, 1, S, d_c]` and `values = k_r [B, 1, S, d_r]`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from mla_convert.modeling.configuration_mla import MLAConfig
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half RoPE on the last dim of `x` [B, *, T, d]; cos/sin [B, T, d]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: MLAConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_groups = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_groups  # query heads per kv group (sdpa/eager)
+        self.kv_lora_rank = config.kv_lora_rank[layer_idx]
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.scaling = config.softmax_scale
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        hidden = config.hidden_size
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=bias)
+        self.kv_a_proj = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, self.num_kv_groups * (self.qk_nope_head_dim + self.v_head_dim), bias=bias
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=config.o_proj_bias)
+        self.register_buffer("rope_pairs", torch.tensor(config.rope_pairs[layer_idx], dtype=torch.long), persistent=False)
+
+    def _rope_cos_sin(self, position_embeddings):
+        cos, sin = position_embeddings  # [B, T, d_h] in rotate_half layout: frequency i at dims i and i + d_h/2
+        cos = cos[..., self.rope_pairs]
+        sin = sin[..., self.rope_pairs]
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [B, T, d_r]
+
+    def use_absorbed(self, q_len: int, past_key_values: Cache | None) -> bool:
+        mode = self.config.mla_attention_mode
+        if mode == "auto":
+            return q_len == 1 and past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0
+        return mode == "absorbed"
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        bsz, q_len, _ = hidden_states.shape
+        d_n, d_r, d_c = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        absorbed = self.use_absorbed(q_len, past_key_values)  # decided before the cache grows
+
+        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, d_n + d_r).transpose(1, 2)
+        q_nope, q_rope = q.split([d_n, d_r], dim=-1)  # [B, H, T, d_n], [B, H, T, d_r]
+        latent, k_rope = self.kv_a_proj(hidden_states).split([d_c, d_r], dim=-1)  # [B, T, d_c], [B, T, d_r]
+        latent = latent.unsqueeze(1)  # [B, 1, T, d_c]
+        k_rope = k_rope.unsqueeze(1)  # [B, 1, T, d_r]
+        if d_r:
+            cos, sin = self._rope_cos_sin(position_embeddings)
+            q_rope = rotate(q_rope, cos, sin)
+            k_rope = rotate(k_rope, cos, sin)
+        if past_key_values is not None:
+            latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)  # [B, 1, S, d_c], [B, 1, S, d_r]
+
+        if absorbed:
+            out = self._absorbed(q_nope, q_rope, latent, k_rope, attention_mask)
+        else:
+            out = self._expanded(q_nope, q_rope, latent, k_rope, attention_mask, **kwargs)
+        out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.v_head_dim)
+        return self.o_proj(out), None
+
+    def _expanded(self, q_nope, q_rope, latent, k_rope, attention_mask, **kwargs):
+        bsz, _, kv_len, _ = latent.shape
+        d_n, d_r = self.qk_nope_head_dim, self.qk_rope_head_dim
+        kv = self.kv_b_proj(latent[:, 0]).view(bsz, kv_len, self.num_kv_groups, d_n + self.v_head_dim)
+        k_nope, value = kv.transpose(1, 2).split([d_n, self.v_head_dim], dim=-1)  # [B, G, S, d_n], [B, G, S, d_v]
+        key = torch.cat((k_nope, k_rope.expand(-1, self.num_kv_groups, -1, -1)), dim=-1)  # [B, G, S, d_n+d_r]
+        query = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, d_n+d_r]
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, _ = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )  # [B, T, H, d_v]
+        return out.transpose(1, 2)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`W_uk` [G, d_n, d_c] and `W_uv` [G, d_v, d_c], views of `kv_b_proj.weight`."""
+        w = self.kv_b_proj.weight.view(self.num_kv_groups, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def _absorbed(self, q_nope, q_rope, latent, k_rope, attention_mask):
+        bsz, _, q_len, _ = q_nope.shape
+        groups, per_group = self.num_kv_groups, self.num_key_value_groups
+        w_uk, w_uv = self.absorbed_weights()
+        # The nope key bias adds a per-query constant to every score: softmax cancels it, so it is left out here.
+        q_latent = torch.einsum("bgrtn,gnc->bgrtc", q_nope.view(bsz, groups, per_group, q_len, -1), w_uk)
+        q_latent = q_latent.reshape(bsz, self.num_heads, q_len, self.kv_lora_rank)  # [B, H, T, d_c]
+        if self._use_kernel(q_len, attention_mask):
+            from mla_convert.kernels import mla_decode
+
+            lengths = torch.full((bsz,), latent.shape[2], dtype=torch.int32, device=latent.device)
+            out_latent = mla_decode(
+                q_latent[:, :, 0], q_rope[:, :, 0], latent[:, 0], k_rope[:, 0], lengths, self.scaling
+            ).unsqueeze(2)  # [B, H, 1, d_c]
+        else:
+            out_latent = latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, self.scaling)
+        out = torch.einsum("bgrtc,gvc->bgrtv", out_latent.view(bsz, groups, per_group, q_len, -1), w_uv)
+        out = out.reshape(bsz, self.num_heads, q_len, self.v_head_dim)
+        if self.kv_b_proj.bias is not None:
+            v_bias = self.kv_b_proj.bias.view(groups, -1)[:, self.qk_nope_head_dim :]  # [G, d_v]
+            out = out + v_bias.repeat_interleave(per_group, dim=0)[None, :, None, :]
+        return out  # [B, H, T, d_v]
+
+    def _use_kernel(self, q_len: int, attention_mask: torch.Tensor | None) -> bool:
+        choice = self.config.mla_decode_kernel
+        if choice == "torch" or q_len != 1 or attention_mask is not None:
+            return False
+        if choice == "triton":
+            return True
+        from mla_convert.kernels import triton_available
+
+        return self.kv_b_proj.weight.is_cuda and triton_available()
+
+
+def latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
+    """Attention over the latent cache, rope and nope scores taken apart (torch reference of the decode kernel).
+
+    q_latent [B, H, T, d_c], q_rope [B, H, T, d_r], latent [B, 1, S, d_c], k_rope [B, 1, S, d_r];
+    attention_mask: None (causal: query t sits at position S - T + t), bool [B, 1, T, S] (True = attend) or
+    additive float. -> [B, H, T, d_c]
+    """
+    scores = torch.matmul(q_latent, latent.transpose(-1, -2))  # [B, H, T, S]
+    q_len, kv_len = scores.shape[-2:]
+    if attention_mask is None and q_len > 1:
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
+    if q_rope.shape[-1]:
+        scores = scores + torch.matmul(q_rope, k_rope.transpose(-1, -2))
+    scores = scores.float() * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask[..., : scores.shape[-1]], float("-inf"))
+        else:
+            scores = scores + attention_mask[..., : scores.shape[-1]].float()
+    probs = torch.softmax(scores, dim=-1).to(latent.dtype)
+    return torch.matmul(probs, latent)
+
+
+class MLADecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: MLAConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = MLAAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class MLAPreTrainedModel(PreTrainedModel):
+    config_class = MLAConfig
+    config: MLAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MLADecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = False  # nope+rope and value head dims differ
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+
+
+class MLAModel(MLAPreTrainedModel):
+    def __init__(self, config: MLAConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([MLADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)  # the source head_dim's frequencies
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: Cache | None = None,
+        inputs_embeds=None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=mask,
+                past_key_values=past_key_values,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MLAConfig):
+        super().__init__(config)
+        self.model = MLAModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: Cache | None = None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+
+
+AutoConfig.register("mla", MLAConfig, exist_ok=True)
+AutoModel.register(MLAConfig, MLAModel, exist_ok=True)
+AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
