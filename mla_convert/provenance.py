@@ -1,0 +1,87 @@
+"""`provenance.json`: what produced an output folder, so cards, pushes and later steps can say exactly what was done.
+
+Layout (keys may be absent when unknown):
+
+    {
+      "kind": "convert" | "finetune" | "export",
+      "mla_convert_version": "0.1.0",
+      "created": "2026-11-22T09:00:00+00:00",
+      "command": "mla-convert llama ... (the argv as run)",
+      "source": {"model": path or hub id, "revision": str | None, "family": "llama", "model_type": "llama",
+                 "license": str | None, "base_model": hub id for the card | None},
+      "method": short name of the conversion method (e.g. "activation-aware joint SVD"),
+      "options": {resolved options of this step},
+      "kv_cache": {"elements_per_token_per_layer_before": int, "elements_per_token_per_layer_after": int | float,
+                   "bytes_per_token_before": int, "bytes_per_token_after": int, "ratio": float, "dtype": "bfloat16"},
+      "measurements": {"perplexity": {"source": float, "converted": float, "finetuned": float, "protocol": str},
+                       "export_max_rel_logit_error": float, ...},
+      "versions": {"torch": ..., "transformers": ..., ...},
+      "seed": int,
+      "parent": the provenance of the folder this step started from (finetune/export), or None
+    }
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+FILENAME = "provenance.json"
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for dist in ("mla-convert", "torch", "transformers", "safetensors", "accelerate", "huggingface_hub"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def new(kind: str, **fields) -> dict:
+    """A provenance record for a step of `kind`, stamped with time, command line and versions."""
+    from mla_convert import __version__
+
+    record = {
+        "kind": kind,
+        "mla_convert_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "versions": versions(),
+    }
+    record.update(fields)
+    return record
+
+
+def load(folder: str | os.PathLike) -> dict | None:
+    path = Path(folder) / FILENAME
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def save(folder: str | os.PathLike, record: dict) -> None:
+    path = Path(folder) / FILENAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def add_measurements(folder: str | os.PathLike, **measurements) -> dict | None:
+    """Merge measured numbers into the folder's provenance (nested dicts merged one level deep)."""
+    record = load(folder)
+    if record is None:
+        return None
+    current = record.setdefault("measurements", {})
+    for key, value in measurements.items():
+        if isinstance(value, dict) and isinstance(current.get(key), dict):
+            current[key].update(value)
+        else:
+            current[key] = value
+    save(folder, record)
+    return record
