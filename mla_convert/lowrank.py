@@ -1,0 +1,83 @@
+"""Low-rank factorization of the stacked nope-key / value maps: `W [m, D] ~= W_up [m, r] @ W_down [r, D]`.
+
+All methods share one solver. For an input covariance `C = E[x x^T]` (identity: weight-only) and an invertible row
+weighting `A` (identity: plain), the rank-r map minimizing `E||A (W - W_hat) x||^2` is `W_hat = A^-1 P A W`, where `P`
+projects onto the top-r eigenvectors `U` of `A W C W^T A^T`. So `W_up = A^-1 U` and `W_down = U^T A W`: no inverse or
+square root of `C` is needed, which keeps ill-conditioned covariances harmless. Solved in float64, returned float32.
+
+A calibration covariance is often singular (few distinct tokens reach layer 0). A small ridge (RIDGE x its mean
+diagonal) keeps every direction of W visible to the solver, so a full-rank factorization stays exact; it errs towards
+weight-only SVD by that relative amount, far below calibration noise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_convert.errors import UserError
+
+METHODS = ("weight", "activation")
+RIDGE = 1e-4
+
+
+def top_eigvecs(sym: torch.Tensor, rank: int) -> torch.Tensor:
+    """The `rank` leading eigenvectors [m, rank] of a symmetric PSD matrix."""
+    sym = 0.5 * (sym + sym.T)
+    _, vecs = torch.linalg.eigh(sym)
+    return vecs[:, -rank:].flip(-1) if rank else vecs[:, :0]
+
+
+def factorize(
+    w: torch.Tensor,
+    rank: int,
+    cov: torch.Tensor | None = None,
+    row_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [m, D], cov [D, D] or None, row_weight [m, m] (invertible) or None -> (up [m, rank], down [rank, D])."""
+    m, d = w.shape
+    if not 0 <= rank <= min(m, d):
+        raise UserError(f"rank {rank} is outside [0, {min(m, d)}] for a [{m} x {d}] map")
+    w = w.double()
+    aw = w if row_weight is None else row_weight.double() @ w
+    if cov is not None:
+        cov = cov.double()
+        cov = cov + RIDGE * cov.diagonal().mean().clamp_min(1e-12) * torch.eye(d, dtype=cov.dtype)
+    gram = aw @ (aw.T if cov is None else cov @ aw.T)  # [m, m]
+    u = top_eigvecs(gram, rank)  # [m, r]
+    down = u.T @ aw  # [r, D]
+    up = u if row_weight is None else torch.linalg.solve(row_weight.double(), u)
+    return up.float(), down.float()
+
+
+def joint_or_split(
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    rank: int,
+    split: bool,
+    cov: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    v_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Factor the nope-key map w_k [mk, D] and value map w_v [mv, D] into one latent of `rank` dims.
+
+    Joint: one factorization of the stacked map. Split: K and V each get half the latent (block-diagonal up map).
+    Returns (up_k [mk, rank], up_v [mv, rank], down [rank, D]).
+    """
+    mk = w_k.shape[0]
+    if not split:
+        weight = None
+        if k_weight is not None or v_weight is not None:
+            weight = torch.block_diag(
+                k_weight if k_weight is not None else torch.eye(mk, dtype=torch.float64),
+                v_weight if v_weight is not None else torch.eye(w_v.shape[0], dtype=torch.float64),
+            )
+        up, down = factorize(torch.cat([w_k, w_v]), rank, cov, weight)
+        return up[:mk], up[mk:], down
+    rank_k = min(rank // 2, w_k.shape[0])
+    rank_v = rank - rank_k
+    up_k, down_k = factorize(w_k, rank_k, cov, k_weight)
+    up_v, down_v = factorize(w_v, rank_v, cov, v_weight)
+    zeros = torch.zeros
+    up_k = torch.cat([up_k, zeros(up_k.shape[0], rank_v)], dim=1)
+    up_v = torch.cat([zeros(up_v.shape[0], rank_k), up_v], dim=1)
+    return up_k, up_v, torch.cat([down_k, down_v])

@@ -1,0 +1,162 @@
+"""RoPE: source frequencies, which frequency pairs keep their rotation, and merging pairs across kv heads.
+
+Layout facts (Hugging Face "rotate_half"): inside a head of `d_h` dims, frequency `i` in `[0, d_h/2)` rotates dims
+`i` and `i + d_h/2`; `i = 0` is the fastest rotation.
+
+A *rope plan* says, for one layer, which (component, frequency) pairs keep RoPE in the shared rope key:
+
+- `mix[i]` is an orthogonal G x G matrix per frequency `i` (identity when not merging). Component `m` of frequency `i`
+  is the pair `k'_{m,i} = sum_g mix[i][m, g] k_{g,i}`. Because every kv head's pair `i` rotates by the same angle, the
+  mix commutes with RoPE; the query of head `h` (kv group `g`) takes `mix[i][m, g] q_{h,i}`. Without merging,
+  component `m` is kv head `m`.
+- `kept` lists the (m, i) pairs that keep their rotation, in the order of the rope key's pairs.
+
+Everything else (the part of each kv head's key not carried by a kept pair) becomes position-free "nope" key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mla_convert.errors import UserError
+
+STRATEGIES = ("high", "low", "uniform", "2-norm")
+
+
+def source_frequencies(config) -> tuple[torch.Tensor, float]:
+    """The source's inverse frequencies [d_h/2] and the attention scaling its RoPE type applies to cos/sin."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config)
+    return rotary.inv_freq.double(), float(rotary.attention_scaling)
+
+
+@dataclass
+class RopePlan:
+    mix: torch.Tensor  # [d_h/2, G, G] float64, orthogonal per frequency
+    kept: list[tuple[int, int]]  # (component m, frequency i), one per rope-key pair
+
+    @property
+    def rope_dim(self) -> int:
+        return 2 * len(self.kept)
+
+    @property
+    def frequencies(self) -> list[int]:
+        return [i for _, i in self.kept]
+
+
+def pair_energies(w_q: torch.Tensor, w_k: torch.Tensor, cov: torch.Tensor | None, heads: int, groups: int, head_dim: int):
+    """Second moments of the query and key pairs from the (augmented) input covariance.
+
+    w_q [H*d_h, D'], w_k [G*d_h, D'] (D' = D, or D+1 with the bias as last column to match an augmented `cov`);
+    cov [D', D'] = E[x x^T] (None: identity, a weight-only proxy).
+    Returns q_energy [H, d_h/2] = E||q_{h,i}||^2 and k_cov [d_h/2, G, G] = E[k_{g,i} . k_{g',i}].
+    """
+    half = head_dim // 2
+    wq = w_q.double().view(heads, 2, half, -1)  # [H, 2 (dims i and i+half), d_h/2, D']
+    wk = w_k.double().view(groups, 2, half, -1)
+    cq = wq if cov is None else wq @ cov.double()
+    ck = wk if cov is None else wk @ cov.double()
+    q_energy = (cq * wq).sum(dim=(1, 3))  # [H, d_h/2]
+    k_cov = torch.einsum("gcid,ecid->ige", ck, wk)  # [d_h/2, G, G]
+    return q_energy, k_cov
+
+
+def _ordered(strategy: str, half: int, count: int) -> list[int]:
+    """`count` frequency indices in [0, half) for a data-free strategy."""
+    if strategy == "high":
+        return list(range(count))
+    if strategy == "low":
+        return list(range(half - count, half))
+    if strategy == "uniform":  # every (half/count)-th pair starting at the fastest: a geometric set
+        return sorted({int(k * half / count) for k in range(count)})
+    raise ValueError(strategy)
+
+
+def plan_rope(
+    rope_dim: int,
+    strategy: str,
+    merge: bool,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    q_energy: torch.Tensor | None = None,
+    k_cov: torch.Tensor | None = None,
+) -> RopePlan:
+    """Choose the kept pairs of one layer. `q_energy`/`k_cov` (from `pair_energies`) are needed for 2-norm and merging."""
+    half = head_dim // 2
+    pairs = rope_dim // 2
+    if rope_dim % 2 or not 0 <= rope_dim <= groups * head_dim:
+        raise UserError(f"--rope-dims must be even and at most {groups * head_dim} (kv heads x head_dim), got {rope_dim}")
+    if strategy not in STRATEGIES:
+        raise UserError(f"--rope-strategy must be one of {', '.join(STRATEGIES)}, got {strategy}")
+    group_of = torch.arange(heads) // (heads // groups)
+    if merge:
+        if k_cov is None:
+            raise ValueError("merging needs key statistics")
+        # PCA across kv heads per frequency: components sorted by key energy, largest first.
+        evals, evecs = torch.linalg.eigh(k_cov)  # ascending, [half, G], [half, G, G]
+        mix = evecs.flip(-1).transpose(-1, -2).contiguous()  # [half, G(m), G(g)]
+        if strategy == "2-norm":
+            k_energy = evals.flip(-1).clamp_min(0).sqrt()  # [half, G(m)]
+            q_norm = q_energy.clamp_min(0).sqrt()  # [H, half]
+            # query of head h on component m: |mix[i][m, g(h)]| * ||q_{h,i}||, summed over heads
+            q_comp = torch.einsum("img,hg,hi->im", mix.abs(), torch.nn.functional.one_hot(group_of, groups).double(), q_norm)
+            score = (k_energy * q_comp).T.reshape(-1)  # [G*half], index m*half + i
+            top = sorted(torch.topk(score, pairs).indices.tolist())
+            kept = [(t // half, t % half) for t in top]
+        else:
+            kept = []
+            for m in range(groups):
+                take = min(half, pairs - len(kept))
+                if take <= 0:
+                    break
+                kept += [(m, i) for i in _ordered(strategy, half, take)]
+        return RopePlan(mix=mix, kept=kept)
+    # Without merging each kv head keeps the same number of its own pairs.
+    if pairs % groups:
+        raise UserError(
+            f"--rope-dims {rope_dim} without --rope-merge must be a multiple of 2 x kv heads ({2 * groups}); "
+            "pass --rope-merge or change --rope-dims"
+        )
+    per_head = pairs // groups
+    mix = torch.eye(groups, dtype=torch.float64).expand(half, groups, groups).contiguous()
+    kept = []
+    for g in range(groups):
+        if strategy == "2-norm":
+            if q_energy is None or k_cov is None:
+                raise ValueError("2-norm needs query/key statistics")
+            q_norm = q_energy[group_of == g].clamp_min(0).sqrt().sum(0)  # [half]
+            score = q_norm * k_cov[:, g, g].clamp_min(0).sqrt()
+            kept += [(g, i) for i in sorted(torch.topk(score, per_head).indices.tolist())]
+        else:
+            kept += [(g, i) for i in _ordered(strategy, half, per_head)]
+    return RopePlan(mix=mix, kept=kept)
+
+
+def split_rope(plan: RopePlan, w_q: torch.Tensor, w_k: torch.Tensor, heads: int, groups: int, head_dim: int):
+    """Apply a rope plan to one layer's q/k maps (weights, or weights with the bias as an extra column).
+
+    w_q [H*d_h, D'], w_k [G*d_h, D'] -> (
+        q_rope [H, d_r, D']: per head, rotate_half layout over the kept pairs,
+        k_rope [d_r, D']: the shared rope key, same layout,
+        k_nope [G*d_h, D']: each kv head's key with the kept components removed (unrotated),
+    )
+    """
+    half = head_dim // 2
+    n = len(plan.kept)
+    wq = w_q.double().view(heads, 2, half, -1)
+    wk = w_k.double().view(groups, 2, half, -1)
+    group_of = torch.arange(heads) // (heads // groups)
+    q_rope = wq.new_zeros(heads, 2, n, wq.shape[-1])
+    k_rope = wk.new_zeros(2, n, wk.shape[-1])
+    k_nope = wk.clone()
+    for j, (m, i) in enumerate(plan.kept):
+        u = plan.mix[i, m]  # [G]
+        comp = torch.einsum("g,gcd->cd", u, wk[:, :, i])  # [2, D']: component m of frequency i
+        k_rope[:, j] = comp
+        k_nope[:, :, i] -= torch.einsum("g,cd->gcd", u, comp)
+        q_rope[:, :, j] = u[group_of][:, None, None] * wq[:, :, i]
+    return q_rope.reshape(heads, 2 * n, -1), k_rope.reshape(2 * n, -1), k_nope.reshape(groups * head_dim, -1)
