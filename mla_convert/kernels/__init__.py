@@ -1,27 +1,59 @@
-"""Absorbed MLA decode attention: a Triton kernel for CUDA and its torch reference (the oracle)."""
+"""Absorbed MLA decode attention: a Triton kernel for CUDA and its torch reference (the oracle).
 
+Contract shared by every entry point (one decode step, one query token per sequence):
+
+    q_latent [B, H, d_c]   query heads with W_uk absorbed (q_nope_h^T W_uk_h)
+    q_rope   [B, H, d_r]   rotated rope part of the query (d_r may be 0)
+    latent   [B, S, d_c]   cached latent c
+    k_rope   [B, S, d_r]   cached, already rotated rope key
+    lengths  [B] int       valid cache rows per sequence, 1 <= lengths[b] <= S; rows past it are ignored
+    scale    float         softmax scale
+    -> [B, H, d_c]         sum_j softmax_j(scale * (q_latent . c_j + q_rope . k_r_j)) c_j, in latent's dtype
+
+The Triton kernel lives in `triton_mla` and is imported only when it runs, so importing this package never
+imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
 import importlib.util
 
 import torch
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
+    """True when triton is installed (the kernel then runs on CUDA, or on CPU in Triton's interpreter)."""
     return importlib.util.find_spec("triton") is not None
 
 
 def mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale):
-    """One decode step over the latent cache.
-
-    q_latent [B, H, d_c], q_rope [B, H, d_r], latent [B, S, d_c], k_rope [B, S, d_r], lengths [B] (valid cache
-    positions per sequence, the rest ignored), scale: softmax scale. -> [B, H, d_c] (float32 math, input dtype out).
-    """
-    scores = torch.einsum("bhc,bsc->bhs", q_latent.float(), latent.float())
+    """One decode step over the latent cache, in plain torch (float32 math, latent's dtype out). See the module doc."""
+    scores = torch.einsum("bhc,bsc->bhs", q_latent.float(), latent.float())  # [B, H, S]
     scores = scores + torch.einsum("bhr,bsr->bhs", q_rope.float(), k_rope.float())
     valid = torch.arange(latent.shape[1], device=latent.device)[None, :] < lengths[:, None]  # [B, S]
     scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
     return torch.einsum("bhs,bsc->bhc", torch.softmax(scores, dim=-1), latent.float()).to(latent.dtype)
 
 
-def mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale):
-    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere."""
-    return mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale)
+def mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale, *, backend: str = "auto",
+               num_splits: int | None = None):
+    """One decode step over the latent cache (contract in the module doc).
+
+    backend: "auto" runs the Triton kernel when the inputs are on CUDA and triton is installed, the torch reference
+    otherwise; "triton" forces the kernel (on CPU tensors it runs in Triton's interpreter: correct but slow, meant
+    for tests); "torch" forces the reference. num_splits: sequence splits of the kernel (None: chosen from the
+    shapes and the GPU's SM count); ignored by the reference.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+    use_triton = backend == "triton" or (backend == "auto" and latent.is_cuda and triton_available())
+    if not use_triton:
+        return mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale)
+    from mla_convert.kernels.triton_mla import mla_decode_triton
+
+    return mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_splits=num_splits)
+
+
+__all__ = ["mla_decode", "mla_decode_reference", "triton_available"]

@@ -1,0 +1,220 @@
+"""Triton kernel for absorbed MLA decode: one query token per sequence against the latent cache.
+
+Every query head reads the same cached rows (`c` [S, d_c] and `k_r` [S, d_r]), so this is multi-query attention
+with key `[c, k_r]` (head dim d_c + d_r) and value `c` (d_c). The work is split in two launches (split-KV, as in
+flash-decoding):
+
+1. `_split_kernel`, grid (B, head blocks, splits): each program loads BLOCK_H query heads once, walks its slice of
+   the sequence in BLOCK_N rows, and keeps an online softmax (running max `m`, running sum `l`, accumulator
+   `acc` [BLOCK_H, d_c]). Each cached row is read once per head block, whatever the number of heads. It writes the
+   normalized partial output and its log-sum-exp (base 2).
+2. `_merge_kernel`, grid (B, H): merges the splits of one head with their log-sum-exps. Skipped when there is one
+   split (the first launch then writes the output directly).
+
+Rows at or past `lengths[b]` are never read. A split that starts past the end writes lse = -inf and drops out of the
+merge. Scores are taken in base 2 (`scale * log2(e)` folded in), as exp2 is the cheap instruction.
+
+This module imports triton at import time; `mla_convert.kernels` imports it lazily, only when the kernel runs.
+With TRITON_INTERPRET=1 in the environment *before triton is first imported* the kernels run in Triton's CPU
+interpreter on CPU tensors (slow, for tests only). Triton fixes the mode at import (the `tl` library functions are
+decorated then), so one process cannot mix interpreted and compiled kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from mla_convert.errors import UserError
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_kernel(
+    QL, QR, C, KR, LEN, O, LSE,  # pointers
+    stride_qlb, stride_qlh, stride_qrb, stride_qrh,
+    stride_cb, stride_cs, stride_krb, stride_krs,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    H, D_C, D_R, split_len, scale_log2,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_ROPE: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    length = tl.load(LEN + b)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, length)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_h = offs_h < H
+    mask_c = offs_c < D_C
+    mask_r = offs_r < D_R
+
+    q = tl.load(QL + b * stride_qlb + offs_h[:, None] * stride_qlh + offs_c[None, :],
+                mask=mask_h[:, None] & mask_c[None, :], other=0.0).to(C.dtype.element_ty)  # [BLOCK_H, BLOCK_C]
+    if HAS_ROPE:
+        qr = tl.load(QR + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                     mask=mask_h[:, None] & mask_r[None, :], other=0.0).to(KR.dtype.element_ty)  # [BLOCK_H, BLOCK_R]
+
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        c = tl.load(C + b * stride_cb + offs_n[:, None] * stride_cs + offs_c[None, :],
+                    mask=mask_n[:, None] & mask_c[None, :], other=0.0)  # [BLOCK_N, BLOCK_C]
+        if IEEE:
+            s = tl.dot(q, tl.trans(c), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(c))
+        if HAS_ROPE:
+            kr = tl.load(KR + b * stride_krb + offs_n[:, None] * stride_krs + offs_r[None, :],
+                         mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+            if IEEE:
+                s += tl.dot(qr, tl.trans(kr), input_precision="ieee")
+            else:
+                s += tl.dot(qr, tl.trans(kr))
+        s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds at least one valid row
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+        l = l * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m = m_new
+
+    nonempty = l > 0.0
+    out = acc / tl.where(nonempty, l, 1.0)[:, None]
+    tl.store(O + b * stride_ob + offs_h[:, None] * stride_oh + sp * stride_os + offs_c[None, :], out,
+             mask=mask_h[:, None] & mask_c[None, :])
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    tl.store(LSE + b * stride_lb + offs_h * stride_lh + sp, lse, mask=mask_h)
+
+
+@triton.jit
+def _merge_kernel(
+    O_PART, LSE, OUT,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    D_C, num_splits,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_s = offs_s < num_splits
+    mask_c = offs_c < D_C
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, axis=0)  # finite when the sequence has at least one row
+    w = tl.exp2(lse - m)  # [BLOCK_S]; 0 for empty splits
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for s in range(0, num_splits):
+        w_s = tl.exp2(tl.load(LSE + b * stride_lb + h * stride_lh + s) - m)
+        part = tl.load(O_PART + b * stride_pb + h * stride_ph + s * stride_ps + offs_c, mask=mask_c, other=0.0)
+        acc += w_s * part
+    out = acc / tl.sum(w, axis=0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_c, out, mask=mask_c)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def launch_config(batch: int, heads: int, seq_len: int, d_c: int, d_r: int, sm_count: int,
+                  num_splits: int | None = None) -> dict:
+    """Block sizes and the sequence split for one call (pure function of the shapes, so tests can check it).
+
+    BLOCK_H heads share one read of each cached row; the accumulator is BLOCK_H x d_c floats per program, so wide
+    latents get fewer heads and shorter row blocks (register budget). Splits are added until the grid holds about
+    two programs per SM, but never so many that a split gets fewer than 256 rows (merge overhead would dominate).
+    tl.dot wants every dimension >= 16, hence the floors.
+    """
+    block_c = max(16, _next_pow2(d_c))
+    block_r = max(16, _next_pow2(d_r)) if d_r else 16
+    max_h = 64 if block_c <= 128 else (32 if block_c <= 256 else 16)
+    block_h = min(max(16, _next_pow2(heads)), max_h)
+    block_n = 64 if block_c <= 128 else (32 if block_c <= 512 else 16)
+    head_blocks = triton.cdiv(heads, block_h)
+    if num_splits is None:
+        wanted = triton.cdiv(2 * sm_count, batch * head_blocks)
+        num_splits = max(1, min(wanted, triton.cdiv(seq_len, 256), 64))
+    num_splits = max(1, min(num_splits, triton.cdiv(seq_len, block_n)))
+    split_len = triton.cdiv(triton.cdiv(seq_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(seq_len, split_len)  # rounding the split length up may leave fewer splits
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, head_blocks=head_blocks,
+                num_splits=num_splits, split_len=split_len)
+
+
+def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_splits: int | None = None):
+    """Same contract as `mla_convert.kernels.mla_decode_reference`; `num_splits` overrides the split heuristic.
+
+    Inputs may be strided views as long as the last dim is contiguous. CUDA tensors run compiled; CPU tensors (or
+    TRITON_INTERPRET=1) run in the interpreter.
+    """
+    bsz, heads, d_c = q_latent.shape
+    seq_len, d_r = latent.shape[1], k_rope.shape[-1]
+    device = latent.device
+    interpret = bool(knobs.runtime.interpret)
+    if device.type != "cuda" and not interpret:
+        raise UserError("the Triton MLA decode kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
+                        "imported, to run it on CPU in the interpreter); use backend='torch' on this device")
+    q_latent, q_rope, latent, k_rope = (t if t.stride(-1) == 1 else t.contiguous()
+                                        for t in (q_latent, q_rope, latent, k_rope))
+    lengths = lengths.to(device=device, dtype=torch.int32).contiguous()
+    out = torch.empty((bsz, heads, d_c), dtype=latent.dtype, device=device)
+    if bsz == 0 or heads == 0:
+        return out
+    if seq_len == 0:
+        return out.fill_(float("nan"))  # the reference's softmax over nothing
+    sms = 1 if interpret else _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    cfg = launch_config(bsz, heads, seq_len, d_c, d_r, sms, num_splits)
+    splits = cfg["num_splits"]
+    if splits == 1:
+        o_part = out.unsqueeze(2)  # [B, H, 1, d_c]: the first launch writes the result directly
+    else:
+        o_part = torch.empty((bsz, heads, splits, d_c), dtype=torch.float32, device=device)
+    lse = torch.empty((bsz, heads, splits), dtype=torch.float32, device=device)
+    has_rope = d_r > 0
+    if not has_rope:
+        k_rope = latent  # never read; any valid pointer
+        q_rope = q_latent
+    _split_kernel[(bsz, cfg["head_blocks"], splits)](
+        q_latent, q_rope, latent, k_rope, lengths, o_part, lse,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        latent.stride(0), latent.stride(1), k_rope.stride(0), k_rope.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        heads, d_c, d_r, cfg["split_len"], float(scale) * LOG2E,
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_C=cfg["BLOCK_C"], BLOCK_R=cfg["BLOCK_R"],
+        HAS_ROPE=has_rope, IEEE=latent.dtype == torch.float32,
+        **({} if interpret else {"num_warps": 4, "num_stages": 2}),
+    )
+    if splits > 1:
+        _merge_kernel[(bsz, heads)](
+            o_part, lse, out,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            d_c, splits,
+            BLOCK_C=cfg["BLOCK_C"], BLOCK_S=max(2, _next_pow2(splits)),
+            **({} if interpret else {"num_warps": 4}),
+        )
+    return out
+
+
+__all__ = ["launch_config", "mla_decode_triton"]

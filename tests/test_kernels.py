@@ -1,0 +1,263 @@
+"""The absorbed MLA decode kernel against its torch reference (the oracle).
+
+- The reference is checked against a per-sequence loop and the model's own latent attention, in this process.
+- The Triton kernel runs on CPU in Triton's interpreter. Triton fixes interpreted-or-compiled when it is first
+  imported (TRITON_INTERPRET), so the kernel runs in one child process started with TRITON_INTERPRET=1 (this file run
+  as a script): the parent writes every case's inputs to a file, the child writes the kernel's outputs, and each
+  case is then compared with the reference here. Other test files are not affected by the variable.
+- On CUDA (marked `gpu`, skipped without it) the compiled kernel is compared in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_convert.kernels import mla_decode, mla_decode_reference
+
+# (name, B, H, S, d_c, d_r, dtype, num_splits, lengths or None for "random in [1, S]")
+CASES = [
+    ("single_row", 1, 1, 1, 16, 16, "float32", None, [1]),
+    ("smollm_shape", 2, 9, 100, 64, 32, "float32", None, None),  # S not a multiple of BLOCK_N (64)
+    ("splits_some_empty", 3, 9, 200, 64, 32, "float32", 4, [200, 37, 64]),  # splits of 64: 37 leaves 3 empty
+    ("no_rope", 3, 5, 77, 48, 0, "float32", 3, None),
+    ("odd_dims", 2, 4, 33, 20, 6, "float32", 2, [33, 1]),
+    ("wide_latent_head_blocks", 2, 20, 70, 300, 16, "float32", 2, None),  # d_c 300 -> 16 heads a block, 2 blocks
+    ("batch5_many_splits", 5, 3, 257, 32, 8, "float32", 5, [257, 1, 128, 129, 200]),
+    ("float16", 2, 9, 150, 64, 32, "float16", 3, [150, 7]),
+    ("strided_queries", 2, 6, 90, 64, 32, "float32", 2, None),  # q views of [B, H, T, d] as the model passes them
+]
+# bfloat16 runs on GPU only: Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits
+# (runtime/interpreter.py, create_dot), so interpreter results for bf16 are meaningless.
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def make_inputs(name, bsz, heads, seq_len, d_c, d_r, dtype, lengths, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dt)
+
+    if name == "strided_queries":
+        q = rand(bsz, 1, heads, d_c + d_r).transpose(1, 2)  # [B, H, 1, d_c + d_r], not contiguous
+        q_latent, q_rope = q[:, :, 0, :d_c], q[:, :, 0, d_c:]
+    else:
+        q_latent, q_rope = rand(bsz, heads, d_c), rand(bsz, heads, d_r)
+    latent, k_rope = rand(bsz, seq_len, d_c), rand(bsz, seq_len, d_r)
+    if lengths is None:
+        lengths = torch.randint(1, seq_len + 1, (bsz,), generator=gen, dtype=torch.int32)
+        lengths[0] = seq_len
+    else:
+        lengths = torch.tensor(lengths, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(d_c + d_r)
+    to = dict(device=device)
+    return q_latent.to(**to), q_rope.to(**to), latent.to(**to), k_rope.to(**to), lengths.to(**to), scale
+
+
+def loop_reference(q_latent, q_rope, latent, k_rope, lengths, scale):
+    """The decode step written out one sequence at a time, float64."""
+    out = torch.empty(q_latent.shape, dtype=torch.float64)
+    for b in range(q_latent.shape[0]):
+        n = int(lengths[b])
+        scores = q_latent[b].double() @ latent[b, :n].double().T + q_rope[b].double() @ k_rope[b, :n].double().T
+        out[b] = torch.softmax(scores * scale, dim=-1) @ latent[b, :n].double()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_reference_matches_loop(case):
+    name, bsz, heads, seq_len, d_c, d_r, dtype, _, lengths = case
+    inputs = make_inputs(name, bsz, heads, seq_len, d_c, d_r, dtype, lengths)
+    got = mla_decode_reference(*inputs)
+    assert got.shape == (bsz, heads, d_c) and got.dtype == DTYPES[dtype]
+    want = loop_reference(*inputs)
+    torch.testing.assert_close(got.double(), want, atol=TOL[DTYPES[dtype]], rtol=TOL[DTYPES[dtype]])
+
+
+def test_reference_ignores_rows_past_length():
+    q_latent, q_rope, latent, k_rope, lengths, scale = make_inputs("x", 2, 3, 40, 16, 8, "float32", [25, 40])
+    first = mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale)
+    latent2, k_rope2 = latent.clone(), k_rope.clone()
+    latent2[0, 25:] = 1e4
+    k_rope2[0, 25:] = float("nan")
+    second = mla_decode_reference(q_latent, q_rope, latent2, k_rope2, lengths, scale)
+    torch.testing.assert_close(first, second)
+
+
+def test_reference_matches_model_latent_attention():
+    from mla_convert.modeling.modeling_mla import latent_attention
+
+    q_latent, q_rope, latent, k_rope, lengths, scale = make_inputs("x", 2, 9, 50, 64, 32, "float32", [50, 50])
+    model_out = latent_attention(
+        q_latent[:, :, None], q_rope[:, :, None], latent[:, None], k_rope[:, None], None, scale
+    )  # [B, H, 1, d_c]
+    torch.testing.assert_close(mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale),
+                               model_out[:, :, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_on_cpu_uses_reference():
+    inputs = make_inputs("x", 2, 3, 20, 16, 8, "float32", None)
+    assert torch.equal(mla_decode(*inputs), mla_decode_reference(*inputs))
+    assert torch.equal(mla_decode(*inputs, backend="torch"), mla_decode_reference(*inputs))
+    with pytest.raises(ValueError, match="backend"):
+        mla_decode(*inputs, backend="cuda")
+
+
+@pytest.mark.parametrize("bsz,heads,seq_len,d_c,d_r,sms,splits", [
+    (1, 9, 8192, 64, 32, 132, None), (8, 9, 8192, 64, 32, 132, None), (64, 128, 32768, 512, 64, 132, None),
+    (3, 9, 100, 64, 32, 1, 4), (2, 4, 33, 20, 6, 1, 50), (1, 1, 1, 16, 0, 132, None),
+])
+def test_launch_config_covers_the_sequence(bsz, heads, seq_len, d_c, d_r, sms, splits):
+    pytest.importorskip("triton")
+    from mla_convert.kernels.triton_mla import launch_config
+
+    cfg = launch_config(bsz, heads, seq_len, d_c, d_r, sms, splits)
+    assert cfg["split_len"] % cfg["BLOCK_N"] == 0
+    assert (cfg["num_splits"] - 1) * cfg["split_len"] < seq_len <= cfg["num_splits"] * cfg["split_len"]
+    assert cfg["head_blocks"] * cfg["BLOCK_H"] >= heads
+    for key in ("BLOCK_H", "BLOCK_N", "BLOCK_C", "BLOCK_R"):  # powers of two, >= 16 (tl.dot)
+        assert cfg[key] >= 16 and cfg[key] & (cfg[key] - 1) == 0
+    assert cfg["BLOCK_C"] >= d_c and cfg["BLOCK_R"] >= d_r
+
+
+# ---------------------------------------------------------------------------------------------- interpreter
+
+
+TINY_MLA = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, kv_lora_rank=[24, 20], qk_rope_head_dim=8,
+                max_position_embeddings=128, attention_bias=True)
+
+
+def _model_decode_logits(kernel: str):
+    """Prefill 5 tokens of a tiny random MLA model, then 3 greedy decode steps; stacked decode logits."""
+    from mla_convert.modeling import MLAConfig, MLAForCausalLM
+
+    torch.manual_seed(0)
+    model = MLAForCausalLM(MLAConfig(**TINY_MLA, mla_decode_kernel=kernel)).eval()
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        steps = []
+        for _ in range(3):
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits[:, -1])
+    return torch.stack(steps)
+
+
+def _worker(in_path: str, out_path: str) -> None:
+    """Child process (TRITON_INTERPRET=1): run the kernel on every case, and the tiny model with the kernel forced."""
+    import mla_convert.kernels.triton_mla as triton_mla
+
+    payload = torch.load(in_path)
+    results = {}
+    for name, (inputs, num_splits) in payload.items():
+        results[name] = mla_decode(*inputs, backend="triton", num_splits=num_splits)
+
+    calls = []
+    original = triton_mla.mla_decode_triton
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    triton_mla.mla_decode_triton = counting
+    results["model_triton"] = _model_decode_logits("triton")
+    results["model_kernel_calls"] = torch.tensor(len(calls))
+    triton_mla.mla_decode_triton = original
+    torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    pytest.importorskip("triton")
+    folder = tmp_path_factory.mktemp("triton_interpret")
+    payload = {}
+    for name, bsz, heads, seq_len, d_c, d_r, dtype, num_splits, lengths in CASES:
+        payload[name] = (make_inputs(name, bsz, heads, seq_len, d_c, d_r, dtype, lengths), num_splits)
+    torch.save(payload, folder / "in.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, __file__, "worker", str(folder / "in.pt"), str(folder / "out.pt")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
+    return payload, torch.load(folder / "out.pt")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_interpreted_kernel_matches_reference(interpreted, case):
+    payload, results = interpreted
+    name, dtype = case[0], DTYPES[case[6]]
+    inputs, _ = payload[name]
+    got = results[name]
+    want = mla_decode_reference(*inputs)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_model_decode_with_interpreted_kernel_matches_torch_path(interpreted):
+    _, results = interpreted
+    assert int(results["model_kernel_calls"]) == 3 * TINY_MLA["num_hidden_layers"]  # every decode step, every layer
+    torch.testing.assert_close(results["model_triton"], _model_decode_logits("torch"), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+GPU_CASES = [
+    (1, 9, 8192, 64, 32), (8, 9, 8193, 64, 32), (4, 16, 1000, 512, 64), (2, 128, 4096, 512, 64), (3, 5, 77, 48, 0),
+    (16, 9, 32768, 64, 32),
+]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", GPU_CASES, ids=lambda s: "x".join(map(str, s)))
+def test_cuda_kernel_matches_reference(shape, dtype):
+    bsz, heads, seq_len, d_c, d_r = shape
+    inputs = make_inputs("x", bsz, heads, seq_len, d_c, d_r, dtype, None, device="cuda")
+    got = mla_decode(*inputs)  # auto: the kernel on CUDA
+    want = mla_decode_reference(*inputs)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[DTYPES[dtype]], rtol=TOL[DTYPES[dtype]])
+    for splits in (1, 3):
+        torch.testing.assert_close(mla_decode(*inputs, backend="triton", num_splits=splits).float(), want.float(),
+                                   atol=TOL[DTYPES[dtype]], rtol=TOL[DTYPES[dtype]])
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_model_decode_uses_kernel_and_matches_torch():
+    from mla_convert.modeling import MLAConfig, MLAForCausalLM
+
+    torch.manual_seed(0)
+    model = MLAForCausalLM(MLAConfig(**TINY_MLA)).eval().cuda()
+    ids = torch.randint(0, 100, (2, 5), device="cuda")
+    logits = {}
+    for kernel in ("auto", "torch"):
+        model.config.mla_decode_kernel = kernel
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            out = model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+        logits[kernel] = out.logits
+    torch.testing.assert_close(logits["auto"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "worker":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run the worker with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    _worker(sys.argv[2], sys.argv[3])
+    print(json.dumps({"ok": True}))
