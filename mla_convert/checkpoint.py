@@ -288,8 +288,11 @@ def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()):
         raise
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.chmod(stage, 0o755)  # mkdtemp made it private
+    for f in stage.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o644)
     os.replace(stage, out)
-    os.chmod(out, 0o755)
 
 
 class ShardedWriter:

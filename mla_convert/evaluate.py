@@ -1,0 +1,94 @@
+"""Evaluation: perplexity over fixed non-overlapping windows, and the KV-cache bytes per token a model really stores.
+
+Works on source models (HF folders, GGUF, the embedded default) and converted MLA folders alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from mla_convert.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer, label) for MODEL: None (embedded default), a .gguf file, or a model folder.
+
+    Folders load with AutoModelForCausalLM (mla_convert registers the MLA model); never with trust_remote_code.
+    """
+    import mla_convert  # noqa: F401  (registers the MLA model with the Auto classes)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mla_convert.checkpoint import default_model_path
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    path = default_model_path() if spec is None else Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"{path} does not exist: pass a model folder or a .gguf file")
+    kwargs = {"dtype": DTYPES[dtype]}
+    if path.suffix == ".gguf":
+        folder, kwargs["gguf_file"] = path.parent, path.name
+    else:
+        folder = path
+        if not (folder / "config.json").is_file():
+            raise UserError(f"{folder} has no config.json: pass a model folder or a .gguf file")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder, **({"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}))
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    return model.to(device).eval(), tokenizer, str(path)
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, windows: int = 16, progress: bool = True) -> dict:
+    """Perplexity over the first `windows` non-overlapping windows of `seq_len` tokens of `ids` [N].
+
+    Each window is scored on its own (no context carried across windows): nll averaged over windows*(seq_len-1)
+    predicted tokens. Returns {"perplexity", "nll", "tokens", "windows", "seq_len"}.
+    """
+    from tqdm.auto import tqdm
+
+    if seq_len < 2:
+        raise UserError("--seq-len must be at least 2")
+    available = ids.numel() // seq_len
+    if available == 0:
+        raise UserError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {seq_len}")
+    if windows > available:
+        log.warning("the text holds %d windows of %d tokens; evaluating %d, not %d", available, seq_len, available, windows)
+        windows = available
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for w in tqdm(range(windows), desc="eval windows", disable=not progress, unit="window"):
+        chunk = ids[w * seq_len : (w + 1) * seq_len].unsqueeze(0).to(device)
+        logits = model(input_ids=chunk, use_cache=False).logits[0, :-1].float()  # [T-1, V]
+        total += torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
+        count += seq_len - 1
+    nll = total / count
+    return {"perplexity": math.exp(nll), "nll": nll, "tokens": count, "windows": windows, "seq_len": seq_len}
+
+
+@torch.no_grad()
+def kv_cache_bytes_per_token(model, tokens: int = 8) -> int:
+    """Bytes the model's KV cache really holds per token (all layers), measured on a short forward."""
+    device = next(model.parameters()).device
+    ids = torch.full((1, tokens), 1, dtype=torch.long, device=device)
+    cache = model(input_ids=ids, use_cache=True).past_key_values
+    total = 0
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total // tokens
