@@ -244,9 +244,11 @@ def open_source(model: str | None, revision: str | None = None) -> Source:
         if len(ggufs) == 1:
             return GGUFSource(ggufs[0])
         raise UserError(f"{folder} has no config.json: pass a Hugging Face model folder or a .gguf file")
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates config fields with it
+
     try:
         config = AutoConfig.from_pretrained(folder)
-    except (ValueError, KeyError, json.JSONDecodeError, OSError) as e:
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError, StrictDataclassError) as e:
         raise UserError(f"cannot read {folder / 'config.json'} ({str(e).splitlines()[0][:200]}): fix the file") from None
     return SafetensorsSource(config, origin, folder, revision)
 

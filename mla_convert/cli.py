@@ -24,9 +24,21 @@ app = typer.Typer(
 )
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at emit time (a test runner swaps it), not the stream seen at set-up."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def _setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING if quiet else (logging.INFO if verbose <= 1 else logging.DEBUG)
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
+    logging.basicConfig(level=level, format="%(message)s", handlers=[_StderrHandler()], force=True)
     if verbose < 2:
         for noisy in ("transformers", "huggingface_hub", "datasets", "accelerate", "urllib3", "filelock"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -217,11 +229,11 @@ def eval_command(
     from mla_convert import evaluate
     from mla_convert.calibration import load_text
 
-    torch.set_grad_enabled(False)
     text = load_text(data)
-    net, tokenizer, label = evaluate.load_model(model, dtype, device)
-    result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
-    result["kv_cache_bytes_per_token"] = evaluate.kv_cache_bytes_per_token(net)
+    with torch.inference_mode():
+        net, tokenizer, label = evaluate.load_model(model, dtype, device)
+        result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
+        result["kv_cache_bytes_per_token"] = evaluate.kv_cache_bytes_per_token(net)
     result.update(model=label, data=data, dtype=dtype)
     typer.echo(
         f"{label}: perplexity {result['perplexity']:.3f} over {result['windows']} x {seq_len} tokens ({data}); "
@@ -349,6 +361,8 @@ def finetune_command(
         cmd += ["--config_file", str(accelerate_config)]
     if num_processes > 1 or accelerate_config is None:
         cmd += ["--num_processes", str(num_processes)]
+    if accelerate_config is None:
+        cmd += ["--main_process_port", "0"]  # a free port: parallel runs on one machine must not collide on 29500
     if not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"  # without it every CPU process believes it is rank 0
         if num_processes > 1 and accelerate_config is None:

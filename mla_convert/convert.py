@@ -154,7 +154,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     d_r = head_dim // 2 if options.rope_dims is None else options.rope_dims
     if d_r < 0 or d_r % 2 or d_r > groups * head_dim:
         raise UserError(
-            f"--rope-dims must be even and between 0 and {groups * head_dim} (kv heads x head_dim), got {d_r}"
+            f"--rope-dims must be even and at most {groups * head_dim} (kv heads x head_dim), got {d_r}"
         )
     if not options.rope_merge and d_r % (2 * groups):
         raise UserError(

@@ -180,20 +180,24 @@ def latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
     attention_mask: None (causal: query t sits at position S - T + t), bool [B, 1, T, S] (True = attend) or
     additive float. -> [B, H, T, d_c]
     """
-    scores = torch.matmul(q_latent, latent.transpose(-1, -2))  # [B, H, T, S]
-    q_len, kv_len = scores.shape[-2:]
+    # Heads are folded into the query rows ([B, 1, H*T, d] @ [B, 1, d, S]): every head reads the same cached rows,
+    # and a broadcast over the head dim would make matmul copy the whole cache once per head (25x slower on CPU).
+    bsz, heads, q_len, _ = q_latent.shape
+    kv_len = latent.shape[-2]
+    scores = torch.matmul(q_latent.reshape(bsz, 1, heads * q_len, -1), latent.transpose(-1, -2))  # [B, 1, H*T, S]
+    if q_rope.shape[-1]:
+        scores = scores + torch.matmul(q_rope.reshape(bsz, 1, heads * q_len, -1), k_rope.transpose(-1, -2))
+    scores = scores.view(bsz, heads, q_len, kv_len)  # [B, H, T, S]
     if attention_mask is None and q_len > 1:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
-    if q_rope.shape[-1]:
-        scores = scores + torch.matmul(q_rope, k_rope.transpose(-1, -2))
     scores = scores.float() * scaling
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask[..., : scores.shape[-1]], float("-inf"))
         else:
             scores = scores + attention_mask[..., : scores.shape[-1]].float()
-    probs = torch.softmax(scores, dim=-1).to(latent.dtype)
-    return torch.matmul(probs, latent)
+    probs = torch.softmax(scores, dim=-1).to(latent.dtype)  # [B, H, T, S]
+    return torch.matmul(probs.view(bsz, 1, heads * q_len, kv_len), latent).view(bsz, heads, q_len, -1)
 
 
 class MLADecoderLayer(GradientCheckpointingLayer):

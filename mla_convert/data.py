@@ -1,0 +1,97 @@
+"""Text for training, calibration and evaluation: loading, tokenizing, packing, and keeping train and eval apart.
+
+A text spec is either a local file (`.txt`, `.raw`, `.tokens`, ...: read whole; `.jsonl`: the "text" field of each
+line) or a `datasets` name as `name[:config[:split]]` (e.g. `wikitext:wikitext-2-raw-v1:validation`; the split
+defaults to "validation", documents are joined with blank lines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from mla_convert.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# Lines shorter than this are not used to detect overlap: headings ("= = History = =") and blank lines repeat across
+# any two texts. 64 characters errs towards missing short overlaps rather than flagging unrelated texts.
+MIN_OVERLAP_LINE_CHARS = 64
+
+
+def load_text(spec: str) -> str:
+    """The text named by `spec` (a local file or `datasets` name[:config[:split]]), as one string."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            docs = []
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    docs.append(json.loads(line)["text"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise UserError(f"{path}:{n} is not a JSON object with a \"text\" field: fix that line") from None
+            return "\n\n".join(docs)
+        return path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix or spec.startswith((".", "/", "~")):
+        raise UserError(f"text file {spec} does not exist: check the path (relative paths start at the current folder)")
+    parts = spec.split(":")
+    name = parts[0]
+    config = parts[1] if len(parts) > 1 and parts[1] else None
+    split = parts[2] if len(parts) > 2 and parts[2] else "validation"
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # offline, unknown name, gated: all a user fix
+        raise UserError(f"cannot load dataset {spec} ({type(e).__name__}): pass a local text or jsonl file instead") from None
+    if "text" not in ds.column_names:
+        raise UserError(f"dataset {spec} has no 'text' column (columns: {ds.column_names}): pass a local text file")
+    return "\n\n".join(ds["text"])
+
+
+def tokenize(tokenizer, text: str, chunk_lines: int = 2000) -> torch.Tensor:
+    """Token ids of `text` [N] (no special tokens). Tokenized in chunks of whole lines, so a long file never becomes
+    one giant tokenizer call; a chunk boundary always falls after a newline."""
+    lines = text.splitlines(keepends=True)
+    ids: list[int] = []
+    for start in range(0, len(lines), chunk_lines):
+        chunk = "".join(lines[start : start + chunk_lines])
+        ids.extend(tokenizer(chunk, add_special_tokens=False)["input_ids"])
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def pack(token_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Cut a token stream [N] into consecutive sequences [N // seq_len, seq_len]; the remainder is dropped."""
+    n = token_ids.numel() // seq_len
+    if n == 0:
+        raise UserError(f"the text has {token_ids.numel()} tokens, fewer than one sequence of {seq_len}: "
+                        "use more text or a smaller seq_len")
+    return token_ids[: n * seq_len].view(n, seq_len)
+
+
+def _line_hashes(text: str) -> set[bytes]:
+    out = set()
+    for line in text.splitlines():
+        line = " ".join(line.split())
+        if len(line) >= MIN_OVERLAP_LINE_CHARS:
+            out.add(hashlib.blake2b(line.encode(), digest_size=16).digest())
+    return out
+
+
+def overlapping_lines(train_text: str, eval_text: str) -> int:
+    """How many distinct long lines (>= MIN_OVERLAP_LINE_CHARS, whitespace-normalised) the two texts share."""
+    return len(_line_hashes(train_text) & _line_hashes(eval_text))
+
+
+def check_disjoint(train_text: str, eval_text: str, train_spec: str = "train", eval_spec: str = "eval") -> None:
+    """Raise a UserError when the training text shares any long line with the evaluation text."""
+    shared = overlapping_lines(train_text, eval_text)
+    if shared:
+        raise UserError(f"{train_spec} shares {shared} lines with the evaluation text {eval_spec}: "
+                        "train and calibrate on text that is not evaluated")

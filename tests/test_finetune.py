@@ -1,0 +1,190 @@
+"""Fine-tuning: settings, data order, losses, and real runs on a tiny converted model (one process in-process, two
+processes over gloo with `accelerate launch`, and a kill-and-resume that must repeat the uninterrupted losses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mla_convert import data, finetune, provenance
+from mla_convert.errors import UserError
+from tiny import tiny_source, tiny_text
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny Llama teacher, its MLA conversion (the student, whose provenance names the teacher), training text and
+    a recipe for them."""
+    from mla_convert.checkpoint import open_source
+    from mla_convert.convert import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("finetune")
+    teacher = tiny_source("llama-gqa", root / "teacher")
+    text = root / "train.txt"
+    # lines of 12 words: long enough for the overlap check, short enough to pack many sequences
+    words = tiny_text(6000, seed=1).split()
+    text.write_text("\n".join(" ".join(words[i : i + 12]) for i in range(0, len(words), 12)) + "\n")
+    student = root / "student"
+    options = ConvertOptions(kv_budget=0.5, calib_data=str(text), calib_samples=4, calib_seq_len=32)
+    convert(open_source(str(teacher)), student, options, progress=False)
+    recipe = root / "tiny.yaml"
+    recipe.write_text(yaml.safe_dump({"finetune": {
+        "model": str(student), "data": str(text), "output": str(root / "unused"),
+        "seq_len": 32, "batch_size": 2, "grad_accum": 2, "lr": 3e-3, "warmup": 1, "eval_windows": 4,
+        "eval_every": 3, "log_every": 1, "threads": 1,
+    }}))
+    return {"root": root, "teacher": teacher, "student": student, "text": text, "recipe": recipe}
+
+
+# ------------------------------------------------------------------------------------------------ settings
+
+
+def test_overrides_typed_and_validated(tiny_run):
+    cfg = finetune.load_config(tiny_run["recipe"], ["max_steps=7", "finetune.kd_weight=0.25", "train=all", "teacher=auto"])
+    assert cfg.max_steps == 7 and cfg.kd_weight == 0.25 and cfg.train == "all" and cfg.eval_seq_len == 32
+    with pytest.raises(UserError, match="unknown finetune setting"):
+        finetune.load_config(tiny_run["recipe"], ["learning_rate=1"])
+    with pytest.raises(UserError, match="needs a teacher"):
+        finetune.load_config(tiny_run["recipe"], ["kd_weight=1", "teacher=none"])
+    with pytest.raises(UserError, match="train must be"):
+        finetune.load_config(tiny_run["recipe"], ["train=mlp"])
+    with pytest.raises(UserError, match="key=value"):
+        finetune.load_config(tiny_run["recipe"], ["max_steps"])
+
+
+def test_data_order_is_a_pure_function_of_seed_and_step():
+    a = finetune.DataOrder(10, batch_size=2, grad_accum=1, world=2, seed=3)
+    b = finetune.DataOrder(10, batch_size=2, grad_accum=1, world=2, seed=3)
+    first_epoch = [i for step in range(3) for r in range(2) for i in a.indices(step, 0, r)][:10]
+    assert sorted(first_epoch) == list(range(10))  # each sequence once per epoch, across ranks
+    assert a.indices(7, 0, 1) == b.indices(7, 0, 1)  # a resumed process asks for step 7 first: same batch
+    assert a.indices(0, 0, 0) != a.indices(0, 0, 1)  # ranks read different sequences
+
+
+def test_pack_and_disjoint_text():
+    seqs = data.pack(torch.arange(10), 3)
+    assert seqs.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    with pytest.raises(UserError, match="fewer than one sequence"):
+        data.pack(torch.arange(2), 3)
+    line = "a line long enough to count as shared text between the two files, clearly over the limit"
+    with pytest.raises(UserError, match="shares 1 lines"):
+        data.check_disjoint(f"x\n{line}\n", f"{line}\ny\n")
+    data.check_disjoint("= = Heading = =\nsome text", "= = Heading = =\nother text")  # short lines never count
+
+
+def test_training_on_a_test_split_is_refused(tiny_run, tmp_path):
+    test_file = tmp_path / "wiki.test.raw"
+    test_file.write_text(tiny_run["text"].read_text())
+    cfg = finetune.load_config(tiny_run["recipe"], [f"data={test_file}"])
+    with pytest.raises(UserError, match="test split"):
+        finetune.prepare_data(cfg, None)
+
+
+def test_losses():
+    logits = torch.randn(2, 5, 11)
+    assert finetune.kd_loss(logits, logits.clone(), 2.0).abs() < 1e-6
+    assert finetune.kd_loss(logits, torch.randn(2, 5, 11), 1.0) > 0
+    ids = torch.randint(0, 11, (2, 5))
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1))
+    assert torch.allclose(finetune.lm_loss(logits, ids), ref)
+
+
+def test_trainable_selection(tiny_run):
+    model = finetune.load_student(str(tiny_run["student"]), torch.float32)
+    attn = finetune.select_trainable(model, "attention")
+    assert attn and all(".self_attn." in n for n in attn)
+    norms = finetune.select_trainable(model, "attention+norms")
+    assert set(norms) - set(attn) and all("norm" in n for n in set(norms) - set(attn))
+    assert len(finetune.select_trainable(model, "all")) == len(list(model.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------------- runs
+
+
+def _train_losses(out: Path) -> list[float]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in lines if r["event"] == "train"]
+
+
+def test_one_process_distillation_writes_a_complete_checkpoint(tiny_run):
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM
+
+    out = tiny_run["root"] / "one"
+    cfg = finetune.load_config(tiny_run["recipe"], [
+        f"output={out}", "max_steps=5", "kd_weight=0.5", "teacher=auto", "save_every=2", "keep_last_n=1",
+    ])
+    try:
+        final = finetune.run(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert [p.name for p in sorted(out.glob("step_*"))] == ["step_4"]  # step_2 pruned by keep_last_n=1
+    assert (out / "step_4" / "trainer_state.json").is_file() and (out / "step_4" / "config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.config.model_type == "mla"
+    record = provenance.load(final)
+    assert record["kind"] == "finetune" and record["parent"]["kind"] == "convert"
+    assert record["options"]["teacher_resolved"] == str(tiny_run["teacher"])
+    m = record["measurements"]["finetune"]
+    assert m["tokens"] == 5 * 32 * 2 * 2 and m["held_out_perplexity_after"] > 1
+    records = [json.loads(x) for x in (final / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "eval"] == [0, 3, 5]
+    assert all(r["kl"] is not None and r["kl"] >= 0 for r in records if r["event"] == "train")
+    assert (final / "loss.png").stat().st_size > 0 and (final / "README.md").is_file()
+    with pytest.raises(UserError, match="finished run"):
+        finetune.run(cfg)  # refuses to overwrite a finished run without overwrite=true
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(recipe: Path, overrides: list[str], crash_after: int | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    if crash_after:
+        env[finetune.CRASH_ENV] = str(crash_after)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(_free_port()), "-m", "mla_convert.finetune", "--config", str(recipe), *overrides]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_two_processes_loss_falls_ranks_agree_and_resume_repeats_losses(tiny_run):
+    common = ["max_steps=6", "save_every=2", "keep_last_n=2", "kd_weight=0.5", "teacher=auto", "eval_every=0"]
+    straight = tiny_run["root"] / "ddp"
+    run = _launch(tiny_run["recipe"], [f"output={straight}", *common])
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = _train_losses(straight)
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    m = provenance.load(straight / "final")["measurements"]["finetune"]
+    assert m["processes"] == 2
+    assert m["parameter_checksums_per_process"][0] == m["parameter_checksums_per_process"][1]
+    rank_losses = [json.loads(x)["rank_losses"] for x in (straight / "metrics.jsonl").read_text().splitlines()
+                   if json.loads(x)["event"] == "train"]
+    assert all(len(r) == 2 for r in rank_losses) and any(r[0] != r[1] for r in rank_losses)  # different data per rank
+
+    resumed = tiny_run["root"] / "ddp-resumed"
+    killed = _launch(tiny_run["recipe"], [f"output={resumed}", *common], crash_after=5)
+    assert killed.returncode != 0
+    assert (resumed / "step_4" / "trainer_state.json").is_file() and not (resumed / "final").exists()
+    # the resume goes through the CLI wrapper (accelerate launch with two CPU processes)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = subprocess.run(
+        [sys.executable, "-m", "mla_convert.cli", "finetune", "--config", str(tiny_run["recipe"]), "-n", "2",
+         f"output={resumed}", *common],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert _train_losses(resumed) == pytest.approx(losses, rel=1e-6, abs=1e-7)
+    assert (resumed / "final" / "model.safetensors").is_file()
