@@ -180,24 +180,36 @@ def latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
     attention_mask: None (causal: query t sits at position S - T + t), bool [B, 1, T, S] (True = attend) or
     additive float. -> [B, H, T, d_c]
     """
-    # Heads are folded into the query rows ([B, 1, H*T, d] @ [B, 1, d, S]): every head reads the same cached rows,
-    # and a broadcast over the head dim would make matmul copy the whole cache once per head (25x slower on CPU).
-    bsz, heads, q_len, _ = q_latent.shape
+    # Heads are folded into the query rows and the cache's singleton head dim is dropped, so each product is one
+    # batched [B, H*T, d] @ [B, d, S] matmul that reads every cached row once: a broadcast over the head dim would make
+    # matmul copy the whole cache once per head (25x slower on CPU), and even a 4-D matmul over the singleton dim is
+    # about 2x slower on CPU than the 3-D bmm. The rope score is accumulated into the nope score in place (baddbmm), and
+    # in full precision the softmax scale is folded into the (small) query instead of a pass over the [B, H, T, S]
+    # scores. Decode cost is then two reads of the latent and one of the rope key, the memory-bound minimum for torch.
+    bsz, heads, q_len, d_c = q_latent.shape
+    d_r = q_rope.shape[-1]
     kv_len = latent.shape[-2]
-    scores = torch.matmul(q_latent.reshape(bsz, 1, heads * q_len, -1), latent.transpose(-1, -2))  # [B, 1, H*T, S]
-    if q_rope.shape[-1]:
-        scores = scores + torch.matmul(q_rope.reshape(bsz, 1, heads * q_len, -1), k_rope.transpose(-1, -2))
+    keys = latent[:, 0]  # [B, S, d_c]
+    fold = latent.dtype in (torch.float32, torch.float64)  # low precision: scale after the float32 upcast instead
+    q_lat = q_latent.reshape(bsz, heads * q_len, d_c)  # [B, H*T, d_c]
+    q_rot = q_rope.reshape(bsz, heads * q_len, d_r)  # [B, H*T, d_r]
+    if fold:
+        q_lat, q_rot = q_lat * scaling, q_rot * scaling
+    scores = torch.bmm(q_lat, keys.transpose(1, 2))  # [B, H*T, S]
+    if d_r:
+        scores = scores.baddbmm_(q_rot, k_rope[:, 0].transpose(1, 2))
     scores = scores.view(bsz, heads, q_len, kv_len)  # [B, H, T, S]
+    if not fold:
+        scores = scores.float().mul_(scaling)
     if attention_mask is None and q_len > 1:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
-    scores = scores.float() * scaling
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask[..., : scores.shape[-1]], float("-inf"))
+            scores = scores.masked_fill(~attention_mask[..., :kv_len], float("-inf"))
         else:
-            scores = scores + attention_mask[..., : scores.shape[-1]].float()
-    probs = torch.softmax(scores, dim=-1).to(latent.dtype)  # [B, H, T, S]
-    return torch.matmul(probs.view(bsz, 1, heads * q_len, kv_len), latent).view(bsz, heads, q_len, -1)
+            scores = scores + attention_mask[..., :kv_len].float()
+    probs = torch.softmax(scores, dim=-1).to(latent.dtype).view(bsz, heads * q_len, kv_len)  # [B, H*T, S]
+    return torch.bmm(probs, keys).view(bsz, heads, q_len, d_c)
 
 
 class MLADecoderLayer(GradientCheckpointingLayer):
