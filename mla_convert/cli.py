@@ -256,6 +256,104 @@ def eval_command(
                 pass
 
 
+# ------------------------------------------------------------------------------------------------------ generate
+
+
+@app.command("generate")
+@friendly
+def generate_command(
+    model: Optional[str] = typer.Argument(
+        None, help="A model folder (converted or source) or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."
+    ),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue (or the user message with --chat)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens to generate (stops at EOS)."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the tokenizer's chat template."),
+    sample: bool = typer.Option(False, "--sample", help="Sample (with the model's generation_config settings) instead of greedy decoding."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (needs --sample)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --sample."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N."),
+    verbose: int = VerboseOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Generate text, and print tokens per second and the KV-cache size the model really holds."""
+    _setup_logging(verbose, quiet)
+    if max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    if temperature is not None and not sample:
+        raise UserError("--temperature applies to sampling only: add --sample (greedy is the default)")
+    if temperature is not None and temperature <= 0:
+        raise UserError(f"--temperature must be positive, got {temperature} (drop --sample for greedy decoding)")
+    if not prompt:
+        raise UserError("--prompt is empty: give some text to continue")
+    import time
+
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    from mla_convert import evaluate
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} but this torch has no CUDA device: use --device cpu")
+
+    class _Clock(BaseStreamer):
+        """Time stamps of generate's pushes: the prompt first, then one push per new token."""
+
+        def __init__(self):
+            self.stamps: list[float] = []
+
+        def put(self, value):
+            self.stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    net, tokenizer, label = evaluate.load_model(model, dtype, device)
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"the tokenizer of {label} has no chat template: drop --chat")
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    else:
+        encoded = tokenizer(prompt, return_tensors="pt")
+    ids = encoded["input_ids"].to(device)  # [1, P]
+    if ids.shape[1] == 0:
+        raise UserError("the prompt encodes to no tokens: give some text to continue")
+    options = dict(max_new_tokens=max_new_tokens, do_sample=sample, return_dict_in_generate=True)
+    if sample:  # other sampling settings (top_k, top_p) come from the model's generation_config.json
+        torch.manual_seed(seed)
+        if temperature is not None:
+            options["temperature"] = temperature
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    clock = _Clock()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = net.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=pad, streamer=clock, **options)
+        if ids.is_cuda:
+            torch.cuda.synchronize(ids.device)
+        seconds = time.perf_counter() - start
+        per_token = evaluate.kv_cache_bytes_per_token(net)
+    new = out.sequences[0, ids.shape[1] :]
+    cache = out.past_key_values
+    cached = cache.get_seq_length() if cache is not None else 0
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (layer.keys, layer.values):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    typer.echo(tokenizer.decode(new, skip_special_tokens=True))
+    typer.echo("---")
+    line = (f"{label} ({net.config.model_type}, {dtype}, {device}): prompt {ids.shape[1]} tokens, generated "
+            f"{new.numel()} in {seconds:.2f} s = {new.numel() / seconds:.1f} tokens/s")
+    if len(clock.stamps) > 2:  # first token = prefill; the rest are decode steps over the cache
+        decode = (len(clock.stamps) - 2) / (clock.stamps[-1] - clock.stamps[1])
+        line += f" (first token {clock.stamps[1] - start:.2f} s, then {decode:.1f} tokens/s decode)"
+    typer.echo(line)
+    typer.echo(f"KV cache: {per_token} bytes/token ({dtype}, all layers); {cached} tokens cached = {total} bytes "
+               f"({total / 2**20:.2f} MiB)")
+
+
 # -------------------------------------------------------------------------------------------------------- export
 
 
