@@ -82,7 +82,7 @@ def _convert(
     rank: Optional[int],
     kv_budget: Optional[float],
     rope_dims: Optional[int],
-    rope_strategy: str,
+    rope_strategy: Optional[str],
     rope_merge: bool,
     factorization: str,
     method: str,
@@ -99,6 +99,8 @@ def _convert(
     force: bool,
     verbose: int,
     quiet: bool,
+    target: Optional[str] = None,
+    format: str = "native",
 ) -> None:
     _setup_logging(verbose, quiet)
     if output is None and not dry_run:
@@ -106,11 +108,21 @@ def _convert(
     from mla_convert.checkpoint import open_source
     from mla_convert.convert import ConvertOptions, convert
 
+    if format not in ("native", "deepseek"):
+        raise UserError(f"--format must be native or deepseek, got {format}")
+    target = target or format
+    if target not in ("native", "deepseek"):
+        raise UserError(f"--target must be native or deepseek, got {target}")
+    if format == "deepseek" and target != "deepseek":
+        raise UserError("--format deepseek needs DeepSeek-exportable options: drop --target native")
+    # --format deepseek: OUT is the DeepSeek-V3 export (what engines serve), the native checkpoint goes beside it
+    native_out = output.with_name(output.name + "-native") if format == "deepseek" and output is not None else output
+
     options = ConvertOptions(
         rank=rank,
         kv_budget=kv_budget,
         rope_dims=rope_dims,
-        rope_strategy=rope_strategy,
+        rope_strategy=rope_strategy or ConvertOptions.rope_strategy,
         rope_merge=rope_merge,
         factorization=factorization,
         method=method,
@@ -125,16 +137,39 @@ def _convert(
     )
     if output is not None and not dry_run:
         # refuse an existing output before the (possibly slow) source load
-        out = output.expanduser()
-        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-            raise UserError(f"{out} already exists and is not empty: pass --overwrite or choose another -o")
+        for out in {output.expanduser(), native_out.expanduser()}:
+            if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+                raise UserError(f"{out} already exists and is not empty: pass --overwrite or choose another -o")
     source = open_source(model, revision)
-    plan = convert(source, output, options, family, overwrite=overwrite, dry_run=dry_run, progress=not quiet)
+    if target == "deepseek":  # resolve and check exportable options before any heavy work
+        from mla_convert.export import deepseek_convert_options, deepseek_layout_notes
+
+        explicit = {k for k, v in (("rope_strategy", rope_strategy), ("rope_dims", rope_dims)) if v is not None}
+        options, notes = deepseek_convert_options(source.config, options, explicit)
+        plan = convert(source, native_out, options, family, dry_run=True)
+        if format == "deepseek" and plan.dtype == "float16":
+            raise UserError("the DeepSeek-V3 export cannot hold float16 (its identity latent norm needs bfloat16's "
+                            "range): pass --dtype bfloat16 or --dtype float32")
+        for note in notes:
+            typer.echo(note)
+        for note in deepseek_layout_notes(source.config, plan.ranks, plan.rope_dim):
+            typer.echo(f"warning: {note}", err=True)
+    plan = convert(source, native_out, options, family, overwrite=overwrite, dry_run=dry_run, progress=not quiet)
     typer.echo(plan.describe())
     if dry_run:
-        typer.echo("dry run: nothing written")
-    else:
-        typer.echo(f"wrote {output}  (load: import mla_convert; AutoModelForCausalLM.from_pretrained('{output}'))")
+        where = f" (native MLA to {native_out}, DeepSeek-V3 export to {output})" if format == "deepseek" else ""
+        typer.echo(f"dry run: nothing written{where}")
+        return
+    typer.echo(f"wrote {native_out}  (load: import mla_convert; AutoModelForCausalLM.from_pretrained('{native_out}'))")
+    if format == "deepseek":
+        from mla_convert.export import ExportOptions, export
+
+        _echo_export(export(native_out, output, ExportOptions(), overwrite=overwrite), output)
+    elif target == "deepseek":
+        from mla_convert.export import check_exportable
+
+        for problem in check_exportable(native_out):  # a converter change broke what was resolved above
+            typer.echo(f"warning: the result will not export exactly to DeepSeek-V3: {problem}", err=True)
 
 
 def _make_convert_command(family: Optional[str], help_text: str):
@@ -149,8 +184,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
         rope_dims: Optional[int] = typer.Option(
             None, "--rope-dims", help="Dims d_r of the shared RoPE key (even). Default: head_dim/2."
         ),
-        rope_strategy: str = typer.Option(
-            "2-norm", "--rope-strategy", help="Which frequency pairs keep RoPE: high, low, uniform or 2-norm."
+        rope_strategy: Optional[str] = typer.Option(
+            None, "--rope-strategy", help="Which frequency pairs keep RoPE: high, low, uniform or 2-norm. Default: "
+            "2-norm; with --target deepseek uniform (high when uniform does not fit)."
         ),
         rope_merge: bool = typer.Option(
             True, "--rope-merge/--no-rope-merge", help="Merge RoPE pairs across kv heads (PCA per frequency)."
@@ -181,6 +217,16 @@ def _make_convert_command(family: Optional[str], help_text: str):
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (shapes, cache sizes, memory) only."),
         force: bool = typer.Option(
             False, "--force", help="Convert even when the MLA cache is not smaller than the source's (no saving)."
+        ),
+        target: Optional[str] = typer.Option(
+            None, "--target", help="native: any options. deepseek: choose (or refuse) options up front so the result "
+            "exports exactly to stock DeepSeek-V3 (one geometric RoPE frequency set: --rope-strategy uniform/high, "
+            "merged across kv heads); warns when vLLM/FlashMLA kernels will not take the layout. Default: --format's."
+        ),
+        format: str = typer.Option(
+            "native", "--format", help="native: write the MLA checkpoint to OUT. deepseek: implies --target deepseek; "
+            "write the native checkpoint to OUT-native and its verified DeepSeek-V3 export (for vLLM/SGLang, "
+            "docs/serving.md) to OUT."
         ),
         verbose: int = VerboseOpt,
         quiet: bool = QuietOpt,
@@ -393,7 +439,10 @@ def export_command(
         format=format, dtype=dtype, allow_approx=allow_approx, drop_biases=drop_biases, pad_latent=pad_latent,
         verify=verify,
     )  # fmt: skip
-    record = export(model, output, options, overwrite=overwrite)
+    _echo_export(export(model, output, options, overwrite=overwrite), output)
+
+
+def _echo_export(record: dict, output: Path) -> None:
     typer.echo(
         f"wrote {output}: DeepSeek-V3, kv_lora_rank {record['kv_lora_rank']} + qk_rope_head_dim "
         f"{record['qk_rope_head_dim']}, rope_theta {record['rope_theta']:.6g}"

@@ -175,6 +175,82 @@ def deepseek_compatible_rope_pairs(
     return pairs
 
 
+TARGET_STRATEGIES = ("uniform", "high")  # data-free choices that keep one geometric frequency set for all layers
+
+
+def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str] = frozenset()):
+    """Resolve conversion options so that the converted model exports exactly to DeepSeek-V3 (`--target deepseek`).
+
+    Cheap: reads the source config only (run it before calibration). `options` is a ConvertOptions; `explicit` names
+    the fields the user set (e.g. {"rope_strategy", "rope_dims"}): an explicit choice the format cannot hold is
+    refused with a UserError naming the fix, a default is replaced by an exportable one. Exportable means: one kv
+    component per frequency (merged across kv heads, or a single kv head), at most head_dim rope dims, and a data-free
+    pair choice ("uniform", else "high") whose frequencies, after the source's RoPE scaling, form a geometric set
+    starting at the fastest pair. Returns (resolved options, notes saying what was chosen).
+    """
+    from mla_convert import rope as rope_lib
+
+    if getattr(config, "mlp_bias", False):
+        raise UserError("the MLP has biases, which DeepSeek-V3's dense MLP cannot hold: convert with --target native")
+    heads = config.num_attention_heads
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    d_r = head_dim // 2 if options.rope_dims is None else options.rope_dims
+    if d_r <= 0 or d_r % 2:
+        raise UserError(f"--target deepseek needs an even, positive --rope-dims (a rope key), got {d_r}")
+    if d_r > head_dim:
+        raise UserError(f"--rope-dims {d_r} is above head_dim {head_dim}: several rope pairs would share a frequency, "
+                        f"which DeepSeek-V3 cannot hold; pass --rope-dims {head_dim} or less (or --target native)")
+    if not options.rope_merge and groups > 1:
+        raise UserError(f"--no-rope-merge keeps a rope pair per kv head ({groups}) on every kept frequency; DeepSeek-V3 "
+                        "has one: drop --no-rope-merge (or use --target native)")
+    if "rope_strategy" in explicit:
+        if options.rope_strategy not in TARGET_STRATEGIES:
+            raise UserError(f"--rope-strategy {options.rope_strategy} picks pairs that DeepSeek-V3 cannot hold (one "
+                            "geometric frequency set for all layers): pass --rope-strategy uniform or high, or use "
+                            "--target native")
+        candidates = [options.rope_strategy]
+    else:
+        candidates = list(TARGET_STRATEGIES)
+    inv_freq, _ = source_inv_freq(config)
+    eye = torch.eye(groups, dtype=torch.float64).expand(head_dim // 2, groups, groups)
+    problems = []
+    for strategy in candidates:
+        # The pairs the converter keeps with this data-free strategy (identity key statistics stand in for data).
+        plan = rope_lib.plan_rope(d_r, strategy, options.rope_merge, heads, groups, head_dim,
+                                  q_energy=torch.ones(heads, head_dim // 2, dtype=torch.float64), k_cov=eye)
+        pairs = plan.frequencies
+        fit = fit_deepseek_rope(inv_freq, [pairs])
+        if fit.exact:
+            resolved = dataclasses.replace(options, rope_dims=d_r, rope_strategy=strategy)
+            notes = [f"--target deepseek: --rope-strategy {strategy} --rope-dims {d_r}"
+                     f"{' --rope-merge' if options.rope_merge else ''} keeps frequency pairs {pairs}, exported with "
+                     f"rope_theta {fit.base:.6g}"]
+            return resolved, notes
+        problems.append(f"--rope-strategy {strategy} keeps pairs {pairs}: {fit.problems[0]}")
+    if "rope_strategy" in explicit and options.rope_strategy == "uniform":
+        fix = "pass --rope-strategy high, or a --rope-dims whose pair count divides head_dim/2"
+    else:
+        fix = "no data-free pair choice fits: use --target native (and `mla-convert export --allow-approx`)"
+    raise UserError(f"not exportable to DeepSeek-V3: {'; '.join(problems)}; {fix}")
+
+
+def deepseek_layout_notes(config, ranks: list[int], rope_dims: int) -> list[str]:
+    """serving_notes for the layout a conversion with these ranks will export to (no padding)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return serving_notes(max(ranks), rope_dims, sum(ranks) / len(ranks) + rope_dims, heads, head_dim)
+
+
+def check_exportable(folder: str | os.PathLike) -> list[str]:
+    """Problems that keep the native checkpoint `folder` from an exact DeepSeek-V3 export (RoPE only; cheap)."""
+    from mla_convert.modeling import MLAConfig
+
+    config = MLAConfig.from_pretrained(Path(folder))
+    inv_freq, _ = source_inv_freq(config)
+    return fit_deepseek_rope(inv_freq, config.rope_pairs).problems
+
+
 def _place_rope_rows(x: torch.Tensor, order: list[int], out_dim: int, stride: int) -> torch.Tensor:
     """Native rotate_half rope rows -> DeepSeek interleaved rows, along dim 1 of x [N, d_r, ...] -> [N, out_dim, ...].
 

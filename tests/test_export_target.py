@@ -1,0 +1,175 @@
+"""`convert --target deepseek` (exportable options chosen or refused up front), `convert --format deepseek` (native
+checkpoint plus its verified DeepSeek-V3 export) and the serving-layout warnings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mla_convert.cli import app
+from mla_convert.convert import ConvertOptions
+from mla_convert.errors import UserError
+from mla_convert.export import check_exportable, deepseek_convert_options, serving_notes
+
+torch.set_num_threads(2)
+
+
+def run(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+def assert_user_error(code, output, *needles):
+    assert code == 2 and "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def calib(calib_text):
+    return ["--calib-data", calib_text, "--calib-samples", 2, "--calib-seq-len", 16]
+
+
+def llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    params = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+    params.update(overrides)
+    return LlamaConfig(**params)
+
+
+# ---------------------------------------------------------------------------------------------------- resolver
+
+
+def test_target_picks_uniform_then_high():
+    options, notes = deepseek_convert_options(llama_config(), ConvertOptions(rank=8))
+    assert (options.rope_strategy, options.rope_dims, options.rope_merge) == ("uniform", 8, True)
+    assert "[0, 2, 4, 6]" in notes[0] and "rope_theta 10000" in notes[0]
+    # 6 pairs do not divide head_dim/2 = 8 evenly: the default falls back to the fastest pairs
+    options, notes = deepseek_convert_options(llama_config(), ConvertOptions(rank=8, rope_dims=12), {"rope_dims"})
+    assert options.rope_strategy == "high" and "[0, 1, 2, 3, 4, 5]" in notes[0]
+    # llama3 scaling bends the slow frequencies that uniform reaches: high keeps the unbent fast ones
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    config = llama_config(hidden_size=256, head_dim=64, rope_parameters=llama3)
+    options, _ = deepseek_convert_options(config, ConvertOptions(rank=8, rope_dims=16), {"rope_dims"})
+    assert options.rope_strategy == "high"
+    with pytest.raises(UserError, match="--target native"):  # 32 dims reach into the bent pairs either way
+        deepseek_convert_options(config, ConvertOptions(rank=8, rope_dims=32), {"rope_dims"})
+
+
+@pytest.mark.parametrize(
+    "config,options,explicit,needle",
+    [
+        ({}, dict(rope_strategy="2-norm"), {"rope_strategy"}, "--rope-strategy uniform or high"),
+        ({}, dict(rope_strategy="low"), {"rope_strategy"}, "--rope-strategy uniform or high"),
+        ({}, dict(rope_strategy="uniform", rope_dims=12), {"rope_strategy", "rope_dims"}, "--rope-strategy high"),
+        ({}, dict(rope_dims=32), {"rope_dims"}, "--rope-dims 16 or less"),
+        ({}, dict(rope_dims=0), {"rope_dims"}, "--rope-dims"),
+        ({}, dict(rope_merge=False), set(), "drop --no-rope-merge"),
+        (dict(mlp_bias=True), {}, set(), "--target native"),
+    ],
+)
+def test_target_refuses_explicit_choices(config, options, explicit, needle):
+    with pytest.raises(UserError, match=needle):
+        deepseek_convert_options(llama_config(**config), ConvertOptions(rank=8, **options), explicit)
+
+
+def test_target_allows_unmerged_single_kv_head():
+    options, _ = deepseek_convert_options(llama_config(num_key_value_heads=1), ConvertOptions(rank=8, rope_merge=False))
+    assert options.rope_strategy == "uniform" and not options.rope_merge
+
+
+def test_serving_notes():
+    """Layouts vLLM's MLA backends refuse are named with what vLLM does instead and the exact fix; FlashMLA's is 512+64."""
+    notes = serving_notes(160, 32, 192, heads=9, nope=64)
+    assert any("accept only (320, 576)" in n and "VLLM_MLA_DISABLE=1" in n and "1728 values per token" in n
+               and "--pad-latent vllm" in n for n in notes)  # fmt: skip
+    assert any("FlashMLA needs kv_lora_rank 512 + qk_rope_head_dim 64" in n for n in notes)
+    assert not any("vLLM's MLA" in n for n in serving_notes(256, 64, 320, heads=9, nope=64))
+    assert serving_notes(512, 64, 576, heads=9, nope=64) == []
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_target_dry_run_resolves_and_warns(sources, tmp_path, calib):
+    out = tmp_path / "out"
+    code, output = run("llama", sources["llama-gqa"], "--rank", 16, "--target", "deepseek", "--format", "deepseek",
+                       "-o", out, "--dry-run", *calib)  # fmt: skip
+    assert code == 0, output
+    assert "--target deepseek: --rope-strategy uniform --rope-dims 8 --rope-merge keeps frequency pairs [0, 2, 4, 6]" in output
+    assert "warning: kv_lora_rank + qk_rope_head_dim = 24" in output and "--pad-latent vllm" in output
+    assert f"native MLA to {out}-native, DeepSeek-V3 export to {out}" in output
+    assert not out.exists() and not (tmp_path / "out-native").exists()
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--target", "deepseek", "--rope-strategy", "2-norm"], "--rope-strategy uniform or high"),
+        (["--target", "deepseek", "--rope-dims", 6, "--rope-strategy", "uniform"], "--rope-strategy high"),
+        (["--target", "deepseek", "--no-rope-merge", "--rope-dims", 8], "drop --no-rope-merge"),
+        (["--format", "deepseek", "--target", "native"], "drop --target native"),
+        (["--format", "deepseek", "--dtype", "float16"], "--dtype bfloat16"),
+        (["--format", "gguf"], "--format must be native or deepseek"),
+        (["--target", "vllm"], "--target must be native or deepseek"),
+    ],
+)
+def test_cli_target_refusals(sources, tmp_path, calib, args, needle):
+    out = tmp_path / "o"
+    assert_user_error(*run("llama", sources["llama-gqa"], "--rank", 16, *args, "-o", out, *calib), needle)
+    assert not out.exists() and not (tmp_path / "o-native").exists()
+
+
+def test_cli_format_deepseek_refuses_existing_native_folder(sources, tmp_path, calib):
+    (tmp_path / "o-native").mkdir()
+    (tmp_path / "o-native" / "keep.txt").write_text("mine")
+    code, output = run("llama", sources["llama-gqa"], "--rank", 16, "--format", "deepseek", "-o", tmp_path / "o", *calib)
+    assert_user_error(code, output, "o-native already exists", "--overwrite")
+
+
+def test_cli_target_deepseek_native_output_is_exportable(sources, tmp_path, calib):
+    out = tmp_path / "o"
+    code, output = run("llama", sources["llama-mha"], "--kv-budget", 0.5, "--target", "deepseek", "-o", out, *calib)
+    assert code == 0, output
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "mla" and config["rope_pairs"] == [[0, 2, 4, 6]] * 2
+    assert check_exportable(out) == [] and "will not export" not in output
+
+
+def test_cli_format_deepseek_writes_verified_export(sources, tmp_path, calib):
+    """Qwen2 (biases, GQA) straight from convert to a stock DeepSeek-V3 folder, verified in a clean subprocess."""
+    out = tmp_path / "ds"
+    code, output = run("qwen", sources["qwen2"], "--kv-budget", 0.5, "--format", "deepseek", "-o", out, *calib)
+    assert code == 0, output
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    assert json.loads((tmp_path / "ds-native" / "config.json").read_text())["model_type"] == "mla"
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["kind"] == "export" and prov["parent"]["kind"] == "convert" and prov["export"]["rope_exact"]
+    m = prov["measurements"]
+    assert m["export_max_rel_logit_error"] < 1e-3 and m["export_greedy_tokens_match"], m
+    assert "greedy tokens match" in output and f"wrote {out}: DeepSeek-V3" in output
+    assert "vLLM and SGLang build DeepSeek attention without biases" in output  # the bias warning reaches the user
+
+
+def test_cli_export_prints_serving_warning(tmp_path):
+    """`mla-convert export` tells the user when vLLM's MLA kernels will refuse the layout, and --pad-latent fixes it."""
+    from test_export import native_model
+
+    native = native_model("llama-gqa", tmp_path / "native")
+    code, output = run("export", native, "-o", tmp_path / "ds", "--dtype", "float32", "--no-verify")
+    assert code == 0, output
+    assert "kv_lora_rank + qk_rope_head_dim = 32: vLLM's MLA backends accept only (320, 576)" in output
+    assert "VLLM_MLA_DISABLE=1" in output and "--pad-latent vllm" in output
+    code, output = run("export", native, "-o", tmp_path / "ds2", "--no-verify", "--pad-latent", "vllm")
+    assert code == 0, output
+    assert "vLLM's MLA backends" not in output and "FlashMLA needs kv_lora_rank 512" in output
