@@ -40,7 +40,9 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
     level = logging.WARNING if quiet else (logging.INFO if verbose <= 1 else logging.DEBUG)
     logging.basicConfig(level=level, format="%(message)s", handlers=[_StderrHandler()], force=True)
     if verbose < 2:
-        for noisy in ("transformers", "huggingface_hub", "datasets", "accelerate", "urllib3", "filelock"):
+        noisy_loggers = ("transformers", "huggingface_hub", "datasets", "accelerate", "urllib3", "filelock", "httpx",
+                         "httpx2")  # httpx(2): huggingface_hub's HTTP client logs every request at INFO
+        for noisy in noisy_loggers:
             logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
@@ -519,6 +521,55 @@ def finetune_command(
     rc = subprocess.run(cmd, env=env).returncode
     if rc:
         raise typer.Exit(rc)
+
+
+# -------------------------------------------------------------------------------------------------------- push
+
+
+@app.command("push")
+@friendly
+def push_command(
+    folder: Path = typer.Argument(..., help="An output folder of convert, finetune (OUT/final) or export."),
+    repo_id: str = typer.Argument(..., help="Hub model repo NAMESPACE/NAME (created if it does not exist)."),
+    private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its "
+                                 "visibility)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch to push to (created from main if "
+                                           "missing). Default: main."),
+    commit_message: Optional[str] = typer.Option(None, "--commit-message", "-m", help="Commit summary."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Verify the folder and list what would be uploaded; no "
+                                 "network, no token needed."),
+    verbose: int = VerboseOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Publish a folder to the Hugging Face Hub: verify it is a complete checkpoint, refresh its model card, create
+    the repo if needed and upload (a re-run resumes an interrupted upload). Token: HF_TOKEN, else the stored login
+    (`hf auth login`); it is never printed. HF_ENDPOINT selects another Hub endpoint."""
+    _setup_logging(verbose, quiet)
+    from mla_convert.hub import push
+
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+    def size(n: int) -> str:
+        for unit in ("B", "KiB", "MiB", "GiB"):
+            if n < 1024 or unit == "GiB":
+                return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            n /= 1024
+
+    result = push(folder, repo_id, private=private, revision=revision, commit_message=commit_message, dry_run=dry_run)
+    summary = f"{len(result.files)} files ({size(result.total_bytes)})"
+    if dry_run:
+        typer.echo(f"dry run: would push {summary} from {folder} to {repo_id} (branch {result.revision}); nothing "
+                   "uploaded")
+        for path, nbytes in result.files:
+            typer.echo(f"  {path}  {size(nbytes)}")
+        return
+    state = "created" if result.created else "updated"
+    typer.echo(f"pushed {summary} to {repo_id} ({state}, branch {result.revision}): {result.commit_url}")
+    if private and not result.created:
+        typer.echo("note: --private applies to new repos only; the existing repo kept its visibility")
 
 
 def main() -> None:  # console-script entry point alternative

@@ -5,6 +5,7 @@ Three entry points:
 - `write_model_card(folder)` renders README.md from the folder's `provenance.json` (convert, finetune or export, with
   the `parent` chain of earlier steps). Everything mla-convert generates sits between two HTML comment markers; a re-run
   replaces that block only, so text a user wrote above or below it survives, and so do front-matter keys we do not own.
+  The block starts with a title unless the user's text has one.
 - `verify_checkpoint(folder)` checks that a folder is a complete checkpoint (config, safetensors index and every shard it
   lists, readable shard headers, tokenizer, provenance) and raises `UserError` naming everything that is missing.
 - `push(folder, repo_id, ...)` verifies the folder, refreshes the card with the repo id, creates the repo if needed and
@@ -13,8 +14,8 @@ Three entry points:
   LFS objects already on the Hub are skipped on a re-run. Every network or Hub failure becomes one `UserError` line.
 
 The token comes from the `token` argument, else `HF_TOKEN`, else the stored login (`hf auth login`); it is passed to
-huggingface_hub and never logged or put into a message. The endpoint is huggingface_hub's (`HF_ENDPOINT`), which is
-how the tests point pushes at a local stand-in (tests/hub_standin.py).
+huggingface_hub and never logged or put into a message. The endpoint is `HF_ENDPOINT` as set when `push` runs (else
+huggingface_hub's default), which is how the tests point pushes at a local stand-in (tests/hub_standin.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 CARD_FILENAME = "README.md"
 BEGIN_MARKER = "<!-- mla-convert:begin (generated from provenance.json; edits inside this block are replaced) -->"
 END_MARKER = "<!-- mla-convert:end -->"
+_FENCE_RE = re.compile(r"^```.*?^```", re.S | re.M)
 _BLOCK_RE = re.compile(r"<!-- mla-convert:begin[^>]*-->.*?<!-- mla-convert:end -->", re.S)
 
 CARD_TAGS = ("mla", "mla-convert")
@@ -47,6 +49,8 @@ STALE_WEIGHT_PATTERNS = ["model*.safetensors", "model.safetensors.index.json"]
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 _SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_CACHE_RE = re.compile(r"(?:^|/)models--([A-Za-z0-9][\w.-]*?)--([\w.-]+)/snapshots/[^/]+/?$")
+_STAGING_RE = re.compile(r"^\.(.+)\.incomplete-[^/]+$")
 _STEP_TITLES = {"convert": "Conversion", "finetune": "Fine-tuning", "export": "Export"}
 _NO_TOKEN = "no Hugging Face token found: run `hf auth login` or set HF_TOKEN to a token with write access"
 
@@ -75,19 +79,29 @@ def _root_source(steps: list[dict]) -> dict:
 
 
 def _base_model(source: dict) -> str | None:
-    """A Hub id for the card's `base_model`, or None when the source was a local folder or file."""
+    """A Hub id for the card's `base_model`, or None when the source was a local folder or file that did not come
+    from the Hub cache (a snapshot folder `.../models--ORG--NAME/snapshots/SHA` names its repo)."""
     for value in (source.get("base_model"), source.get("model")):
         if isinstance(value, str) and _HUB_ID_RE.match(value) and not Path(value).exists():
             return value
-    return None
+    cached = _HUB_CACHE_RE.search(str(source.get("model") or "").replace(os.sep, "/"))
+    return f"{cached.group(1)}/{cached.group(2)}" if cached else None
 
 
-def _nearest(steps: list[dict], key: str) -> dict | None:
-    """The value of `key` in the newest step that has it."""
-    for step in reversed(steps):
-        if isinstance(step.get(key), dict) and step[key]:
-            return step[key]
-    return None
+def _display_folder(folder: Path) -> Path:
+    """Where the folder will live: convert and export write the card inside their hidden staging folder
+    (`.NAME.incomplete-XXXX` beside the output, see checkpoint.staged_output) before moving it to NAME."""
+    folder = folder.resolve()
+    staged = _STAGING_RE.match(folder.name)
+    return folder.parent / staged.group(1) if staged else folder
+
+
+def _title(folder: Path, repo_id: str | None) -> str:
+    if repo_id:
+        return repo_id.split("/")[-1]
+    shown = _display_folder(folder)
+    # finetune writes OUT/final: the run's folder names the model better
+    return shown.parent.name if shown.name == "final" and shown.parent.name else shown.name
 
 
 def _measurements(steps: list[dict]) -> dict:
@@ -151,43 +165,120 @@ def _settings_section(steps: list[dict]) -> list[str]:
     return lines
 
 
-def _kv_section(kv: dict | None) -> list[str]:
-    if not kv:
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "float8_e4m3fn": 1}
+
+
+def _kv_rows(steps: list[dict], config: dict) -> tuple[list[tuple[str, object, object]], str]:
+    """(label, elements per token per layer, bytes per token over all layers) for the source, a native MLA model an
+    export started from, and this model; and the dtype the bytes are counted in (this model's cache dtype).
+
+    The source row comes from the first step that recorded a cache (the conversion), this model's from the newest.
+    Recorded bytes are used when they were counted in the same dtype; otherwise (an export records elements only, or
+    changes the dtype) bytes are elements x layers x bytes per element, so that all rows compare in one dtype."""
+    records = [s for s in steps if isinstance(s.get("kv_cache"), dict) and s["kv_cache"]]
+    if not records:
+        return [], "?"
+    first, last = records[0], records[-1]
+    dtype = str(last["kv_cache"].get("dtype") or first["kv_cache"].get("dtype") or "?")
+    layers = config.get("num_hidden_layers")
+    size = _DTYPE_BYTES.get(dtype)
+
+    def nbytes(kv: dict, which: str):
+        recorded = kv.get(f"bytes_per_token_{which}")
+        elements = kv.get(f"elements_per_token_per_layer_{which}")
+        if isinstance(recorded, (int, float)) and kv.get("dtype") == dtype:
+            return recorded
+        if isinstance(elements, (int, float)) and isinstance(layers, int) and size:
+            return int(round(elements * layers * size))
+        return None
+
+    kv0, kv1 = first["kv_cache"], last["kv_cache"]
+    rows = [("source", kv0.get("elements_per_token_per_layer_before"), nbytes(kv0, "before"))]
+    if last is not first and last.get("kind") == "export":  # its "before" is the native MLA model it started from
+        rows.append(("native MLA (before export)", kv1.get("elements_per_token_per_layer_before"),
+                     nbytes(kv1, "before")))
+    rows.append(("this model", kv1.get("elements_per_token_per_layer_after"), nbytes(kv1, "after")))
+    return rows, dtype
+
+
+def _kv_section(steps: list[dict], config: dict) -> list[str]:
+    rows, dtype = _kv_rows(steps, config)
+    if not rows:
         return []
-    before, after = kv.get("bytes_per_token_before"), kv.get("bytes_per_token_after")
-    dtype = kv.get("dtype", "?")
     lines = ["### KV cache", "", f"| | elements per token per layer | bytes per token (all layers, {dtype}) |",
-             "|---|---|---|",
-             f"| source | {_cell(kv.get('elements_per_token_per_layer_before'))} | {_cell(before)} |",
-             f"| this model | {_cell(kv.get('elements_per_token_per_layer_after'))} | {_cell(after)} |", ""]
-    ratio = after / before if isinstance(before, (int, float)) and isinstance(after, (int, float)) and before else None
-    ratio = ratio if ratio is not None else kv.get("ratio")
-    if isinstance(ratio, (int, float)) and ratio > 0:
-        lines += [f"Ratio after/before: {ratio:.4f} (the cache is {ratio:.1%} of the source's, "
+             "|---|---|---|"]
+    lines += [f"| {label} | {_cell(elements)} | {_cell(nbytes)} |" for label, elements, nbytes in rows]
+    lines.append("")
+    before, after = rows[0], rows[-1]
+    ratio = None
+    for i in (2, 1):  # bytes when both are known, else elements (same layer count)
+        if isinstance(before[i], (int, float)) and isinstance(after[i], (int, float)) and before[i]:
+            ratio = after[i] / before[i]
+            break
+    if ratio is not None and ratio > 0:
+        lines += [f"Ratio after/before: {ratio:.4f} (this model's cache is {ratio:.1%} of the source's, "
                   f"{1 / ratio:.2f}x smaller).", ""]
     return lines
 
 
-def _quality_section(measurements: dict) -> list[str]:
-    if not measurements:
-        return []
-    lines = ["### Measured quality", ""]
-    ppl = measurements.get("perplexity")
-    if isinstance(ppl, dict):
-        rows = [(label, ppl.get(key)) for key, label in
-                (("source", "source model"), ("converted", "converted (no training)"), ("finetuned", "fine-tuned"))]
-        rows = [(label, value) for label, value in rows if value is not None]
-        if rows:
-            lines += ["| model | perplexity |", "|---|---|"]
-            lines += [f"| {label} | {_cell(value)} |" for label, value in rows]
-            lines.append("")
-            if ppl.get("protocol"):
-                lines += [f"Perplexity protocol: {ppl['protocol']}.", ""]
-    others = {k: v for k, v in measurements.items() if k != "perplexity"}
+_PPL_LABELS = {"source": "source model", "converted": "converted (no training)", "finetuned": "fine-tuned",
+               "exported": "exported (stock DeepSeek-V3)"}
+_FINETUNE_FACTS = (("steps", "optimizer steps"), ("tokens", "training tokens"), ("processes", "processes"),
+                   ("device", "device"), ("mixed_precision", "mixed precision"), ("seconds", "seconds"),
+                   ("trainable_parameters", "trainable parameters"), ("loss_first", "loss at the first step"),
+                   ("loss_last", "loss at the last step"))
+
+
+def _ppl(value) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
+
+
+def _perplexity_rows(steps: list[dict]) -> list[tuple[str, object, str]]:
+    """(label, perplexity, protocol) from every step of the chain, in order, each measurement once.
+
+    Each row keeps the protocol it was measured with: `eval --record` numbers and the fine-tuning run's held-out
+    numbers come from different text and window sizes and must not be read as one series."""
+    rows: list[tuple[str, object, str]] = []
+    for step in steps:
+        m = step.get("measurements") or {}
+        ppl = m.get("perplexity")
+        if isinstance(ppl, dict):
+            protocol = str(ppl.get("protocol") or "-")
+            for key, value in ppl.items():
+                if key != "protocol" and isinstance(value, (int, float)):
+                    rows.append((_PPL_LABELS.get(key, key), value, protocol))
+        ft = m.get("finetune")
+        if isinstance(ft, dict):
+            protocol = str(ft.get("held_out_protocol") or "-")
+            if isinstance(ft.get("held_out_perplexity_before"), (int, float)):
+                rows.append(("before fine-tuning (held out)", ft["held_out_perplexity_before"], protocol))
+            if isinstance(ft.get("held_out_perplexity_after"), (int, float)):
+                rows.append(("fine-tuned (held out)", ft["held_out_perplexity_after"], protocol))
+    unique = []
+    for row in rows:
+        if row not in unique:
+            unique.append(row)
+    return unique
+
+
+def _quality_section(steps: list[dict]) -> list[str]:
+    lines = []
+    rows = _perplexity_rows(steps)
+    if rows:
+        lines += ["| model | perplexity | protocol |", "|---|---|---|"]
+        lines += [f"| {label} | {_ppl(value)} | {_cell(protocol)} |" for label, value, protocol in rows]
+        lines.append("")
+    merged = _measurements(steps)
+    ft = merged.get("finetune")
+    if isinstance(ft, dict):
+        facts = [f"{label} {_cell(ft[key])}" for key, label in _FINETUNE_FACTS if ft.get(key) is not None]
+        if facts:
+            lines += ["Fine-tuning run: " + ", ".join(facts) + ".", ""]
+    others = {k: v for k, v in merged.items() if k not in ("perplexity", "finetune")}
     if others:
         lines += [f"- `{key}`: {_cell(value)}" for key, value in others.items()]
         lines.append("")
-    return lines if len(lines) > 2 else []
+    return ["### Measured quality", ""] + lines if lines else []
 
 
 def _usage_section(kind: str, ref: str, config: dict) -> list[str]:
@@ -251,7 +342,7 @@ def _commands_section(steps: list[dict]) -> list[str]:
     return lines
 
 
-def _render_block(folder: Path, record: dict, repo_id: str | None) -> str:
+def _render_block(folder: Path, record: dict, repo_id: str | None, title: str | None) -> str:
     steps = _chain(record)
     kind = record.get("kind", "convert")
     source = _root_source(steps)
@@ -265,12 +356,13 @@ def _render_block(folder: Path, record: dict, repo_id: str | None) -> str:
              f"Multi-head Latent Attention (MLA) by mla-convert {version}. Steps: {chain_text}.")
     if kind == "export":
         intro += " This folder is the export to the stock DeepSeek-V3 format."
-    ref = repo_id or str(folder)
-    lines = [BEGIN_MARKER, "", "## About this model", "", intro, ""]
+    ref = repo_id or str(_display_folder(folder))
+    config = _read_config(folder)
+    lines = [BEGIN_MARKER, ""] + ([f"# {title}", ""] if title else []) + ["## About this model", "", intro, ""]
     lines += _settings_section(steps)
-    lines += _kv_section(_nearest(steps, "kv_cache"))
-    lines += _quality_section(_measurements(steps))
-    lines += _usage_section(kind, ref, _read_config(folder))
+    lines += _kv_section(steps, config)
+    lines += _quality_section(steps)
+    lines += _usage_section(kind, ref, config)
     lines += _versions_section(steps)
     lines += _commands_section(steps)
     lines.append(END_MARKER)
@@ -304,20 +396,22 @@ def render_model_card(folder: str | os.PathLike, repo_id: str | None = None) -> 
         data.base_model = base
     data.library_name = "transformers"
     data.pipeline_tag = data.pipeline_tag or "text-generation"
-    tags = list(data.tags or [])
+    tags = [data.tags] if isinstance(data.tags, str) else list(data.tags or [])  # `tags: foo` is one tag
     data.tags = tags + [t for t in CARD_TAGS if t not in tags]
     if source.get("license") and not data.license:
         data.license = source["license"]
 
-    block = _render_block(folder, record, repo_id)
     text = card.text
+    # The title is generated (inside the block) unless the user's own text outside the block has one.
+    outside = _FENCE_RE.sub("", _BLOCK_RE.sub("", text))
+    title = None if re.search(r"^# \S", outside, re.M) else _title(folder, repo_id)
+    block = _render_block(folder, record, repo_id, title)
     if _BLOCK_RE.search(text):
         text = _BLOCK_RE.sub(lambda _: block, text, count=1)
     elif text.strip():
         text = text.rstrip() + "\n\n" + block + "\n"
     else:
-        title = (repo_id or folder.resolve().name).split("/")[-1]
-        text = f"\n# {title}\n\n{block}\n"
+        text = f"\n{block}\n"
     card.text = text
     return card.content
 
@@ -541,15 +635,17 @@ def push(
 ) -> PushResult:
     """Upload a verified output folder to the Hub model repo `repo_id`; returns what was (or would be) uploaded.
 
-    Order: verify the folder (`UserError` if incomplete) -> list the files -> (dry run: stop; nothing written, no
-    network, no token needed) -> token (argument, HF_TOKEN, stored login; `UserError` if none) -> refresh the model
-    card with `repo_id` -> create the repo (`private` applies only to a new repo; an existing one is updated) ->
-    create branch `revision` if it is not main -> upload the folder as one logical commit (huggingface_hub may split a
-    very large folder into several) deleting remote weight files the folder no longer has. A re-run of an interrupted
-    push resumes it. Network and Hub errors raise `UserError` with one line.
+    Order: verify the folder (`UserError` if incomplete) -> list the files (README.md with the size the refreshed
+    card will have) -> (dry run: stop; nothing written, no network, no token needed) -> token (argument, HF_TOKEN,
+    stored login; `UserError` if none) -> create the repo at the endpoint (HF_ENDPOINT as set now, else
+    huggingface_hub's) (`private` applies only to a new repo; an existing one is updated when the token may write to
+    it) -> create branch `revision` if it is not main -> refresh the model card with `repo_id` -> upload the folder as
+    one logical commit (huggingface_hub may split a very large folder into several) deleting remote weight files the
+    folder no longer has. A re-run of an interrupted push resumes it. Network and Hub errors raise `UserError` with
+    one line that never contains the token; a push refused before the upload leaves the folder unchanged.
     """
     from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled, RepositoryNotFoundError
     from huggingface_hub.utils import get_token, validate_repo_id
 
     folder = Path(folder)
@@ -562,9 +658,9 @@ def push(
     branch = revision or constants.DEFAULT_REVISION
 
     verify_checkpoint(folder)
-    files = upload_files(folder)
-    if not (folder / CARD_FILENAME).is_file():  # the card is written just before the upload
-        files = sorted(files + [(CARD_FILENAME, len(render_model_card(folder, repo_id).encode()))])
+    # The card is (re)written with the repo id just before the upload: list it with the size it will have.
+    card_bytes = len(render_model_card(folder, repo_id).encode())
+    files = sorted([f for f in upload_files(folder) if f[0] != CARD_FILENAME] + [(CARD_FILENAME, card_bytes)])
     result = PushResult(repo_id=repo_id, files=files, dry_run=dry_run, revision=branch, private=private)
     if dry_run:
         return result
@@ -572,11 +668,11 @@ def push(
     token = token or get_token()
     if not token:
         raise UserError(_NO_TOKEN)
-    write_model_card(folder, repo_id=repo_id)
-    result.files = upload_files(folder)
 
-    api = HfApi(token=token)
-    endpoint = api.endpoint
+    # HF_ENDPOINT read now, not only when huggingface_hub was imported (it may have been imported before the variable
+    # was set, e.g. by transformers in the same process); unset means huggingface_hub's default.
+    endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    api = HfApi(endpoint=endpoint, token=token)
     network = _network_errors()
     what = "creating the repo"
     try:
@@ -590,15 +686,27 @@ def push(
                 result.created = False
             elif status == 403:  # a token without the create scope may still write to an existing repo
                 what = "checking the existing repo"
-                api.repo_info(repo_id, repo_type="model")
+                try:
+                    api.repo_info(repo_id, repo_type="model")
+                except RepositoryNotFoundError:
+                    raise UserError(f"cannot create {repo_id} (403 Forbidden: {_hub_message(e)}) and no repo of that "
+                                    "name is visible to the token: check the namespace (your user or an organization "
+                                    "you can write to)") from None
                 result.created = False
             else:
                 raise
-            log.info("%s exists: updating it%s", repo_id,
-                     " (--private does not change an existing repo's visibility)" if private else "")
+            log.info("%s exists: updating it", repo_id)
         if branch != constants.DEFAULT_REVISION:
             what = f"creating branch {branch}"
             api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True)
+        # The card names the repo in its loading examples: refreshed only now that the repo is known to be writable
+        # (a refused push leaves the folder as it was).
+        try:
+            write_model_card(folder, repo_id=repo_id)
+        except OSError as e:
+            raise UserError(f"cannot update the model card {folder / CARD_FILENAME} ({e.strerror or e}): push from a "
+                            "folder you can write to") from None
+        result.files = upload_files(folder)
         what = "uploading"
         message = commit_message or f"Upload MLA model ({(provenance.load(folder) or {}).get('kind', 'convert')}) " \
                                     "with mla-convert"
@@ -611,6 +719,8 @@ def push(
             ignore_patterns=list(IGNORE_PATTERNS),
             delete_patterns=list(STALE_WEIGHT_PATTERNS),
         )
+    except UserError:
+        raise
     except Exception as e:
         # huggingface_hub sometimes wraps the HTTP error (e.g. "Error while uploading 'x' to the Hub."): look through
         # the chain of causes for the one to explain.
@@ -623,7 +733,7 @@ def push(
         raise _translate(cause, repo_id, endpoint, what) from None
     result.commit_oid = getattr(info, "oid", None)
     result.commit_url = getattr(info, "commit_url", None)
-    log.info("pushed %d files (%d bytes) to %s", len(result.files), result.total_bytes, repo_id)
+    log.debug("pushed %d files (%d bytes) to %s", len(result.files), result.total_bytes, repo_id)
     return result
 
 

@@ -22,7 +22,9 @@ sends every non-"regular" file through Xet storage; the Xet CAS protocol is not 
 (`huggingface_hub.constants.HF_HUB_DISABLE_XET = True`): files of at least that size then go through the LFS batch API
 and a basic-transfer PUT, as on the Hub without hf_xet.
 
-Every request needs `Authorization: Bearer <token>` with the stand-in's token (401 otherwise). `fail(route, status)`
+Every request needs `Authorization: Bearer <token>` with the stand-in's token (401 otherwise). The token may create
+repos and write (branch, preupload, commit, LFS batch) only in `namespaces` (403 otherwise); `add_repo` can seed a repo
+anywhere, e.g. someone else's that the token can read but not write. `fail(route, status)`
 makes the next request to a route fail, to test error handling and resuming.
 """
 
@@ -99,7 +101,7 @@ class HubStandIn:
         self.lfs_objects: dict[str, bytes] = {}
         self.requests: list[tuple[str, str, int]] = []  # (method, path, status)
         self._failures: dict[str, list[int]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: routes run under it and `_send` records under it too
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -230,6 +232,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, f"stand-in has no route for {self.command} {path}")
         if self.headers.get("Authorization") != f"Bearer {self.hub.token}" and route != "lfs-upload":
             return self._error(401, "Invalid credentials in Authorization header")
+        repo_id = unquote(match.groupdict().get("repo") or "")
+        if route in _WRITE_ROUTES and repo_id.split("/")[0] not in self.hub.namespaces:
+            # like the Hub: the token may read a public repo of someone else but not write to it
+            return self._error(403, f'You don\'t have the rights to write to "{repo_id}"')
         pending = self.hub._failures.get(route)
         if pending:
             return self._error(pending.pop(0), f"injected failure of {route}")
@@ -376,6 +382,7 @@ class _TooLarge(Exception):
     pass
 
 
+_WRITE_ROUTES = {"branch", "preupload", "commit", "lfs-batch"}
 _REPO = r"(?P<repo>[\w.-]+/[\w.-]+)"
 _ROUTES = [
     ("POST", r"/api/repos/create", "create"),
