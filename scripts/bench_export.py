@@ -1,12 +1,15 @@
 """Benchmark the DeepSeek-V3 export: perplexity of the export loaded in stock transformers vs the native MLA model.
 
-    nice python scripts/bench_export.py                 # SmolLM2-135M at 50% of its KV cache -> benchmarks/export.md
+    OMP_NUM_THREADS=2 nice python scripts/bench_export.py        # SmolLM2-135M at 50% of its KV cache -> benchmarks/export.md
 
-Steps: convert the embedded SmolLM2-135M-Instruct with DeepSeek-exportable options (uniform RoPE pairs merged across
-kv heads, activation-aware joint SVD calibrated on wikitext-2 validation), export it (float32 and bfloat16 weights),
-then score the source, the native model and both exports on the same windows of wikitext-2 raw *test* (the same
-protocol as `mla-convert eval`: non-overlapping windows scored on their own, float32 compute). The exports are loaded
-with `DeepseekV3ForCausalLM` from stock transformers; mla_convert is not involved in their forward pass.
+Steps, the same as `mla-convert llama --kv-budget 0.5 --target deepseek --format deepseek` (plus a bfloat16 export):
+resolve DeepSeek-exportable conversion options from the source config (`export.deepseek_convert_options`), convert
+the embedded SmolLM2-135M-Instruct (activation-aware joint SVD calibrated on wikitext-2 *validation*), export it with
+float32 and (unless --no-bfloat16) bfloat16 weights, then score the source, the native model and the exports on the
+same windows of wikitext-2 raw *test* with `mla_convert.evaluate.perplexity` (the protocol of `mla-convert eval`:
+non-overlapping windows scored on their own, float32 compute). Each perplexity runs in its own subprocess; the
+exports' subprocesses load `DeepseekV3ForCausalLM` from stock transformers and never import mla_convert (checked and
+recorded). Results are cached in WORK/results.json, so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -14,115 +17,176 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 
-
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, seq_len: int, windows: int) -> float:
-    total, count = 0.0, 0
+# Scores one model in a fresh interpreter: the loop of mla_convert.evaluate.perplexity, restated so that the exports'
+# process needs nothing from mla_convert (it records whether mla_convert got imported).
+_SCORE = r"""
+import json, math, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[5]))
+kind, folder, ids_path, out_path, _, seq_len, windows = sys.argv[1:8]
+seq_len, windows = int(seq_len), int(windows)
+t0 = time.time()
+if kind == "stock":
+    from transformers import DeepseekV3ForCausalLM
+    model = DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
+elif kind == "gguf":
+    from pathlib import Path
+    from transformers import AutoModelForCausalLM
+    path = Path(folder)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+else:
+    import mla_convert  # registers model_type mla
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+model.eval()
+ids = torch.load(ids_path)
+total, count = 0.0, 0
+with torch.no_grad():
     for w in range(windows):
         chunk = ids[w * seq_len : (w + 1) * seq_len].unsqueeze(0)
         logits = model(input_ids=chunk, use_cache=False).logits[0, :-1].float()
         total += torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
         count += seq_len - 1
-    return math.exp(total / count)
+res = {"perplexity": math.exp(total / count), "tokens": count, "seconds": time.time() - t0,
+       "class": type(model).__name__, "transformers": __import__("transformers").__version__,
+       "mla_convert_imported": any(m.split(".")[0] == "mla_convert" for m in sys.modules)}
+open(out_path, "w").write(json.dumps(res))
+"""
+
+
+def score(kind: str, folder: Path, ids_path: Path, args) -> dict:
+    out = args.work / f"score-{os.getpid()}.json"
+    env = dict(os.environ)
+    if kind == "stock":
+        env.pop("PYTHONPATH", None)
+    cmd = [sys.executable, "-c", _SCORE, kind, str(folder), str(ids_path), str(out), str(args.threads),
+           str(args.seq_len), str(args.windows)]  # fmt: skip
+    subprocess.run(cmd, check=True, env=env, cwd=args.work)
+    res = json.loads(out.read_text())
+    out.unlink()
+    if kind == "stock" and res["mla_convert_imported"]:
+        raise RuntimeError("the stock scoring process imported mla_convert")
+    return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/mla-bench-export"), help="folder for the checkpoints")
     ap.add_argument("--kv-budget", type=float, default=0.5, help="fraction of the source's KV cache")
-    ap.add_argument("--rope-dims", type=int, default=32)
-    ap.add_argument("--rope-strategy", default="uniform", choices=("uniform", "high"))
     ap.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
     ap.add_argument("--eval", default=str(DATA / "wiki.test.raw"))
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-bfloat16", action="store_true", help="skip the bfloat16 export and its perplexity")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "export.md")
     args = ap.parse_args()
+    import torch
+
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args.work.mkdir(parents=True, exist_ok=True)
+    cache_path = args.work / "results.json"
+    key = f"{args.kv_budget}|{args.calib}|{args.eval}|{args.windows}|{args.seq_len}"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    if cache.get("key") != key:
+        cache = {"key": key}
 
-    import mla_convert  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3ForCausalLM
+    def save():
+        cache_path.write_text(json.dumps(cache, indent=1))
 
     from mla_convert.checkpoint import default_model_path, open_source
     from mla_convert.convert import ConvertOptions, convert
-    from mla_convert.export import ExportOptions, export
+    from mla_convert.export import ExportOptions, deepseek_convert_options, deepseek_layout_notes, export
 
     native = args.work / "native"
-    timings = {}
-    t0 = time.time()
-    options = ConvertOptions(
-        kv_budget=args.kv_budget, rope_dims=args.rope_dims, rope_strategy=args.rope_strategy, rope_merge=True,
-        calib_data=args.calib,
-    )  # fmt: skip
-    convert(open_source(None), native, options, overwrite=True, progress=False)
-    timings["convert"] = time.time() - t0
-    records = {}
-    for dtype in ("float32", "bfloat16"):
+    timings = cache.setdefault("timings", {})
+    options, notes = deepseek_convert_options(open_source(None).config, ConvertOptions(kv_budget=args.kv_budget,
+                                                                                       calib_data=args.calib))
+    if "convert" not in timings or not (native / "config.json").is_file():
         t0 = time.time()
-        records[dtype] = export(native, args.work / f"deepseek-{dtype}", ExportOptions(dtype=dtype), overwrite=True)
-        timings[f"export {dtype}"] = time.time() - t0
+        convert(open_source(None), native, options, overwrite=True, progress=False)
+        timings["convert"] = time.time() - t0
+        cache.pop("records", None)
+        cache.pop("ppl", None)
+        save()
+    records = cache.setdefault("records", {})
+    dtypes = ["float32"] + ([] if args.no_bfloat16 else ["bfloat16"])
+    for dtype in dtypes:
+        if dtype not in records:
+            t0 = time.time()
+            rec = export(native, args.work / f"deepseek-{dtype}", ExportOptions(dtype=dtype), overwrite=True)
+            timings[f"export {dtype} (incl. verification)"] = time.time() - t0
+            records[dtype] = {k: v for k, v in rec.items() if k != "identity_norm_scales"}
+            save()
 
-    tokenizer = AutoTokenizer.from_pretrained(native)
-    text = Path(args.eval).read_text(encoding="utf-8")
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    gguf = default_model_path()
-    rows = []
-    for label, load in (
-        ("source SmolLM2-135M-Instruct (GGUF, de-quantized)",
-         lambda: AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)),
-        ("native MLA (mla_convert)", lambda: AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32)),
-        ("DeepSeek-V3 export, float32 weights (stock DeepseekV3ForCausalLM)",
-         lambda: DeepseekV3ForCausalLM.from_pretrained(args.work / "deepseek-float32", dtype=torch.float32)),
-        ("DeepSeek-V3 export, bfloat16 weights (stock, float32 compute)",
-         lambda: DeepseekV3ForCausalLM.from_pretrained(args.work / "deepseek-bfloat16", dtype=torch.float32)),
-    ):  # fmt: skip
-        t0 = time.time()
-        model = load().eval()
-        ppl = perplexity(model, ids, args.seq_len, args.windows)
-        timings[label] = time.time() - t0
-        rows.append((label, ppl))
-        print(f"{label}: {ppl:.4f}", file=sys.stderr)
-        del model
+    ids_path = args.work / "eval-ids.pt"
+    if not ids_path.is_file():
+        from transformers import AutoTokenizer
 
-    native_ppl = rows[1][1]
-    rec32, rec16 = records["float32"], records["bfloat16"]
-    m32, m16 = rec32["measurements"], rec16["measurements"]
+        from mla_convert.evaluate import tokenize
+
+        ids = tokenize(AutoTokenizer.from_pretrained(native), Path(args.eval).read_text(encoding="utf-8"))
+        if ids.numel() < args.windows * args.seq_len:
+            raise SystemExit(f"{args.eval} has fewer than {args.windows} x {args.seq_len} tokens")
+        torch.save(ids, ids_path)
+    models = [
+        ("source", "source SmolLM2-135M-Instruct (embedded Q4_1 GGUF, de-quantized)", "gguf", default_model_path()),
+        ("native", "native MLA (mla_convert's MLAForCausalLM)", "native", native),
+    ] + [
+        (f"export-{dt}", f"DeepSeek-V3 export, {dt} weights (stock DeepseekV3ForCausalLM, float32 compute)", "stock",
+         args.work / f"deepseek-{dt}")
+        for dt in dtypes
+    ]  # fmt: skip
+    ppl = cache.setdefault("ppl", {})
+    for name, label, kind, folder in models:
+        if name not in ppl:
+            ppl[name] = score(kind, folder, ids_path, args)
+            save()
+        print(f"{label}: {ppl[name]['perplexity']:.4f} ({ppl[name]['seconds']:.0f} s)", file=sys.stderr)
+
+    native_ppl = ppl["native"]["perplexity"]
+    rec32 = records["float32"]
     prov = json.loads((native / "provenance.json").read_text())
     kv = prov.get("kv_cache", {})
+    ranks, d_r = prov["plan"]["ranks"], prov["plan"]["rope_dim"]
+    calib = os.path.relpath(args.calib, ROOT)
     lines = [
         "# DeepSeek-V3 export: stock transformers vs the native MLA model",
         "",
-        "Command (2 CPU cores, float32 compute; the numbers below come from this run):",
+        "Command (2 shared CPU cores, float32 compute; every number below comes from this run):",
         "",
         "```",
-        f"nice python scripts/bench_export.py --windows {args.windows} --seq-len {args.seq_len}",
+        f"OMP_NUM_THREADS=2 nice python scripts/bench_export.py --kv-budget {args.kv_budget} --windows "
+        f"{args.windows} --seq-len {args.seq_len}" + (" --no-bfloat16" if args.no_bfloat16 else ""),
         "```",
         "",
-        "which runs the equivalent of",
+        "It runs, through the library, what these commands run:",
         "",
         "```",
-        f"mla-convert llama --kv-budget {args.kv_budget} --rope-dims {args.rope_dims} --rope-strategy "
-        f"{args.rope_strategy} --rope-merge --calib-data ../shared/data/wikitext-2/wiki.valid.tokens -o NATIVE",
-        "mla-convert export NATIVE --format deepseek -o DS_F32 --dtype float32",
-        "mla-convert export NATIVE --format deepseek -o DS_BF16 --dtype bfloat16",
+        f"mla-convert llama --kv-budget {args.kv_budget} --target deepseek --format deepseek \\",
+        f"    --calib-data {calib} -o DS_F32          # writes DS_F32-native/ (native MLA) and DS_F32/ (export)",
+        "mla-convert export DS_F32-native --format deepseek --dtype bfloat16 -o DS_BF16",
+        f"mla-convert eval DS_F32-native --data {os.path.relpath(args.eval, ROOT)} --seq-len {args.seq_len} "
+        f"--windows {args.windows}",
         "```",
         "",
-        f"Model: SmolLM2-135M-Instruct (embedded GGUF) converted to {args.kv_budget:.0%} of its KV cache "
-        f"({kv.get('elements_per_token_per_layer_before')} -> {kv.get('elements_per_token_per_layer_after')} "
-        f"values per token per layer: latent {prov['plan']['ranks'][0]} + rope key {prov['plan']['rope_dim']}).",
+        "(the exports are scored in a process that loads stock `DeepseekV3ForCausalLM` and never imports mla_convert, "
+        "which `mla-convert eval` cannot promise since it imports mla_convert itself).",
+        "",
+        f"Model: SmolLM2-135M-Instruct (the embedded default) converted to {args.kv_budget:.0%} of its KV cache "
+        f"({kv.get('elements_per_token_per_layer_before')} -> {kv.get('elements_per_token_per_layer_after'):g} "
+        f"values per token per layer: latent {ranks[0]} + rope key {d_r}).",
+        f"Options chosen by `--target deepseek`: {notes[0].split(': ', 1)[1]}.",
         f"Export: kv_lora_rank {rec32['kv_lora_rank']} + qk_rope_head_dim {rec32['qk_rope_head_dim']}, rope_theta "
         f"{rec32['rope_theta']:.6g} (exact RoPE mapping: {rec32['rope_exact']}), q_lora_rank {rec32['q_lora_rank']}, "
         f"residual scale {rec32['residual_scale']:.6g} (source rms_norm_eps -> 1e-6).",
@@ -130,28 +194,43 @@ def main() -> None:
         f"Perplexity on wikitext-2 raw test, first {args.windows} non-overlapping windows of {args.seq_len} tokens "
         "(each scored on its own):",
         "",
-        "| model | perplexity | vs native |",
-        "|---|---:|---:|",
+        "| model | class in the scoring process | perplexity | vs native |",
+        "|---|---|---:|---:|",
     ]
-    for label, ppl in rows:
-        lines.append(f"| {label} | {ppl:.4f} | {ppl / native_ppl - 1:+.2e} |")
+    for name, label, _, _ in models:
+        r = ppl[name]
+        lines.append(f"| {label} | {r['class']} | {r['perplexity']:.4f} | {r['perplexity'] / native_ppl - 1:+.2e} |")
     lines += [
         "",
         "Built-in export verification (stock DeepseekV3ForCausalLM in a subprocess without mla_convert, "
         "`measurements` in the export's provenance.json):",
         "",
-        "| export | max relative logit error | greedy tokens match |",
-        "|---|---:|:---:|",
-        f"| float32 | {m32['export_max_rel_logit_error']:.3g} | {m32['export_greedy_tokens_match']} |",
-        f"| bfloat16 | {m16['export_max_rel_logit_error']:.3g} | {m16['export_greedy_tokens_match']} |",
+        "| export | max relative logit error | argmax agreement | greedy tokens match |",
+        "|---|---:|---:|:---:|",
+    ]
+    for dt in dtypes:
+        m = records[dt]["measurements"]
+        lines.append(f"| {dt} | {m['export_max_rel_logit_error']:.3g} | {m['export_argmax_agreement']:.4f} | "
+                     f"{m['export_greedy_tokens_match']} |")
+    lines += [
         "",
-        f"Protocol of that check: {m32['export_verify_protocol']}.",
+        f"Protocol of that check: {rec32['measurements']['export_verify_protocol']}.",
         "",
-        "Serving notes the export printed:",
+        "Serving notes (printed by `--target deepseek` before converting, and by the export):",
         "",
     ]
-    lines += [f"- {w}" for w in rec32["warnings"]] or ["- none"]
-    lines += ["", "Wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()), ""]
+    lines += [f"- {w}" for w in deepseek_layout_notes(open_source(None).config, ranks, d_r)] or ["- none"]
+    lines += [
+        "",
+        "Not run: vLLM and SGLang (no GPU was available to this benchmark). The serving notes above are read from the "
+        "engines' code (see docs/serving.md), not measured.",
+        "",
+        f"transformers {ppl['native']['transformers']}. Wall time (s): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in timings.items())
+        + ", " + ", ".join(f"perplexity {n} {ppl[n]['seconds']:.0f}" for n, *_ in models),
+        "",
+    ]  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}", file=sys.stderr)
 
