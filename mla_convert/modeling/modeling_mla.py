@@ -180,36 +180,34 @@ def latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
     attention_mask: None (causal: query t sits at position S - T + t), bool [B, 1, T, S] (True = attend) or
     additive float. -> [B, H, T, d_c]
     """
-    # Heads are folded into the query rows and the cache's singleton head dim is dropped, so each product is one
-    # batched [B, H*T, d] @ [B, d, S] matmul that reads every cached row once: a broadcast over the head dim would make
-    # matmul copy the whole cache once per head (25x slower on CPU), and even a 4-D matmul over the singleton dim is
-    # about 2x slower on CPU than the 3-D bmm. The rope score is accumulated into the nope score in place (baddbmm), and
-    # in full precision the softmax scale is folded into the (small) query instead of a pass over the [B, H, T, S]
-    # scores. Decode cost is then two reads of the latent and one of the rope key, the memory-bound minimum for torch.
+    # An MQA over the latent: the heads are folded into the query rows of one kv head whose keys and values are both
+    # the cached latent, so one fused sdpa call reads each cached row once for the scores and the weighted sum (a
+    # broadcast over the head dim would make matmul copy the whole cache once per head, 25x slower on CPU; separate
+    # score and value matmuls read the latent twice). The rope score is taken apart, one [B, H*T, d_r] @ [B, d_r, S]
+    # bmm over the rope key, and enters sdpa as its additive mask (already scaled, as sdpa adds it after scaling).
     bsz, heads, q_len, d_c = q_latent.shape
     d_r = q_rope.shape[-1]
     kv_len = latent.shape[-2]
-    keys = latent[:, 0]  # [B, S, d_c]
-    fold = latent.dtype in (torch.float32, torch.float64)  # low precision: scale after the float32 upcast instead
-    q_lat = q_latent.reshape(bsz, heads * q_len, d_c)  # [B, H*T, d_c]
-    q_rot = q_rope.reshape(bsz, heads * q_len, d_r)  # [B, H*T, d_r]
-    if fold:
-        q_lat, q_rot = q_lat * scaling, q_rot * scaling
-    scores = torch.bmm(q_lat, keys.transpose(1, 2))  # [B, H*T, S]
+    rows = heads * q_len
+    bias = None
     if d_r:
-        scores = scores.baddbmm_(q_rot, k_rope[:, 0].transpose(1, 2))
-    scores = scores.view(bsz, heads, q_len, kv_len)  # [B, H, T, S]
-    if not fold:
-        scores = scores.float().mul_(scaling)
+        bias = torch.bmm(q_rope.reshape(bsz, rows, d_r), k_rope[:, 0].transpose(1, 2)).mul_(scaling)  # [B, H*T, S]
+        bias = bias.view(bsz, 1, rows, kv_len)
     if attention_mask is None and q_len > 1:
-        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask[..., :kv_len], float("-inf"))
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=latent.device).tril(kv_len - q_len)
+    if attention_mask is not None:  # [B|1, 1, T|1, S'] or [T, S] -> one row per (head, query): [B|1, 1, H*T, S]
+        mask = attention_mask[..., :kv_len]
+        mask = mask.expand(*mask.shape[:-2], q_len, kv_len).reshape(-1, 1, 1, q_len, kv_len)
+        mask = mask.expand(-1, 1, heads, q_len, kv_len).reshape(-1, 1, rows, kv_len)
+        if bias is None:
+            bias = mask if mask.dtype == torch.bool else mask.to(latent.dtype)
+        elif mask.dtype == torch.bool:
+            bias = bias.masked_fill(~mask, float("-inf"))
         else:
-            scores = scores + attention_mask[..., :kv_len].float()
-    probs = torch.softmax(scores, dim=-1).to(latent.dtype).view(bsz, heads * q_len, kv_len)  # [B, H*T, S]
-    return torch.bmm(probs, keys).view(bsz, heads, q_len, d_c)
+            bias = bias + mask.to(bias.dtype)
+    query = q_latent.reshape(bsz, 1, rows, d_c)  # [B, 1, H*T, d_c]
+    out = nn.functional.scaled_dot_product_attention(query, latent, latent, attn_mask=bias, scale=scaling)
+    return out.view(bsz, heads, q_len, d_c)
 
 
 class MLADecoderLayer(GradientCheckpointingLayer):
