@@ -79,6 +79,32 @@ class LayerRunner:
         return layer.input_layernorm(self.hidden)  # [N, T, D]
 
     @torch.no_grad()
+    def attention_profile(self, layer) -> torch.Tensor:
+        """How far back each query head of the source layer looks: p [H, T] with p[h, d] the attention weight on the
+        key d positions back, averaged over every calibration query (each query's row sums to 1, so p[h] does too).
+        float64. Runs the layer's own q/k projections and RoPE on the calibration hidden states."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attn = layer.self_attn
+        heads, groups = attn.config.num_attention_heads, attn.config.num_key_value_heads
+        head_dim = attn.head_dim
+        cos, sin = self.position_embeddings
+        seq = self.hidden.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        profile = torch.zeros(heads, seq, dtype=torch.float64)
+        for chunk in self.hidden.split(self.batch):
+            x = layer.input_layernorm(chunk)
+            q = attn.q_proj(x).view(chunk.shape[0], seq, heads, head_dim).transpose(1, 2)  # [B, H, T, d_h]
+            k = attn.k_proj(x).view(chunk.shape[0], seq, groups, head_dim).transpose(1, 2)  # [B, G, T, d_h]
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k = k.repeat_interleave(heads // groups, dim=1)  # [B, H, T, d_h]
+            scores = (q @ k.transpose(-1, -2)) * attn.scaling  # [B, H, T, T]
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(0)  # [H, T, T]
+            for back in range(seq):
+                profile[:, back] += probs.diagonal(offset=-back, dim1=-2, dim2=-1).sum(-1).double()
+        return profile / (self.hidden.shape[0] * seq)
+
+    @torch.no_grad()
     def advance(self, layer) -> None:
         outs = []
         for chunk in self.hidden.split(self.batch):

@@ -88,6 +88,9 @@ def _convert(
     rope_merge: bool,
     factorization: str,
     method: str,
+    objective: Optional[str],
+    kv_balance: Optional[float],
+    dropped_rope: Optional[str],
     calib_data: str,
     calib_samples: int,
     calib_seq_len: int,
@@ -128,6 +131,9 @@ def _convert(
         rope_merge=rope_merge,
         factorization=factorization,
         method=method,
+        objective=objective or ConvertOptions.objective,
+        kv_balance=kv_balance if kv_balance is not None else ConvertOptions.kv_balance,
+        dropped_rope=dropped_rope or ConvertOptions.dropped_rope,
         calib_data=None if calib_data.lower() == "none" else calib_data,
         calib_samples=calib_samples,
         calib_seq_len=calib_seq_len,
@@ -187,8 +193,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
             None, "--rope-dims", help="Dims d_r of the shared RoPE key (even). Default: head_dim/2."
         ),
         rope_strategy: Optional[str] = typer.Option(
-            None, "--rope-strategy", help="Which frequency pairs keep RoPE: high, low, uniform or 2-norm. Default: "
-            "2-norm; with --target deepseek uniform (high when uniform does not fit)."
+            None, "--rope-strategy", help="Which frequency pairs keep RoPE: high, low, uniform, 2-norm or attention "
+            "(the pairs whose score would suffer most under the calibration attention). Default: see "
+            "benchmarks/quality.md; with --target deepseek uniform (high when uniform does not fit)."
         ),
         rope_merge: bool = typer.Option(
             True, "--rope-merge/--no-rope-merge", help="Merge RoPE pairs across kv heads (PCA per frequency)."
@@ -196,6 +203,18 @@ def _make_convert_command(family: Optional[str], help_text: str):
         factorization: str = typer.Option("joint", "--factorization", help="joint (K and V share the latent) or split."),
         method: str = typer.Option(
             "activation", "--method", help="activation (whitened by calibration inputs) or weight (plain SVD)."
+        ),
+        objective: Optional[str] = typer.Option(
+            None, "--objective", help="What the low-rank factorization keeps: kv (K/V outputs) or attention (keys by "
+            "their query-key score error, values by their error after o_proj). Default: see benchmarks/quality.md."
+        ),
+        kv_balance: Optional[float] = typer.Option(
+            None, "--kv-balance", help="Scale the key block so its energy is this multiple of the value block's before "
+            "a joint factorization (e.g. 1: balanced). Default: unbalanced."
+        ),
+        dropped_rope: Optional[str] = typer.Option(
+            None, "--dropped-rope", help="Pairs that lose RoPE: unrotated (plain nope dims) or expected (the query "
+            "keeps the rotation expected under the head's calibration attention over distances)."
         ),
         calib_data: str = typer.Option(
             "wikitext:wikitext-2-raw-v1:validation",

@@ -43,6 +43,9 @@ class ConvertOptions:
     rope_merge: bool = True
     factorization: str = "joint"  # joint | split
     method: str = "activation"  # weight | activation
+    objective: str = "kv"  # kv: error in K/V | attention: keys by query-key score error, values by error after o_proj
+    kv_balance: float | None = None  # scale the key block so its energy is this multiple of the value block's
+    dropped_rope: str = "unrotated"  # unrotated | expected: dropped pairs keep E[rotation] under the head's attention
     calib_data: str | None = "wikitext:wikitext-2-raw-v1:validation"
     calib_samples: int = 32
     calib_seq_len: int = 512
@@ -53,7 +56,16 @@ class ConvertOptions:
     force: bool = False  # allow a cache that is not smaller than the source's
 
     def needs_statistics(self) -> bool:
-        return self.method == "activation" or self.rope_strategy == "2-norm" or self.rope_merge
+        return (
+            self.method == "activation"
+            or self.rope_strategy in ("2-norm", "attention")
+            or self.rope_merge
+            or self.objective == "attention"
+            or self.dropped_rope == "expected"
+        )
+
+    def needs_attention_profile(self) -> bool:
+        return self.rope_strategy == "attention" or self.dropped_rope == "expected"
 
 
 @dataclass
@@ -179,6 +191,17 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--method must be one of {', '.join(lowrank.METHODS)}, got {options.method}")
     if options.rope_strategy not in rope.STRATEGIES:
         raise UserError(f"--rope-strategy must be one of {', '.join(rope.STRATEGIES)}, got {options.rope_strategy}")
+    if options.objective not in lowrank.OBJECTIVES:
+        raise UserError(f"--objective must be one of {', '.join(lowrank.OBJECTIVES)}, got {options.objective}")
+    if options.dropped_rope not in ("unrotated", "expected"):
+        raise UserError(f"--dropped-rope must be unrotated or expected, got {options.dropped_rope}")
+    if options.kv_balance is not None and not options.kv_balance > 0:
+        raise UserError(f"--kv-balance must be positive, got {options.kv_balance}")
+    if options.calib_data is None and (options.needs_attention_profile() or options.objective == "attention"):
+        raise UserError(
+            "--rope-strategy attention, --dropped-rope expected and --objective attention need calibration text: "
+            "pass --calib-data FILE or choose data-free options"
+        )
     if options.calib_propagate not in ("source", "converted"):
         raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
     if options.calib_samples <= 0 or options.calib_seq_len <= 0:
@@ -261,11 +284,13 @@ def convert_attention(
     options: ConvertOptions,
     attention_scaling: float,
     cov: torch.Tensor | None,
+    phase: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """One layer's source attention -> MLA attention tensors.
 
     tensors: {"q", "k", "v", "o"} weights and optional {"q_bias", "k_bias", "v_bias", "o_bias"} (float32);
-    cov: augmented input second moment [D+1, D+1] (None: weight-only proxies).
+    cov: augmented input second moment [D+1, D+1] (None: weight-only proxies);
+    phase: [H, d_h/2] complex E[e^{j theta d}] under each head's attention (None: dropped pairs stay unrotated).
     Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair).
     """
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
@@ -282,16 +307,25 @@ def convert_attention(
     else:
         q_energy, k_cov = rope.pair_energies(w_q, w_k, cov, heads, groups, head_dim)
     rope_plan = rope.plan_rope(
-        d_r, options.rope_strategy, options.rope_merge, heads, groups, head_dim, q_energy, k_cov
+        d_r, options.rope_strategy, options.rope_merge, heads, groups, head_dim, q_energy, k_cov, phase
     )
     q_rope, k_rope, k_nope = rope.split_rope(rope_plan, w_q, w_k, heads, groups, head_dim)
     # Dims that lose their rotation also lose the RoPE type's cos/sin scaling (s on q and on k): keep it on the query.
-    q_nope = w_q.view(heads, head_dim, hidden + 1) * attention_scaling**2
+    # A dropped pair's query takes the expected rotation under the head's attention (kept pairs meet no nope key).
+    w_q_nope = w_q if phase is None or options.dropped_rope != "expected" else rope.apply_phases(w_q, phase, heads, head_dim)
+    q_nope = w_q_nope.view(heads, head_dim, hidden + 1) * attention_scaling**2
     q_all = torch.cat([q_nope, q_rope], dim=1).reshape(heads * (head_dim + d_r), hidden + 1)
 
     x_cov = None if (cov is None or options.method == "weight") else cov[:hidden, :hidden]
+    k_weight, v_weight = _row_weights(options, q_nope, tensors["o"], cov, plan)
+    if options.kv_balance is not None:
+        e_k = lowrank.energy(k_nope[:, :hidden], x_cov, k_weight)
+        e_v = lowrank.energy(w_v[:, :hidden], x_cov, v_weight)
+        scale = (options.kv_balance * e_v / max(e_k, 1e-30)) ** 0.5
+        eye = torch.eye(groups * head_dim, dtype=torch.float64)
+        k_weight = scale * (eye if k_weight is None else k_weight)
     up_k, up_v, down = lowrank.joint_or_split(
-        k_nope[:, :hidden], w_v[:, :hidden], rank, options.factorization == "split", x_cov
+        k_nope[:, :hidden], w_v[:, :hidden], rank, options.factorization == "split", x_cov, k_weight, v_weight
     )
     kv_b = torch.cat([up_k.view(groups, head_dim, rank), up_v.view(groups, head_dim, rank)], dim=1)
     kv_b_bias = torch.cat([k_nope[:, hidden].view(groups, head_dim), w_v[:, hidden].view(groups, head_dim)], dim=1)
@@ -308,6 +342,24 @@ def convert_attention(
     if "o_bias" in tensors:
         out["o_proj.bias"] = tensors["o_bias"]
     return {k: v.float() for k, v in out.items()}, rope_plan.frequencies
+
+
+def _row_weights(options: ConvertOptions, q_nope: torch.Tensor, w_o: torch.Tensor, cov, plan: Plan):
+    """Row weightings (k_weight, v_weight) of the low-rank objective, or (None, None) for plain K/V error.
+
+    attention: a key error e of kv group g costs sum_h E[(q_h . e)^2] / d_h in scores (queries of the group's heads,
+    nope part, under the calibration inputs); a value error e costs sum_h ||W_o,h e||^2 after o_proj.
+    """
+    if options.objective != "attention":
+        return None, None
+    heads, groups, head_dim = plan.heads, plan.groups, plan.head_dim
+    per = heads // groups
+    q = q_nope if cov is not None else q_nope[..., : plan.hidden]  # [H, d_h, D(+1)]
+    q_gram = q @ cov @ q.transpose(-1, -2) if cov is not None else q @ q.transpose(-1, -2)  # [H, d_h, d_h]
+    q_gram = q_gram.view(groups, per, head_dim, head_dim).sum(1) / head_dim
+    w_o = w_o.double().view(-1, heads, head_dim).transpose(0, 1)  # [H, D, d_h]
+    o_gram = (w_o.transpose(-1, -2) @ w_o).view(groups, per, head_dim, head_dim).sum(1)  # [G, d_h, d_h]
+    return lowrank.group_weight(list(q_gram)), lowrank.group_weight(list(o_gram))
 
 
 # ------------------------------------------------------------------------------------------------- whole model
@@ -362,14 +414,16 @@ def convert(
             prefix = family.layer_prefix.format(i=i)
             layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
             attn = _attention_tensors(layer_tensors, family, i, prefix)
-            source_layer = cov = None
+            source_layer = cov = phase = None
             if runner is not None:
                 cls = family.decoder_layer_class(config.model_type)
                 source_layer = _module_from(lambda: cls(config, i), layer_tensors)
                 from mla_convert.calibration import second_moment
 
                 cov = second_moment(runner.attention_input(source_layer))
-            mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, cov)
+                if options.needs_attention_profile():
+                    phase = rope.attention_phases(runner.attention_profile(source_layer), inv_freq)
+            mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, cov, phase)
             for name, tensor in layer_tensors.items():
                 if not name.startswith("self_attn."):
                     writer.add(prefix + name, tensor)

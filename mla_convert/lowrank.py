@@ -17,7 +17,27 @@ import torch
 from mla_convert.errors import UserError
 
 METHODS = ("weight", "activation")
+OBJECTIVES = ("kv", "attention")
 RIDGE = 1e-4
+
+
+def sqrtm_psd(sym: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
+    """Symmetric square root of a PSD matrix, with `ridge` x its mean eigenvalue added so that it is invertible."""
+    sym = 0.5 * (sym.double() + sym.double().T)
+    vals, vecs = torch.linalg.eigh(sym)
+    vals = vals.clamp_min(0) + ridge * vals.clamp_min(0).mean().clamp_min(1e-30)
+    return (vecs * vals.sqrt()) @ vecs.T
+
+
+def group_weight(grams: list[torch.Tensor]) -> torch.Tensor:
+    """Block-diagonal row weighting from one PSD gram per kv group: blocks sqrt(gram_g)."""
+    return torch.block_diag(*[sqrtm_psd(g) for g in grams])
+
+
+def energy(w: torch.Tensor, cov: torch.Tensor | None, row_weight: torch.Tensor | None = None) -> float:
+    """E||A W x||^2 = trace(A W C W^T A^T) (C = I when cov is None)."""
+    aw = w.double() if row_weight is None else row_weight.double() @ w.double()
+    return float((aw * aw).sum() if cov is None else ((aw @ cov.double()) * aw).sum())
 
 
 def top_eigvecs(sym: torch.Tensor, rank: int) -> torch.Tensor:

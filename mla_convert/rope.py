@@ -12,6 +12,13 @@ A *rope plan* says, for one layer, which (component, frequency) pairs keep RoPE 
 - `kept` lists the (m, i) pairs that keep their rotation, in the order of the rope key's pairs.
 
 Everything else (the part of each kv head's key not carried by a kept pair) becomes position-free "nope" key.
+
+Dropping the rotation of a pair: in complex form (z = x_i + j x_{i+d_h/2}) a pair's score is Re(z_q conj(z_k) e^{j theta d})
+for a key d positions back. Without rotation the best fixed stand-in for e^{j theta d} is its expectation under the
+head's attention over distances, `phase = E_p[e^{j theta d}]` (`attention_phases`): slow pairs keep |phase| ~ 1 (an
+unrotated pair is nearly right), fast pairs average out (|phase| ~ 0: the unrotated pair would be noise). Multiplying
+the query pair by `phase` (`apply_phases`) is that substitution, and `1 - |phase|^2` is the fraction of the pair's
+score variance lost by dropping it: the "attention" strategy keeps the pairs that would lose most.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 
 from mla_convert.errors import UserError
 
-STRATEGIES = ("high", "low", "uniform", "2-norm")
+STRATEGIES = ("high", "low", "uniform", "2-norm", "attention")
 
 
 def source_frequencies(config) -> tuple[torch.Tensor, float]:
@@ -64,6 +71,23 @@ def pair_energies(w_q: torch.Tensor, w_k: torch.Tensor, cov: torch.Tensor | None
     return q_energy, k_cov
 
 
+def attention_phases(profile: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """profile [H, T] (attention weight per distance, from calibration), inv_freq [d_h/2] -> phase [H, d_h/2] complex128:
+    E_p[e^{j theta_i d}] per query head and frequency."""
+    distance = torch.arange(profile.shape[1], dtype=torch.float64)
+    angle = inv_freq.double()[:, None] * distance[None, :]  # [d_h/2, T]
+    return torch.complex(profile.double() @ angle.cos().T, profile.double() @ angle.sin().T)
+
+
+def apply_phases(w_q: torch.Tensor, phase: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Multiply every query pair by its complex phase: w_q [H*d_h, D'] -> [H*d_h, D'] (rotate_half layout)."""
+    half = head_dim // 2
+    wq = w_q.double().view(heads, 2, half, -1)
+    re, im = phase.real[:, :, None], phase.imag[:, :, None]  # [H, d_h/2, 1]
+    out = torch.stack([re * wq[:, 0] - im * wq[:, 1], im * wq[:, 0] + re * wq[:, 1]], dim=1)
+    return out.reshape(heads * head_dim, -1)
+
+
 def _ordered(strategy: str, half: int, count: int) -> list[int]:
     """`count` frequency indices in [0, half) for a data-free strategy."""
     if strategy == "high":
@@ -84,8 +108,10 @@ def plan_rope(
     head_dim: int,
     q_energy: torch.Tensor | None = None,
     k_cov: torch.Tensor | None = None,
+    phase: torch.Tensor | None = None,
 ) -> RopePlan:
-    """Choose the kept pairs of one layer. `q_energy`/`k_cov` (from `pair_energies`) are needed for 2-norm and merging."""
+    """Choose the kept pairs of one layer. `q_energy`/`k_cov` (from `pair_energies`) are needed for 2-norm, attention
+    and merging; `phase` [H, d_h/2] (from `attention_phases`) for attention."""
     half = head_dim // 2
     pairs = rope_dim // 2
     if rope_dim % 2 or not 0 <= rope_dim <= groups * head_dim:
@@ -93,6 +119,10 @@ def plan_rope(
     if strategy not in STRATEGIES:
         raise UserError(f"--rope-strategy must be one of {', '.join(STRATEGIES)}, got {strategy}")
     group_of = torch.arange(heads) // (heads // groups)
+    if strategy == "attention":
+        if q_energy is None or k_cov is None or phase is None:
+            raise ValueError("the attention strategy needs query/key statistics and attention phases")
+        loss = q_energy * (1 - phase.abs() ** 2).clamp_min(0)  # [H, d_h/2]: query energy lost per pair if dropped
     if merge:
         if k_cov is None:
             raise ValueError("merging needs key statistics")
@@ -107,6 +137,13 @@ def plan_rope(
             score = (k_energy * q_comp).T.reshape(-1)  # [G*half], index m*half + i
             top = sorted(torch.topk(score, pairs).indices.tolist())
             kept = [(t // half, t % half) for t in top]
+        elif strategy == "attention":
+            # score variance lost by dropping component m of frequency i: sum over heads of the query's lost energy on
+            # that component times the component's key energy
+            k_energy = evals.flip(-1).clamp_min(0)  # [half, G(m)]
+            q_comp = torch.einsum("img,hg,hi->im", mix**2, torch.nn.functional.one_hot(group_of, groups).double(), loss)
+            score = (k_energy * q_comp).T.reshape(-1)  # [G*half], index m*half + i
+            kept = [(t // half, t % half) for t in sorted(torch.topk(score, pairs).indices.tolist())]
         else:
             kept = []
             for m in range(groups):
@@ -130,6 +167,9 @@ def plan_rope(
                 raise ValueError("2-norm needs query/key statistics")
             q_norm = q_energy[group_of == g].clamp_min(0).sqrt().sum(0)  # [half]
             score = q_norm * k_cov[:, g, g].clamp_min(0).sqrt()
+            kept += [(g, i) for i in sorted(torch.topk(score, per_head).indices.tolist())]
+        elif strategy == "attention":
+            score = loss[group_of == g].sum(0) * k_cov[:, g, g].clamp_min(0)
             kept += [(g, i) for i in sorted(torch.topk(score, per_head).indices.tolist())]
         else:
             kept += [(g, i) for i in _ordered(strategy, half, per_head)]

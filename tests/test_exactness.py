@@ -92,3 +92,33 @@ def test_absorbed_equals_expanded_at_low_rank(sources, convert_tiny):
         absorbed = mla(ids).logits
     mla.config.mla_attention_mode = "auto"
     assert rel_err(expanded, absorbed) < REL_TOL
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2"])
+def test_every_method_is_exact_at_full_rank(sources, convert_tiny, kind):
+    """Attention-aware RoPE selection, expected rotation for dropped pairs, the attention objective and K/V balancing
+    change only what is dropped: with every pair kept and full rank the logits still equal the source's."""
+    src = AutoModelForCausalLM.from_pretrained(sources[kind]).eval()
+    ids = tokens()
+    for extra in (
+        dict(rope_strategy="attention", dropped_rope="expected", objective="attention", kv_balance=1.0),
+        dict(rope_strategy="2-norm", objective="kv", kv_balance=0.5, rope_merge=False),
+    ):
+        options = {**full_options(src.config, True), **extra}
+        mla = AutoModelForCausalLM.from_pretrained(convert_tiny(sources[kind], **options))
+        with torch.no_grad():
+            assert rel_err(src(ids).logits, mla.eval()(ids).logits) < REL_TOL, extra
+
+
+def test_expected_rotation_helps_a_lossy_conversion(sources, convert_tiny):
+    """Dropped pairs that keep their expected rotation reproduce the source's logits better than unrotated ones
+    (same kept pairs, full rank: only the treatment of the dropped pairs differs)."""
+    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"]).eval()
+    ids = tokens()
+    errors = {}
+    for dropped in ("unrotated", "expected"):
+        out = convert_tiny(sources["llama-gqa"], rank=max_rank(src.config), rope_dims=4, rope_strategy="high",
+                           dropped_rope=dropped, force=True)  # fmt: skip
+        with torch.no_grad():
+            errors[dropped] = rel_err(src(ids).logits, AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits)
+    assert errors["expected"] < errors["unrotated"], errors
