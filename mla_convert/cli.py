@@ -495,8 +495,9 @@ def finetune_command(
     num_processes: int = typer.Option(
         1, "--num-processes", "-n", help="Training processes: one per GPU; on CPU, gloo ranks that share the cores."
     ),
-    accelerate_config: Optional[Path] = typer.Option(
-        None, "--accelerate-config", help="accelerate config file (e.g. recipes/accelerate/fsdp.yaml) for the launch."
+    accelerate_config: Optional[str] = typer.Option(
+        None, "--accelerate-config", help="accelerate config file for the launch, or a shipped one by name: ddp, fsdp "
+        "(recipes/accelerate/)."
     ),
     verbose: int = VerboseOpt,
     quiet: bool = QuietOpt,
@@ -524,9 +525,9 @@ def finetune_command(
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     env = dict(os.environ)
     if accelerate_config is not None:
-        if not accelerate_config.is_file():
-            raise UserError(f"accelerate config {accelerate_config} does not exist: pass a file from recipes/accelerate/")
-        cmd += ["--config_file", str(accelerate_config)]
+        from mla_convert.finetune import resolve_accelerate_config
+
+        cmd += ["--config_file", str(resolve_accelerate_config(accelerate_config))]
     if num_processes > 1 or accelerate_config is None:
         cmd += ["--num_processes", str(num_processes)]
     if accelerate_config is None:

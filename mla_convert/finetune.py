@@ -140,15 +140,48 @@ class FinetuneConfig:
 # ------------------------------------------------------------------------------------------------- recipes
 
 
-def resolve_recipe_path(spec: str | os.PathLike) -> Path:
-    """A recipe file path, or a bare recipe name looked up in the repository's `recipes/` folder."""
+# An installed wheel carries recipes/ as data files: <prefix>/share/mla-convert/recipes (pyproject data-files).
+INSTALLED_RECIPES = Path("share", "mla-convert", "recipes")
+
+
+def shipped_recipes_dir(package: Path | None = None) -> Path | None:
+    """The folder of shipped recipes: `recipes/` of a source checkout (editable install), else the copy an installed
+    wheel puts under its installation prefix (venv, user or system scheme); None when neither exists.
+    `package`: the mla_convert folder to start from (default: this one)."""
+    import sysconfig
+
+    package = Path(__file__).resolve().parent if package is None else Path(package)
+    candidates = [package.parent / "recipes"]
+    # site-packages lies below the prefix that holds share/ (lib/pythonX.Y/site-packages, Lib/site-packages)
+    candidates += [parent / INSTALLED_RECIPES for parent in package.parents]
+    candidates += [Path(sysconfig.get_path("data")) / INSTALLED_RECIPES]
+    for folder in candidates:
+        if (folder / "smollm2-135m.yaml").is_file():
+            return folder
+    return None
+
+
+def _resolve_shipped(spec: str | os.PathLike, subdir: str, kind: str, example: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_file():
         return path
-    shipped = Path(__file__).resolve().parent.parent / "recipes" / f"{spec}.yaml"
-    if shipped.is_file():
-        return shipped
-    raise UserError(f"recipe {spec} not found: pass a YAML file path or a name from recipes/ (e.g. smollm2-135m)")
+    shipped = shipped_recipes_dir()
+    name = str(spec).removesuffix(".yaml")
+    if shipped is not None and "/" not in name and (shipped / subdir / f"{name}.yaml").is_file():
+        return shipped / subdir / f"{name}.yaml"
+    names = sorted(p.stem for p in (shipped / subdir).glob("*.yaml")) if shipped is not None else []
+    raise UserError(f"{kind} {spec} not found: pass a YAML file path or a shipped name "
+                    f"({', '.join(names) or 'none installed'}; e.g. {example})")
+
+
+def resolve_recipe_path(spec: str | os.PathLike) -> Path:
+    """A recipe file path, or a bare recipe name (e.g. smollm2-135m) looked up in the shipped recipes."""
+    return _resolve_shipped(spec, ".", "recipe", "smollm2-135m")
+
+
+def resolve_accelerate_config(spec: str | os.PathLike) -> Path:
+    """An accelerate config file path, or a bare name (ddp, fsdp) looked up in the shipped recipes/accelerate/."""
+    return _resolve_shipped(spec, "accelerate", "accelerate config", "fsdp")
 
 
 def read_recipe(path: str | os.PathLike) -> dict:
@@ -516,8 +549,13 @@ def run(cfg: FinetuneConfig) -> Path:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     model, optimizer = accelerator.prepare(model, optimizer)
+    # FSDP replaces the parameters with sharded ones (and points the optimizer at them): clip and checksum those
+    params = [p for p in model.parameters() if p.requires_grad]
     accelerator.register_for_checkpointing(scheduler)  # stepped by us once per optimizer step, saved with the state
     fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp and cfg.eval_windows % world:
+        raise UserError(f"under FSDP every process must run the same forwards: make eval_windows ({cfg.eval_windows}) "
+                        f"a multiple of the {world} processes")
     if not fsdp:
         # The weights live in step_N/ as a model folder; keep them out of trainer/ (no second copy) and load
         # them with from_pretrained above instead of load_state.
@@ -639,7 +677,8 @@ def run(cfg: FinetuneConfig) -> Path:
     log.info("final held-out perplexity %.3f", after["perplexity"])
 
     # Both ranks must hold the same weights: compare a checksum of the trained parameters.
-    checksum = torch.tensor([sum(p.detach().double().sum().item() for p in params)], dtype=torch.float64, device=device)
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]  # FSDP2: gather the DTensor shards
+    checksum = torch.tensor([sum(p.detach().double().sum().item() for p in full)], dtype=torch.float64, device=device)
     checksums = accelerator.gather(checksum).cpu().tolist()
     peak = accelerator.gather(torch.tensor([_peak_memory_bytes(device)], device=device)).cpu().tolist()
     timing = accelerator.gather(torch.tensor([[teacher_s, student_s]], dtype=torch.float64, device=device)).cpu()  # [world, 2]
