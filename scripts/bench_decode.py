@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -93,6 +95,10 @@ def build_models(args, dtype, device):
         mla = MLAForCausalLM(mla_cfg).to(dtype)
         origin = (f"`--from-config`: SmolLM2-135M shapes, random weights; MLA d_c={args.d_c}, d_r={args.d_r} "
                   f"(d_c + d_r = {args.d_c + args.d_r} per layer)")
+        head_dim, source_elems = src_cfg.head_dim, 2 * src_cfg.num_key_value_heads * src_cfg.head_dim
+        if args.d_r == head_dim // 2:  # the converter's default d_r; d_c is the rest of the budget
+            origin += (f", the shape `mla-convert llama --kv-budget {(args.d_c + args.d_r) / source_elems:g}` gives "
+                       f"SmolLM2-135M (default d_r = head_dim/2 = {args.d_r}, d_c = budget - d_r)")
     for m in (source, mla):
         m.config._attn_implementation = "sdpa"
         m.eval().to(device)
@@ -216,16 +222,23 @@ def cache_bytes(layout, context, batch, element_size):
 # ---------------------------------------------------------------------------------------------- timing
 
 
+# The step clock: wall time by default; with `--clock cpu`, the CPU time of this (only) thread, which leaves out the
+# time the scheduler gives to other jobs on a shared machine (memory stalls still count: they happen on the CPU).
+_CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
+_clock = time.perf_counter
+
+
+def now() -> float:
+    return _clock()
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn, device, reps: int, warmup: int = 2) -> float:
-    """Median seconds of `reps` calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
+def time_samples(fn, device, reps: int) -> list[float]:
+    """Seconds of each of `reps` calls (no warm-up)."""
     times = []
     for _ in range(reps):
         if device.type == "cuda":
@@ -236,10 +249,18 @@ def time_fn(fn, device, reps: int, warmup: int = 2) -> float:
             torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end) / 1e3)
         else:
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            times.append(now() - t0)
+    return times
+
+
+def time_fn(fn, device, reps: int, warmup: int = 2) -> float:
+    """Median seconds of `reps` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    return statistics.median(time_samples(fn, device, reps))
 
 
 def reps_for(seconds_guess: float, budget: float, lo: int = 3, hi: int = 50) -> int:
@@ -271,21 +292,30 @@ def bench_layers(source, mla, args, device, dtype, log):
             position_ids = torch.full((batch, 1), context, device=device)
             pos = rotary(hidden, position_ids=position_ids)
             row = {"batch": batch, "context": context, "ms": {}, "kv_bytes": {}}
+            # Every form's cache is built first, then the forms are timed in interleaved rounds, so that a burst of
+            # load from other jobs on a shared machine hits all forms alike; each form's time is its median step.
+            steps, reps, samples = {}, {}, {}
             for name, (attn, layout, step) in variants.items():
                 heads, d_k, d_v = layout
                 keys = torch.randn(batch, heads, context + 1, d_k, device=device, dtype=dtype)
                 values = torch.randn(batch, heads, context + 1, d_v, device=device, dtype=dtype)
                 cache = SlotCache(keys, values)
-                fn = lambda: step(attn, cache, hidden, pos)  # noqa: E731
-                t0 = time.perf_counter()
-                fn()
-                sync(device)
-                guess = time.perf_counter() - t0
-                seconds = time_fn(fn, device, reps=reps_for(guess, args.layer_budget))
-                row["ms"][name] = seconds * 1e3
+                steps[name] = functools.partial(step, attn, cache, hidden, pos)
                 row["kv_bytes"][name] = cache_bytes(layout, context, batch, esize)
-                del keys, values, cache
-                gc.collect()
+                for _ in range(2):  # warm-up; the second call's time guides the number of repeats
+                    t0 = now()
+                    steps[name]()
+                    sync(device)
+                guess = now() - t0
+                reps[name] = max(1, reps_for(guess, args.layer_budget) // args.rounds)
+                samples[name] = []
+            for _ in range(args.rounds):
+                for name, fn in steps.items():
+                    samples[name] += time_samples(fn, device, reps[name])
+            for name in steps:
+                row["ms"][name] = statistics.median(samples[name]) * 1e3
+            del steps
+            gc.collect()
             rows.append(row)
             log(f"layer  B={batch:<3d} ctx={context:<6d} " + "  ".join(f"{k} {v:8.3f} ms" for k, v in row["ms"].items()))
     return rows
@@ -338,10 +368,10 @@ def bench_models(source, mla, args, device, dtype, log):
                     model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     cache.crop(-1)  # drop the appended row: every timed step sees the same context
 
-                t0 = time.perf_counter()
+                t0 = now()
                 step()
                 sync(device)
-                guess = time.perf_counter() - t0
+                guess = now() - t0
                 seconds = time_fn(step, device, reps=reps_for(guess, args.model_budget, lo=3, hi=20), warmup=1)
                 row["tok_s"][name] = batch / seconds
                 for key, value in saved.items():
@@ -397,6 +427,20 @@ def bench_kernel(mla, args, device, dtype, copy_bw, log):
 # ---------------------------------------------------------------------------------------------- report
 
 
+def cpu_name() -> str:
+    """The CPU model (from /proc/cpuinfo on Linux) and the number of cores this process may use."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {cores} cores"
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -426,8 +470,12 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
         f"(2 x {meta['kv_heads']} x {meta['head_dim']}), MLA {meta['mla_elems']} (d_c {meta['d_c']} + d_r "
         f"{meta['d_r']}), {meta['mla_elems'] / meta['src_elems']:.0%} of the source; CD caches "
         f"{meta['cd_elems']}.",
-        f"- Timings are medians over repeated steps; ratios are taken within this run. "
+        f"- Timings are medians over repeated steps, "
+        + ("in CPU time of the benchmark's one thread (`--clock cpu`: time the scheduler gave to other jobs is left "
+           "out; memory stalls count)" if meta["clock"] == "cpu" else "in wall-clock time")
+        + "; ratios are taken within this run. "
         f"Measured copy bandwidth: {meta['copy_bw'] / 1e9:.1f} GB/s (read + write).",
+        *load_note(meta),
         "",
         "Decode forms (MLA_NOTES.md section 4): **CD** caches the expanded per-group K/V; **CC** caches the latent and "
         "expands it every step (the model's `expanded` mode, the naive path); **A_CC** absorbed, scores against a "
@@ -493,12 +541,24 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
                          f" | {r['sdpa_us']:.1f} | {r['triton_bw'] / 1e9:.0f} ({r['triton_bw'] / r['copy_bw']:.0%}) |"
                          f" {r['sdpa_bw'] / 1e9:.0f} ({r['sdpa_bw'] / r['copy_bw']:.0%}) |")
         lines.append("")
-    lines += targets_section(layer_rows)
+    lines += targets_section(layer_rows, model_rows)
     path.write_text("\n".join(lines) + "\n")
 
 
-def targets_section(layer_rows):
-    """The issue's targets, checked on this run's per-layer numbers."""
+def load_note(meta) -> list[str]:
+    """How busy the machine was: on a shared CPU, other jobs' load makes absolute times noisy."""
+    if meta.get("load_before") is None:
+        return []
+    note = (f"- Run time {meta['minutes']:.1f} min. Load average (1 min) {meta['load_before']:.1f} at the start and "
+            f"{meta['load_after']:.1f} at the end, on {meta['cpus']} CPUs")
+    if max(meta["load_before"], meta["load_after"]) > 0.8 * meta["cpus"]:
+        note += (": the machine was shared with other jobs, so absolute times are noisy (the forms were timed in "
+                 "interleaved rounds so that load hits them alike; compare the ratios, which are from this run)")
+    return [note + "."]
+
+
+def targets_section(layer_rows, model_rows=()):
+    """The issue's targets, checked on this run's per-layer numbers (whole-model numbers beside them)."""
     if not layer_rows:
         return []
     out = ["## Targets (issue 5), checked on the per-layer numbers above", ""]
@@ -515,7 +575,15 @@ def targets_section(layer_rows):
     slower = [f"B={r['batch']} {ctx_label(r['context'])}" for r in long if r["ms"]["A_CC_ME"] >= r["ms"]["CC"]]
     out.append(f"- Absorbed faster than the naive path (CC) at every context above 1K: "
                f"**{'met' if long and not slower else 'not met'}**"
-               + (f" (slower at {', '.join(slower)})" if slower else f" ({len(long)} of {len(long)} points)") + ".")
+               + (f" (slower at {', '.join(slower)})" if slower else f" ({len(long)} of {len(long)} points)")
+               + (f"; CC time / A_CC_ME time from {min(r['ms']['CC'] / r['ms']['A_CC_ME'] for r in long):.1f}x to "
+                  f"{max(r['ms']['CC'] / r['ms']['A_CC_ME'] for r in long):.1f}x" if long else "") + ".")
+    for r in model_rows:
+        if r["batch"] == 8 and r["context"] == 8192 and "MLA A_CC_ME" in r["tok_s"]:
+            t = r["tok_s"]
+            out.append(f"- Beside it, the whole model at 8K context, batch 8: source {t['source']:.1f} tokens/s, MLA "
+                       f"A_CC_ME {t['MLA A_CC_ME']:.1f} tokens/s ({t['MLA A_CC_ME'] / t['source']:.2f}x), MLA CC "
+                       f"{t['MLA CC']:.1f} tokens/s.")
     out.append("")
     return out
 
@@ -570,11 +638,15 @@ def main(argv=None):
     p.add_argument("--model-contexts", type=parse_ints, default=parse_ints("1k,8k"),
                    help="whole-model contexts (default 1k,8k)")
     p.add_argument("--model-batches", type=parse_ints, default=[1, 8], help="whole-model batch sizes (default 1,8)")
-    p.add_argument("--layer-budget", type=float, default=0.6, help="seconds of timed steps per layer point")
+    p.add_argument("--layer-budget", type=float, default=0.6, help="seconds of timed steps per form per layer point")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds over the forms per layer point")
     p.add_argument("--model-budget", type=float, default=3.0, help="seconds of timed steps per whole-model point")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--clock", choices=sorted(_CLOCK), default="wall",
+                   help="wall (default) or cpu: CPU time of the one benchmark thread (CPU device, --threads 1), for a "
+                        "machine shared with other jobs")
     p.add_argument("--skip-model", action="store_true", help="only the per-layer sweep")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "decode.md"))
     p.add_argument("--plot", default=None, help="PNG path (default: beside --out, .png)")
@@ -585,6 +657,10 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        p.error("--clock cpu times one thread: use it on the CPU with --threads 1")
+    global _clock
+    _clock = _CLOCK[args.clock]
     out = Path(args.out)
     plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -598,23 +674,26 @@ def main(argv=None):
     esize = torch.tensor([], dtype=dtype).element_size()
     copy_bw = copy_bandwidth(device, dtype)
     log(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s")
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or
-                                                                                      platform.machine())
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     meta = {
         "date": datetime.date.today().isoformat(),
         "command": " ".join(["python", "scripts/bench_decode.py"] + (sys.argv[1:] if argv is None else list(argv))),
         "device": f"{device.type} ({device_name})", "dtype": str(dtype).replace("torch.", ""),
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "origin": origin,
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "origin": origin, "clock": args.clock,
         "hidden": scfg.hidden_size, "heads": scfg.num_attention_heads, "kv_heads": scfg.num_key_value_heads,
         "head_dim": scfg.head_dim, "layers": scfg.num_hidden_layers, "d_c": attn.kv_lora_rank,
         "d_r": attn.qk_rope_head_dim, "src_elems": 2 * scfg.num_key_value_heads * scfg.head_dim,
         "mla_elems": attn.kv_lora_rank + attn.qk_rope_head_dim,
         "cd_elems": attn.num_kv_groups * (attn.qk_nope_head_dim + attn.qk_rope_head_dim + attn.v_head_dim),
-        "copy_bw": copy_bw, "element_size": esize,
+        "copy_bw": copy_bw, "element_size": esize, "cpus": os.cpu_count(), "load_before": load_before,
     }
     layer_rows = bench_layers(source, mla, args, device, dtype, log)
     model_rows = [] if args.skip_model else bench_models(source, mla, args, device, dtype, log)
     kernel_rows = bench_kernel(mla, args, device, dtype, copy_bw, log) if device.type == "cuda" else []
+    meta["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    meta["minutes"] = (time.perf_counter() - started) / 60
     plot(layer_rows, plot_path, meta)
     write_report(out, args, meta, layer_rows, model_rows, kernel_rows, plot_path)
     if args.json:
