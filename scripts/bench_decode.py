@@ -23,8 +23,10 @@ Weights: `--from-config` (default) builds SmolLM2-135M-shaped models with random
 weight values); `--model DIR` loads a converted folder (the source is `--source` if given, else built from the
 converted config with random weights).
 
-Example (the numbers in benchmarks/decode.md):
-    OMP_NUM_THREADS=2 nice python scripts/bench_decode.py --from-config
+The numbers in benchmarks/decode.md (a 2-core CPU shared with other jobs, hence one thread and the CPU clock):
+    OMP_NUM_THREADS=1 nice python scripts/bench_decode.py --threads 1 --clock cpu --json benchmarks/decode.json
+On CUDA (adds the Triton kernel and the attention-core table):
+    python scripts/bench_decode.py
 """
 
 from __future__ import annotations
