@@ -190,7 +190,8 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "fraction <= 1 of the source's cache (e.g. 0.25)."
         ),
         rope_dims: Optional[int] = typer.Option(
-            None, "--rope-dims", help="Dims d_r of the shared RoPE key (even). Default: head_dim/2."
+            None, "--rope-dims", help="Dims d_r of the shared RoPE key (even). Default: a third of --kv-budget "
+            "(at most head_dim), head_dim/2 with --rank."
         ),
         rope_strategy: Optional[str] = typer.Option(
             None, "--rope-strategy", help="Which frequency pairs keep RoPE: high, low, uniform, 2-norm or attention "
@@ -210,7 +211,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         ),
         kv_balance: Optional[float] = typer.Option(
             None, "--kv-balance", help="Scale the key block so its energy is this multiple of the value block's before "
-            "a joint factorization (e.g. 1: balanced). Default: unbalanced."
+            "a joint factorization. Default: 1 (balanced)."
         ),
         dropped_rope: Optional[str] = typer.Option(
             None, "--dropped-rope", help="Pairs that lose RoPE: unrotated (plain nope dims) or expected (the query "

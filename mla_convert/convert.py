@@ -38,14 +38,14 @@ class ConvertOptions:
 
     rank: int | None = None  # latent dims d_c per layer; None: from kv_budget
     kv_budget: float | None = None  # elements per token per layer (>1) or a fraction of the source's cache (<=1)
-    rope_dims: int | None = None  # d_r, dims of the shared rope key; None: head_dim // 2
-    rope_strategy: str = "2-norm"
+    rope_dims: int | None = None  # d_r, dims of the shared rope key; None: see default_rope_dims
+    rope_strategy: str = "attention"
     rope_merge: bool = True
     factorization: str = "joint"  # joint | split
     method: str = "activation"  # weight | activation
     objective: str = "kv"  # kv: error in K/V | attention: keys by query-key score error, values by error after o_proj
-    kv_balance: float | None = None  # scale the key block so its energy is this multiple of the value block's
-    dropped_rope: str = "unrotated"  # unrotated | expected: dropped pairs keep E[rotation] under the head's attention
+    kv_balance: float | None = 1.0  # scale the key block so its energy is this multiple of the value block's
+    dropped_rope: str = "expected"  # unrotated | expected: dropped pairs keep E[rotation] under the head's attention
     calib_data: str | None = "wikitext:wikitext-2-raw-v1:validation"
     calib_samples: int = 32
     calib_seq_len: int = 512
@@ -159,11 +159,23 @@ def max_rank(config) -> int:
     return min(2 * groups * head_dim, hidden)
 
 
+def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> int:
+    """d_r when --rope-dims is not given: a third of the cache budget (at most head_dim), head_dim/2 with --rank.
+
+    Measured on SmolLM2-135M at 50% of its cache (benchmarks/quality.md, 2-window sweep): d_r 64 of 192 beat 32 and 96;
+    the RoPE pairs lose more than the rank until the latent gets small, so the rope key takes a large share."""
+    if options.kv_budget is None:
+        return head_dim // 2
+    budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
+    step = 2 if options.rope_merge else 2 * groups  # without merging every kv head keeps the same number of pairs
+    return int(min(head_dim, max(step, step * round(budget / 3 / step))))
+
+
 def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     """Validate the options against the source config and compute the plan (nothing heavy, nothing written)."""
     config = source.config
     layers, hidden, heads, groups, head_dim = _dims(config)
-    d_r = head_dim // 2 if options.rope_dims is None else options.rope_dims
+    d_r = default_rope_dims(options, groups, head_dim) if options.rope_dims is None else options.rope_dims
     if d_r < 0 or d_r % 2 or d_r > groups * head_dim:
         raise UserError(
             f"--rope-dims must be even and at most {groups * head_dim} (kv heads x head_dim), got {d_r}"
@@ -197,11 +209,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--dropped-rope must be unrotated or expected, got {options.dropped_rope}")
     if options.kv_balance is not None and not options.kv_balance > 0:
         raise UserError(f"--kv-balance must be positive, got {options.kv_balance}")
-    if options.calib_data is None and (options.needs_attention_profile() or options.objective == "attention"):
-        raise UserError(
-            "--rope-strategy attention, --dropped-rope expected and --objective attention need calibration text: "
-            "pass --calib-data FILE or choose data-free options"
-        )
+    if options.calib_data is None and options.objective == "attention":
+        raise UserError("--objective attention needs calibration text: pass --calib-data FILE or --objective kv")
     if options.calib_propagate not in ("source", "converted"):
         raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
     if options.calib_samples <= 0 or options.calib_seq_len <= 0:
@@ -390,6 +399,7 @@ def convert(
     from tqdm.auto import tqdm
 
     family = family_for(source.config, family_name)
+    options = without_calibration(options)
     plan = make_plan(source, family, options)
     if dry_run:
         return plan
@@ -462,9 +472,25 @@ def convert(
     return plan
 
 
+def without_calibration(options: ConvertOptions) -> ConvertOptions:
+    """With no calibration text, the attention-profile choices fall back to their data-free neighbours (2-norm on
+    weight proxies, unrotated dropped pairs), with a warning; the resolved options are what provenance records."""
+    if options.calib_data is not None or not options.needs_attention_profile():
+        return options
+    log.warning("no calibration text: --rope-strategy attention -> 2-norm (weight proxies), --dropped-rope expected "
+                "-> unrotated; pass --calib-data for the attention-aware choices")
+    strategy = "2-norm" if options.rope_strategy == "attention" else options.rope_strategy
+    return dataclasses.replace(options, rope_strategy=strategy, dropped_rope="unrotated")
+
+
 def describe_method(options: ConvertOptions) -> str:
     rope_text = f"{options.rope_strategy} partial RoPE" + (" merged across kv heads" if options.rope_merge else "")
+    if options.dropped_rope == "expected":
+        rope_text += " (dropped pairs keep their expected rotation)"
     fact = f"{options.factorization} {'activation-aware' if options.method == 'activation' else 'weight-only'} SVD"
+    fact += " of query-key scores and o_proj outputs" if options.objective == "attention" else " of K/V"
+    if options.kv_balance is not None:
+        fact += f", K/V balanced {options.kv_balance:g}:1"
     return f"{rope_text}, {fact}"
 
 

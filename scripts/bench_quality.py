@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""One-shot conversion quality: perplexity at several KV-cache budgets for each method, no fine-tuning.
+
+    nice python scripts/bench_quality.py                      # -> benchmarks/quality.md, quality.png, quality.jsonl
+    nice python scripts/bench_quality.py --budgets 192 --methods mla-convert,transmla --windows 2   # a quick look
+
+Protocol (issue 3): the embedded SmolLM2-135M-Instruct (384 cached elements per token per layer), converted at
+192/144/96/48 elements (50/37.5/25/12.5%); calibration on the WikiText-2 *validation* text only; perplexity on the
+WikiText-2 raw *test* text, the first 16 non-overlapping 2048-token windows, float32 (`mla-convert eval`).
+Each conversion and each evaluation runs as its own `mla-convert` process, timed, with its peak RSS (wait4).
+
+Methods, all run through our pipeline so that only the method differs:
+  mha2mla      MHA2MLA's initialization: 2-norm partial RoPE, 4 pairs per kv head (d_r 24), no merging, weight-only
+               joint SVD of [K_nope; V].
+  transmla     TransMLA's: RoRoPE (RoPE merged across kv heads by a PCA per frequency, the leading component of every
+               frequency kept: d_r 64, or half the budget when smaller), BKV-PCA (K and V balanced, PCA of the joint
+               K/V outputs on calibration activations).
+  mla-convert  this project's default (whatever `mla-convert llama --kv-budget B` does with no method options).
+Results are appended to benchmarks/quality.jsonl as they come (a re-run skips what is there; --redo to measure again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+SOURCE_CACHE = 384  # SmolLM2-135M: 2 x 3 kv heads x 64 per token per layer
+
+
+def method_options(method: str, budget: int) -> list[str]:
+    """CLI options of `mla-convert llama` for a method at a budget (elements per token per layer)."""
+    if method == "mha2mla":
+        d_r = 24
+        return ["--rope-dims", str(d_r), "--rope-strategy", "2-norm", "--no-rope-merge", "--method", "weight",
+                "--objective", "kv", "--dropped-rope", "unrotated", "--rank", str(budget - d_r)]  # fmt: skip
+    if method == "transmla":
+        d_r = min(64, budget // 2)
+        return ["--rope-dims", str(d_r), "--rope-strategy", "high", "--rope-merge", "--method", "activation",
+                "--objective", "kv", "--kv-balance", "1", "--dropped-rope", "unrotated", "--rank", str(budget - d_r)]  # fmt: skip
+    if method == "mla-convert":
+        return ["--kv-budget", str(budget)]
+    if method.startswith("custom:"):  # custom:OPTIONS (space separated), for ablations
+        return method[len("custom:") :].split() + (["--kv-budget", str(budget)] if "--rank" not in method else [])
+    raise SystemExit(f"unknown method {method}")
+
+
+def timed(cmd: list[str], log: Path) -> tuple[int, float, int]:
+    """Run a command; (exit status, wall seconds, peak RSS bytes of that process)."""
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    return os.waitstatus_to_exitcode(status), time.perf_counter() - start, usage.ru_maxrss * 1024
+
+
+def evaluate(folder: str | None, args, work: Path, tag: str) -> dict:
+    out_json = work / f"{tag}.eval.json"
+    cmd = [args.mla, "eval"] + ([folder] if folder else []) + [
+        "--data", str(DATA / "wiki.test.raw"), "--seq-len", "2048", "--windows", str(args.windows), "--json",
+        str(out_json), "-q"]  # fmt: skip
+    code, wall, rss = timed(cmd, work / f"{tag}.eval.log")
+    if code:
+        raise SystemExit(f"eval of {tag} failed: see {work / (tag + '.eval.log')}")
+    result = json.loads(out_json.read_text())
+    return {"perplexity": result["perplexity"], "kv_bytes_per_token": result["kv_cache_bytes_per_token"],
+            "eval_s": round(wall, 1), "eval_rss_mb": round(rss / 2**20)}  # fmt: skip
+
+
+def load_results(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def write_report(rows: list[dict], args) -> None:
+    source = next((r for r in rows if r["method"] == "source"), None)
+    lines = [
+        "# One-shot conversion quality (no fine-tuning)",
+        "",
+        "SmolLM2-135M-Instruct (embedded default, float32), converted by `mla-convert llama` at each KV-cache budget;",
+        "calibration on WikiText-2 validation (`wiki.valid.tokens`), perplexity on WikiText-2 raw test, first "
+        f"{args.windows} x 2048-token windows. Written by `{args.command}`.",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs while it ran: times are "
+        "upper bounds); every method through the same pipeline, one process per conversion and per evaluation.",
+        "",
+    ]
+    if source:
+        lines += [f"Source model: perplexity **{source['perplexity']:.2f}**, {SOURCE_CACHE} cached elements per token "
+                  f"per layer ({source['kv_bytes_per_token']} bytes per token, float32).", ""]  # fmt: skip
+    lines += ["| budget (elements/token/layer) | % of source | method | d_c | d_r | perplexity | vs best baseline | "
+              "convert s | convert peak RSS MB | command |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "source"}, reverse=True)
+    for budget in budgets:
+        at = [r for r in rows if r.get("budget") == budget]
+        base = [r["perplexity"] for r in at if r["method"] in ("mha2mla", "transmla")]
+        best = min(base) if base else None
+        for r in sorted(at, key=lambda r: r["perplexity"]):
+            rel = f"{100 * (r['perplexity'] / best - 1):+.0f}%" if best and r["method"] not in ("mha2mla", "transmla") else ""
+            lines.append(
+                f"| {budget} | {100 * budget / SOURCE_CACHE:g} | {r['method']} | {r['d_c']} | {r['d_r']} | "
+                f"{r['perplexity']:.2f} | {rel} | {r['convert_s']:.0f} | {r['convert_rss_mb']} | `{r['command']}` |"
+            )
+    lines += ["", "![perplexity vs budget](quality.png)", ""]
+    (ROOT / "benchmarks" / "quality.md").write_text("\n".join(lines))
+    plot(rows, source)
+
+
+def plot(rows: list[dict], source: dict | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in sorted({r["method"] for r in rows if r["method"] != "source"}):
+        pts = sorted((r["budget"], r["perplexity"]) for r in rows if r["method"] == method)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    if source:
+        ax.axhline(source["perplexity"], color="black", linestyle="--", label=f"source ({source['perplexity']:.1f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("KV cache per token per layer (elements; source 384)")
+    ax.set_ylabel("WikiText-2 test perplexity (log)")
+    ax.set_title("SmolLM2-135M, one-shot MLA conversion")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(ROOT / "benchmarks" / "quality.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budgets", default="192,144,96,48", help="elements per token per layer, comma separated")
+    ap.add_argument("--methods", default="mha2mla,transmla,mla-convert", help="comma separated (see above)")
+    ap.add_argument("--windows", type=int, default=16, help="2048-token test windows")
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "quality.jsonl")
+    ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
+    ap.add_argument("--keep", action="store_true", help="keep the converted folders (under out/bench-quality)")
+    args = ap.parse_args()
+    args.command = "python scripts/bench_quality.py " + " ".join(sys.argv[1:])
+    args.mla = str(Path(sys.executable).with_name("mla-convert"))
+    (ROOT / "benchmarks").mkdir(exist_ok=True)
+    work = ROOT / "out" / "bench-quality"
+    work.mkdir(parents=True, exist_ok=True)
+    rows = [] if args.redo else load_results(args.results)
+    done = {(r["method"], r.get("budget"), r.get("windows")) for r in rows}
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        with args.results.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        write_report([r for r in rows if r.get("windows") == args.windows], args)
+
+    if ("source", None, args.windows) not in done:
+        record({"method": "source", "budget": None, "windows": args.windows, **evaluate(None, args, work, "source")})
+    for budget in [int(b) for b in args.budgets.split(",")]:
+        for method in args.methods.split(","):
+            if (method, budget, args.windows) in done:
+                continue
+            out = work / f"{method.replace(':', '_').replace(' ', '_').replace('-', '')[:60]}-{budget}"
+            options = method_options(method, budget)
+            cmd = [args.mla, "llama", "--calib-data", str(DATA / "wiki.valid.tokens"), "-o", str(out), "--overwrite",
+                   "--dtype", "float32", "-q", *options]  # fmt: skip
+            code, wall, rss = timed(cmd, work / f"{out.name}.convert.log")
+            if code:
+                print(f"{method} at {budget}: conversion failed, see {work / (out.name + '.convert.log')}")
+                continue
+            prov = json.loads((out / "provenance.json").read_text())
+            result = evaluate(str(out), args, work, out.name)
+            shown = " ".join(["mla-convert llama", *options, "--calib-data ../shared/data/wikitext-2/wiki.valid.tokens"])
+            row = {"method": method, "budget": budget, "windows": args.windows, "d_c": prov["plan"]["ranks"][0],
+                   "d_r": prov["plan"]["rope_dim"], "convert_s": round(wall, 1), "convert_rss_mb": round(rss / 2**20),
+                   "options": prov["options"], "command": shown, **result}  # fmt: skip
+            record(row)
+            print(f"{method} at {budget}: perplexity {row['perplexity']:.2f} ({wall:.0f} s to convert)", flush=True)
+            if not args.keep:
+                subprocess.run(["rm", "-rf", str(out)])
+
+
+if __name__ == "__main__":
+    main()
