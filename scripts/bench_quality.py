@@ -141,7 +141,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16, help="2048-token test windows")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "quality.jsonl")
     ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
-    ap.add_argument("--keep", action="store_true", help="keep the converted folders (under out/bench-quality)")
+    ap.add_argument("--keep", action="store_true", help="keep every converted folder (under out/bench-quality; the "
+                    "default method's are always kept)")
     args = ap.parse_args()
     args.command = "python scripts/bench_quality.py " + " ".join(sys.argv[1:])
     args.mla = str(Path(sys.executable).with_name("mla-convert"))
@@ -179,7 +180,7 @@ def main() -> None:
                    "options": prov["options"], "command": shown, **result}  # fmt: skip
             record(row)
             print(f"{method} at {budget}: perplexity {row['perplexity']:.2f} ({wall:.0f} s to convert)", flush=True)
-            if not args.keep:
+            if not args.keep and method != "mla-convert":  # the default's folders serve scripts/bench_convert.py
                 subprocess.run(["rm", "-rf", str(out)])
 
 
