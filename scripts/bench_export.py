@@ -202,6 +202,9 @@ def main() -> None:
         lines.append(f"| {label} | {r['class']} | {r['perplexity']:.4f} | {r['perplexity'] / native_ppl - 1:+.2e} |")
     lines += [
         "",
+        "The native model's perplexity is the one-shot conversion's (no fine-tuning; how to convert better is the "
+        "subject of benchmarks/quality.md). This benchmark measures what the export changes: the `vs native` column.",
+        "",
         "Built-in export verification (stock DeepseekV3ForCausalLM in a subprocess without mla_convert, "
         "`measurements` in the export's provenance.json):",
         "",
