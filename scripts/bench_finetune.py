@@ -1,0 +1,446 @@
+#!/usr/bin/env python
+"""Fine-tuning benchmark on the embedded default (SmolLM2-135M-Instruct) converted to 25% of its KV cache.
+
+Converts it, measures WikiText-2 raw test perplexity (16 x 2048-token windows) of the source and the converted model,
+fine-tunes with the LM loss only and with distillation from the source at the same token budget (recipe
+recipes/smollm2-135m.yaml, training on the WikiText-2 validation text), evaluates both results the same way, measures
+what precomputed top-k teacher logits would cost instead of a teacher loaded alongside, and writes
+benchmarks/finetune.md with the loop's plots copied beside it.
+
+Every stage keeps its result under runs/bench-finetune/ and is skipped when that result exists (--fresh starts over),
+so an interrupted benchmark continues where it stopped. Run it alone on the machine, niced:
+
+    nice python scripts/bench_finetune.py --tokens 40960
+    nice python scripts/bench_finetune.py --sweep 1e-4,3e-4,1e-3 --sweep-tokens 4096   # short LR sweep, held-out text
+
+The sweep's runs are judged on the loop's held-out tail of the validation text, never on the test text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+DATA = Path(os.environ.get("SHARED", REPO.parent / "shared")) / "data" / "wikitext-2"
+CALIB = DATA / "wiki.valid.tokens"
+TEST = DATA / "wiki.test.raw"
+RECIPE = Path("recipes/smollm2-135m.yaml")
+STUDENT = Path("out/smollm2-25")
+WORK = Path("runs/bench-finetune")
+BENCH = Path("benchmarks")
+EVAL_ARGS = ["--data", str(TEST), "--seq-len", "2048", "--windows", "16"]
+TOPK = (16, 64, 256)
+
+
+def rel(path: Path | str) -> str:
+    """A path as written in the report: relative to the repository root when inside it."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(REPO))
+    except ValueError:
+        try:
+            return "../" + str(p.relative_to(REPO.parent))
+        except ValueError:
+            return str(p)
+
+
+def git_state() -> dict:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    dirty = [line[3:] for line in git("status", "--short", "--untracked-files=no").splitlines()]
+    return {"commit": git("rev-parse", "HEAD"), "dirty": [d for d in dirty if d.startswith(("mla_convert/", "recipes/"))]}
+
+
+def timed(cmd: list[str], log: Path, threads: int) -> dict:
+    """Run `cmd` under /usr/bin/time -v (when present); returns wall seconds, peak RSS and the load average."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    prefix = ["/usr/bin/time", "-v"] if Path("/usr/bin/time").exists() else []
+    load_before = os.getloadavg()[0]
+    t0 = time.time()
+    print("$", shlex.join(cmd), flush=True)
+    with log.open("w") as f:
+        rc = subprocess.run(prefix + cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t0
+    text = log.read_text(errors="replace")
+    if rc:
+        sys.exit(f"failed ({rc}): {shlex.join(cmd)}\n{text[-3000:]}")
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    return {"command": shlex.join(cmd), "wall_s": round(wall, 1), "peak_rss_mib": int(rss.group(1)) / 1024 if rss else None,
+            "load_avg_1m_before": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
+            "threads": threads}
+
+
+def stage(name: str, fn):
+    """Run fn() once: its JSON result is kept in WORK/name.json and reused afterwards."""
+    path = REPO / WORK / f"{name}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    print(f"== {name}", flush=True)
+    result = fn()
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def mla(*args) -> list[str]:
+    return [str(Path(sys.executable).parent / "mla-convert"), *map(str, args)]
+
+
+def convert_cmd() -> list[str]:
+    return mla("llama", "--kv-budget", "0.25", "--calib-data", CALIB, "-o", STUDENT, "--overwrite")
+
+
+def run_convert(threads: int) -> dict:
+    r = timed(convert_cmd(), REPO / WORK / "convert.log", threads)
+    record = json.loads((REPO / STUDENT / "provenance.json").read_text())
+    return {**r, **git_state(), "method": record.get("method"), "kv_cache": record.get("kv_cache")}
+
+
+def run_eval(name: str, model: Path | None, threads: int) -> dict:
+    out = REPO / WORK / f"eval-{name}.result.json"
+    cmd = mla("eval", *([model] if model else []), *EVAL_ARGS, "--json", out, "-q")
+    r = timed(cmd, REPO / WORK / f"eval-{name}.log", threads)
+    return {**r, **json.loads(out.read_text())}
+
+
+def finetune_cmd(output: Path, kd_weight: float, tokens: int, lr: float | None, threads: int, extra=()) -> list[str]:
+    overrides = [f"model={STUDENT}", f"output={output}", f"kd_weight={kd_weight:g}", f"max_tokens={tokens}",
+                 f"threads={threads}", "overwrite=true", *extra]
+    if lr is not None:
+        overrides.append(f"lr={lr:g}")
+    return mla("finetune", "--config", RECIPE, *overrides)
+
+
+def run_finetune(name: str, kd_weight: float, tokens: int, lr: float | None, threads: int, extra=()) -> dict:
+    output = WORK / name
+    r = timed(finetune_cmd(output, kd_weight, tokens, lr, threads, extra), REPO / WORK / f"{name}.log", threads)
+    record = json.loads((REPO / output / "final" / "provenance.json").read_text())
+    return {**r, **git_state(), "output": str(output), "kd_weight": kd_weight, "lr": record["options"]["lr"],
+            "options": record["options"], "finetune": record["measurements"]["finetune"]}
+
+
+def measure_topk(cfg_overrides: list[str], sequences: int, threads: int) -> dict:
+    """What precomputing the teacher's top-k logits would cost for the training text: teacher forward and top-k time
+    per token, the bytes per token stored, and how much of the teacher's probability mass the top k keep."""
+    import torch
+
+    from mla_convert import evaluate, finetune
+
+    torch.set_num_threads(threads)
+    cfg = finetune.load_config(REPO / RECIPE, cfg_overrides)
+    t0 = time.perf_counter()
+    teacher, tokenizer, label = evaluate.load_model(None)
+    load_s = time.perf_counter() - t0
+    train, _ = finetune.prepare_data(cfg, tokenizer)  # [N, T]: the sequences the loop trains on
+    vocab = teacher.get_output_embeddings().weight.shape[0]
+    forward_s, topk_s = 0.0, {k: 0.0 for k in TOPK}
+    mass = {k: 0.0 for k in TOPK}
+    tokens = 0
+    with torch.inference_mode():
+        for ids in train[:sequences]:
+            t0 = time.perf_counter()
+            logits = teacher(input_ids=ids[None], use_cache=False).logits[0].float()  # [T, V]
+            forward_s += time.perf_counter() - t0
+            probs = torch.softmax(logits, dim=-1)  # [T, V]
+            for k in TOPK:
+                t0 = time.perf_counter()
+                values, index = logits.topk(k, dim=-1)  # [T, k]
+                _ = values.half(), index.int()  # as stored: fp16 logits + int32 token ids
+                topk_s[k] += time.perf_counter() - t0
+                mass[k] += probs.gather(-1, index).sum().item()
+            tokens += ids.numel()
+    per_token = {k: 2 * k + 4 * k for k in TOPK}  # fp16 value + int32 index (the vocabulary exceeds int16)
+    return {
+        "teacher": label, "load_s": round(load_s, 1), "sequences": sequences, "tokens": tokens, "vocab": vocab,
+        "teacher_forward_ms_per_token": round(1000 * forward_s / tokens, 3),
+        "topk_ms_per_token": {k: round(1000 * v / tokens, 4) for k, v in topk_s.items()},
+        "topk_probability_mass": {k: round(v / tokens, 4) for k, v in mass.items()},
+        "bytes_per_token": per_token, "full_fp16_bytes_per_token": 2 * vocab,
+        "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
+        "teacher_weight_mib": round(sum(p.numel() * p.element_size() for p in teacher.parameters()) / 2**20, 1),
+        "threads": threads,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ report
+
+
+def held_out_series(output: str) -> list[tuple[int, float]]:
+    lines = (REPO / output / "metrics.jsonl").read_text().splitlines()
+    return [(r["tokens"], r["perplexity"]) for r in map(json.loads, lines) if r["event"] == "eval"]
+
+
+def plot_held_out(runs: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, r in runs.items():
+        points = held_out_series(r["output"])
+        ax.plot([t for t, _ in points], [p for _, p in points], marker="o", label=label)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out perplexity (validation tail)")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def report(res: dict, sweep: dict | None, args) -> str:
+    src, conv = res["eval-source"], res["eval-converted"]
+    lm, kd = res["finetune-lm"], res["finetune-kd"]
+    elm, ekd = res["eval-lm"], res["eval-kd"]
+    topk = res["topk"]
+    gap = conv["perplexity"] - src["perplexity"]
+    nll_gap = conv["nll"] - src["nll"]
+
+    def closed(e):
+        return (conv["perplexity"] - e["perplexity"]) / gap
+
+    def closed_nll(e):
+        return (conv["nll"] - e["nll"]) / nll_gap
+
+    fl, fk = lm["finetune"], kd["finetune"]
+    t_teacher = sum(fk["teacher_forward_seconds_per_process"])
+    t_student = sum(fk["student_seconds_per_process"])
+    share = t_teacher / (t_teacher + t_student)
+    tokens = fk["tokens"]
+    ms_tok = topk["teacher_forward_ms_per_token"]
+    o = kd["options"]
+    target = closed(ekd) >= 0.5
+    lines = [
+        "# Fine-tuning SmolLM2-135M after conversion to 25% of its KV cache",
+        "",
+        f"Written by `{args.command_line}` (scripts/bench_finetune.py) at git commit `{kd['commit']}`"
+        + (f" (uncommitted changes in {', '.join(kd['dirty'])})" if kd["dirty"] else "") + ".",
+        f"Machine: {os.cpu_count()} CPU cores shared with other jobs (1-minute load average during the runs: "
+        f"{lm['load_avg_1m_before']}-{max(lm['load_avg_1m_after'], kd['load_avg_1m_after'])}), so times are "
+        "upper bounds; torch threads per process: " + str(kd["threads"]) + ".",
+        "",
+        "## Result",
+        "",
+        "Perplexity on the WikiText-2 raw test text, 16 non-overlapping 2048-token windows from its start, float32 "
+        "(`mla-convert eval MODEL " + " ".join(EVAL_ARGS[:1]) + f" {rel(TEST)} --seq-len 2048 --windows 16`):",
+        "",
+        "| model | test perplexity | gap closed (perplexity) | gap closed (nll) | fine-tune wall time | peak RSS |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| source (embedded SmolLM2-135M-Instruct, Q4_1 GGUF de-quantized) | {src['perplexity']:.3f} | | | | |",
+        f"| converted, 25% KV cache (`{rel(STUDENT)}`) | {conv['perplexity']:.3f} | 0 | 0 | | |",
+        f"| + LM-only fine-tune | {elm['perplexity']:.3f} | {closed(elm):.1%} | {closed_nll(elm):.1%} | "
+        f"{fmt_s(lm['wall_s'])} | {lm['peak_rss_mib']:.0f} MiB |",
+        f"| + distillation fine-tune | {ekd['perplexity']:.3f} | {closed(ekd):.1%} | {closed_nll(ekd):.1%} | "
+        f"{fmt_s(kd['wall_s'])} | {kd['peak_rss_mib']:.0f} MiB |",
+        "",
+        f"Gap closed = (converted - fine-tuned) / (converted - source), on perplexity and on mean nll. Target: "
+        f"distillation closes at least half of the perplexity gap: **{'met' if target else 'NOT met'}** "
+        f"({closed(ekd):.1%}).",
+        "",
+        f"Both fine-tunes: {fk['tokens']:,} training tokens ({fk['steps']} optimizer steps of "
+        f"{o['seq_len']} x {o['batch_size']} x {o['grad_accum']} tokens) of `{rel(o['data'])}` minus its held-out "
+        f"tail, train={o['train']} ({fk['trainable_parameters']:,} of the parameters), AdamW, lr "
+        f"{lm['lr']:g} (LM) / {kd['lr']:g} (distillation), {o['schedule']} schedule to {o['min_lr_ratio']:g} x lr "
+        f"after {o['warmup']:g} warmup, gradient clipping {o['max_grad_norm']:g}, float32, one process. "
+        f"Distillation: kd_weight {o['kd_weight']:g} (pure KL(teacher || student) at temperature "
+        f"{o['kd_temperature']:g}), the teacher being the source the student was converted from.",
+        "",
+        "| run | held-out perplexity before -> after | train loss first -> last | training time (loop) | "
+        "teacher forward | student forward+backward | fine-tune command wall | peak RSS |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in (("LM only", lm), ("distillation", kd)):
+        f = r["finetune"]
+        teacher = f"{sum(f['teacher_forward_seconds_per_process']):.0f} s" if f["teacher_forward_seconds_per_process"] else "-"
+        lines.append(
+            f"| {label} | {f['held_out_perplexity_before']:.2f} -> {f['held_out_perplexity_after']:.2f} | "
+            f"{f['loss_first']:.3f} -> {f['loss_last']:.3f} | {fmt_s(f['seconds'])} "
+            f"({f['tokens'] / f['seconds']:.0f} tokens/s) | {teacher} | {sum(f['student_seconds_per_process']):.0f} s | "
+            f"{fmt_s(r['wall_s'])} | {r['peak_rss_mib']:.0f} MiB |"
+        )
+    lines += [
+        "",
+        f"Held-out: {fk['held_out_protocol']} (the loop's own periodic evaluation; not the test text). The fine-tune "
+        "command's wall time includes loading the models, the held-out evaluations and saving; peak RSS is the "
+        "maximum resident set of the whole command (`/usr/bin/time -v`).",
+        "",
+        "Plots written by the loop (training loss and held-out perplexity against optimizer steps), and the held-out "
+        "perplexity of both runs against training tokens:",
+        "",
+        "![LM-only fine-tune](finetune_lm.png) ![distillation fine-tune](finetune_kd.png)",
+        "",
+        "![held-out perplexity](finetune_heldout.png)",
+        "",
+        "## Teacher loaded alongside vs precomputed top-k logits",
+        "",
+        f"The distillation run loads the teacher next to the student and runs it on each batch. Measured in that run: "
+        f"the teacher forward took {t_teacher:.0f} s of {t_teacher + t_student:.0f} s of model compute "
+        f"(**{share:.0%} of a step**); peak RSS {kd['peak_rss_mib']:.0f} MiB against {lm['peak_rss_mib']:.0f} MiB for "
+        f"the LM-only run (+{kd['peak_rss_mib'] - lm['peak_rss_mib']:.0f} MiB: the float32 teacher, "
+        f"{topk['teacher_weight_mib']:.0f} MiB of weights, and its [B, T, V] logits).",
+        "",
+        f"Precomputing instead (measured on the first {topk['sequences']} training sequences, {topk['tokens']:,} "
+        f"tokens, {topk['threads']} threads): the teacher forward costs the same {ms_tok:.1f} ms per token "
+        f"(here, under the load of the moment) and must run once per training token either way; top-k selection adds "
+        + ", ".join(f"{v:.3f} ms (k={k})" for k, v in topk["topk_ms_per_token"].items()) + " per token. Storage for "
+        f"this run's {tokens:,} tokens (fp16 logit + int32 token id per entry): "
+        + ", ".join(f"k={k}: {tokens * b / 2**20:.1f} MiB" for k, b in topk["bytes_per_token"].items())
+        + f"; the full distribution in fp16 would take {tokens * topk['full_fp16_bytes_per_token'] / 2**30:.1f} GiB "
+        f"({topk['full_fp16_bytes_per_token']:,} bytes per token). Probability mass of the teacher that the top k keep "
+        "(mean over tokens): "
+        + ", ".join(f"k={k}: {v:.1%}" for k, v in topk["topk_probability_mass"].items()) + ".",
+        "",
+        "Choice: **the teacher loaded alongside**. For one pass over the data, precomputing moves the teacher "
+        f"forward ({share:.0%} of each step here) out of the training run but not out of the work: the same "
+        f"forward runs once per token during precomputation, so the total is unchanged (plus the top-k and the "
+        f"writes), while the stored targets are a truncated distribution (the top 64 keep "
+        f"{topk['topk_probability_mass'][64]:.1%} of the mass; the rest of the KL target is lost) that has to be "
+        f"recomputed whenever the data, the sequence packing or the teacher changes. Loading alongside costs "
+        f"memory instead ({kd['peak_rss_mib'] - lm['peak_rss_mib']:.0f} MiB here; on GPU a bf16 copy of the source, "
+        "e.g. 16 GB for an 8B model, which recipes/llama-3-8b.yaml budgets for). Precomputed top-k pays off when the "
+        "same tokens are seen many times (several epochs, or many runs of a sweep over the same data) or when the "
+        "teacher does not fit beside the student; neither holds for these recipes (one pass).",
+        "",
+    ]
+    if sweep:
+        lines += [
+            "## Learning-rate sweep (held-out validation tail, not the test text)",
+            "",
+            f"Short runs of {sweep['tokens']:,} tokens each, same recipe otherwise; held-out perplexity after "
+            f"(before: {sweep['before']:.2f}). Command: `{sweep['command']}`.",
+            "",
+            "| lr | LM only | distillation |",
+            "|---:|---:|---:|",
+        ]
+        for lr in sorted({r["lr"] for r in sweep["runs"]}):
+            cells = []
+            for kdw in (0.0, 1.0):
+                m = [r for r in sweep["runs"] if r["lr"] == lr and r["kd_weight"] == kdw]
+                cells.append(f"{m[0]['held_out_after']:.2f}" if m else "-")
+            lines.append(f"| {lr:g} | {' | '.join(cells)} |")
+        lines.append("")
+    c = res["convert"]
+    lines += [
+        "## Commands",
+        "",
+        "```bash",
+        f"# conversion (git commit {c['commit']}"
+        + (f", uncommitted changes in {', '.join(c['dirty'])}" if c["dirty"] else "")
+        + f"; {fmt_s(c['wall_s'])}, peak RSS {c['peak_rss_mib']:.0f} MiB; method: {c['method']})",
+        short(c["command"]),
+        "# test perplexity of the source and the converted model",
+        short(src["command"]),
+        short(conv["command"]),
+        "# fine-tunes",
+        short(lm["command"]),
+        short(kd["command"]),
+        "# test perplexity after",
+        short(elm["command"]),
+        short(ekd["command"]),
+        "```",
+        "",
+        "Times: wall clock of each command; evaluation of 16 x 2048 tokens took "
+        f"{fmt_s(src['wall_s'])} (source) and {fmt_s(conv['wall_s'])} (converted).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def short(cmd: str) -> str:
+    """A command as a reader would type it: `mla-convert` on PATH, paths relative to the repository."""
+    parts = shlex.split(cmd)
+    parts[0] = Path(parts[0]).name
+    out = []
+    for p in parts:
+        if "=" in p and not p.startswith("-"):
+            k, v = p.split("=", 1)
+            out.append(f"{k}={rel(v) if v.startswith('/') else v}")
+        else:
+            out.append(rel(p) if p.startswith("/") else p)
+    return shlex.join(out)
+
+
+# ------------------------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=None, help="training tokens per fine-tune (default: the recipe's)")
+    parser.add_argument("--lr-lm", type=float, default=None, help="LM-only learning rate (default: the recipe's)")
+    parser.add_argument("--lr-kd", type=float, default=None, help="distillation learning rate (default: the recipe's)")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    parser.add_argument("--topk-sequences", type=int, default=8)
+    parser.add_argument("--sweep", default=None, help="comma-separated learning rates: run the short sweep only")
+    parser.add_argument("--sweep-tokens", type=int, default=4096)
+    parser.add_argument("--sweep-kd-weights", default="0,1")
+    parser.add_argument("--fresh", action="store_true", help="delete runs/bench-finetune/ first")
+    args = parser.parse_args()
+    args.command_line = "python scripts/bench_finetune.py " + shlex.join(sys.argv[1:])
+    os.chdir(REPO)
+    from mla_convert import finetune
+
+    if args.fresh and WORK.exists():
+        shutil.rmtree(WORK)
+    WORK.mkdir(parents=True, exist_ok=True)
+    recipe = finetune.load_config(RECIPE)
+    tokens = args.tokens or recipe.max_tokens
+
+    if not (STUDENT / "config.json").is_file() or not (WORK / "convert.json").is_file():
+        (WORK / "convert.json").unlink(missing_ok=True)
+    res = {"convert": stage("convert", lambda: run_convert(args.threads))}
+
+    if args.sweep:
+        runs = []
+        for lr in map(float, args.sweep.split(",")):
+            for kdw in map(float, args.sweep_kd_weights.split(",")):
+                name = f"sweep-{'kd' if kdw else 'lm'}-{lr:g}"
+                r = stage(name, lambda: run_finetune(name, kdw, args.sweep_tokens, lr, args.threads,
+                                                     ["eval_every=0"]))
+                runs.append({"lr": lr, "kd_weight": kdw, "held_out_after": r["finetune"]["held_out_perplexity_after"],
+                             "held_out_before": r["finetune"]["held_out_perplexity_before"], "wall_s": r["wall_s"]})
+                print(f"lr {lr:g} kd_weight {kdw:g}: held-out {runs[-1]['held_out_before']:.2f} -> "
+                      f"{runs[-1]['held_out_after']:.2f} ({r['wall_s']:.0f} s)", flush=True)
+        sweep = {"tokens": args.sweep_tokens, "runs": runs, "before": runs[0]["held_out_before"],
+                 "command": args.command_line}
+        (WORK / "sweep.json").write_text(json.dumps(sweep, indent=1) + "\n")
+        return
+
+    res["eval-source"] = stage("eval-source", lambda: run_eval("source", None, args.threads))
+    res["eval-converted"] = stage("eval-converted", lambda: run_eval("converted", STUDENT, args.threads))
+    res["finetune-lm"] = stage("finetune-lm", lambda: run_finetune("lm", 0.0, tokens, args.lr_lm, args.threads))
+    res["finetune-kd"] = stage("finetune-kd", lambda: run_finetune("kd", 1.0, tokens, args.lr_kd, args.threads))
+    res["eval-lm"] = stage("eval-lm", lambda: run_eval("lm", WORK / "lm" / "final", args.threads))
+    res["eval-kd"] = stage("eval-kd", lambda: run_eval("kd", WORK / "kd" / "final", args.threads))
+    res["topk"] = stage("topk", lambda: measure_topk([f"model={STUDENT}", f"max_tokens={tokens}"],
+                                                     args.topk_sequences, args.threads))
+    sweep_path = WORK / "sweep.json"
+    sweep = json.loads(sweep_path.read_text()) if sweep_path.is_file() else None
+
+    BENCH.mkdir(exist_ok=True)
+    shutil.copy(WORK / "lm" / "loss.png", BENCH / "finetune_lm.png")
+    shutil.copy(WORK / "kd" / "loss.png", BENCH / "finetune_kd.png")
+    plot_held_out({"LM only": res["finetune-lm"], "distillation": res["finetune-kd"]}, BENCH / "finetune_heldout.png")
+    (BENCH / "finetune.json").write_text(json.dumps({**res, "sweep": sweep}, indent=1) + "\n")
+    (BENCH / "finetune.md").write_text(report(res, sweep, args))
+    print(f"wrote {BENCH / 'finetune.md'}")
+
+
+if __name__ == "__main__":
+    main()
