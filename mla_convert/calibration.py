@@ -91,17 +91,21 @@ class LayerRunner:
         cos, sin = self.position_embeddings
         seq = self.hidden.shape[1]
         causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        # back[t, d] = t - d: the key d positions before query t (clamped; those rows carry zero probability)
+        back = (torch.arange(seq)[:, None] - torch.arange(seq)[None, :]).clamp_min(0)
+        valid = causal  # t - d >= 0 exactly where d <= t
         profile = torch.zeros(heads, seq, dtype=torch.float64)
-        for chunk in self.hidden.split(self.batch):
+        step = max(1, int(self.batch * (512 / seq) ** 2))  # [B, H, T, T] scores: bound them like B=batch at T=512
+        for chunk in self.hidden.split(step):
             x = layer.input_layernorm(chunk)
             q = attn.q_proj(x).view(chunk.shape[0], seq, heads, head_dim).transpose(1, 2)  # [B, H, T, d_h]
             k = attn.k_proj(x).view(chunk.shape[0], seq, groups, head_dim).transpose(1, 2)  # [B, G, T, d_h]
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             k = k.repeat_interleave(heads // groups, dim=1)  # [B, H, T, d_h]
             scores = (q @ k.transpose(-1, -2)) * attn.scaling  # [B, H, T, T]
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(0)  # [H, T, T]
-            for back in range(seq):
-                profile[:, back] += probs.diagonal(offset=-back, dim1=-2, dim2=-1).sum(-1).double()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [B, H, T(query), T(key)]
+            by_distance = probs.gather(-1, back.expand_as(probs)) * valid  # [B, H, T(query), T(distance)]
+            profile += by_distance.sum(dim=(0, 2)).double()
         return profile / (self.hidden.shape[0] * seq)
 
     @torch.no_grad()
