@@ -223,8 +223,11 @@ def _make_convert_command(family: Optional[str], help_text: str):
             help="Calibration text: a local .txt/.raw/.tokens/.jsonl file or a datasets name[:config[:split]]; "
             "'none' for weight-only statistics. Never the text you evaluate on.",
         ),
-        calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration windows."),
-        calib_seq_len: int = typer.Option(512, "--calib-seq-len", help="Tokens per calibration window."),
+        calib_samples: int = typer.Option(8, "--calib-samples", help="Calibration windows."),
+        calib_seq_len: int = typer.Option(
+            2048, "--calib-seq-len", help="Tokens per calibration window (the attention profiles see distances up to "
+            "this; match the contexts you serve)."
+        ),
         calib_propagate: str = typer.Option(
             "source", "--calib-propagate", help="Later layers calibrate on the source's (source) or the converted "
             "earlier layers' activations (converted)."

@@ -47,8 +47,8 @@ class ConvertOptions:
     kv_balance: float | None = 1.0  # scale the key block so its energy is this multiple of the value block's
     dropped_rope: str = "expected"  # unrotated | expected: dropped pairs keep E[rotation] under the head's attention
     calib_data: str | None = "wikitext:wikitext-2-raw-v1:validation"
-    calib_samples: int = 32
-    calib_seq_len: int = 512
+    calib_samples: int = 8
+    calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
     seed: int = 0
     device: str = "cpu"
