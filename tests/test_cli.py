@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from conftest import assert_user_error
 from typer.testing import CliRunner
 
 from mla_convert.cli import app
@@ -16,15 +17,6 @@ runner = CliRunner()
 def run(*args):
     result = runner.invoke(app, [str(a) for a in args])
     return result.exit_code, result.output
-
-
-def assert_user_error(code, output, *needles):
-    assert code == 2, output
-    assert "Traceback" not in output
-    lines = [l for l in output.splitlines() if l.startswith("error:")]
-    assert len(lines) == 1, output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture

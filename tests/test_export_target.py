@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import assert_user_error
 from typer.testing import CliRunner
 
 from mla_convert.cli import app
@@ -22,14 +23,6 @@ def run(*args):
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.output
-
-
-def assert_user_error(code, output, *needles):
-    assert code == 2 and "Traceback" not in output, output
-    lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from conftest import assert_user_error
 from typer.testing import CliRunner
 
 from mla_convert.cli import app
@@ -67,13 +68,6 @@ def test_sampling_runs(converted):
     code, output = run("generate", converted, "-p", "w1", "-n", 3, "--sample", "--temperature", 0.8, "--seed", 1)
     assert code == 0, output
     assert stats(output)["new"] >= 1
-
-
-def assert_user_error(code, output, needle):
-    assert code == 2, output
-    assert "Traceback" not in output
-    lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and needle in lines[0], output
 
 
 def test_missing_model_folder(tmp_path):
