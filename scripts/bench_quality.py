@@ -94,6 +94,18 @@ def write_report(rows: list[dict], args) -> None:
     counts = sorted({r["windows"] for r in rows}, reverse=True)
     for windows in counts:
         lines += table([r for r in rows if r["windows"] == windows], windows)
+    probes = ROOT / "benchmarks" / "quality_probes.jsonl"
+    if probes.exists():  # the probes that chose the defaults (scripts/explore_quality.py)
+        lines += ["## Probes that chose the defaults (2 windows; not the protocol)", "",
+                  "`W=2 python scripts/explore_quality.py SRC NAME key=value ...` (in-process conversion of a "
+                  "safetensors copy of the embedded model, first 2 test windows; the source scores about 21 there):",
+                  "", "| probe | perplexity (2 windows) | options (ConvertOptions fields; unlisted = defaults of the "
+                  "time it ran: 2-norm, unrotated, objective kv, no balance, d_r 32, 32 x 512 calibration, unless `defaults` says) |", "|---|---|---|"]  # fmt: skip
+        for line in probes.read_text().splitlines():
+            p = json.loads(line)
+            opts = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("name", "ppl", "W", "convert_s"))
+            lines.append(f"| {p['name']} | {p['ppl']:.1f} | {opts} |")
+        lines.append("")
     lines += ["![perplexity vs budget](quality.png)", ""]
     (ROOT / "benchmarks" / "quality.md").write_text("\n".join(lines))
     if counts:
