@@ -165,9 +165,10 @@ def measure_topk(cfg_overrides: list[str], sequences: int, threads: int) -> dict
     return {
         "teacher": label, "load_s": round(load_s, 1), "sequences": sequences, "tokens": tokens, "vocab": vocab,
         "teacher_forward_ms_per_token": round(1000 * forward_s / tokens, 3),
-        "topk_ms_per_token": {k: round(1000 * v / tokens, 4) for k, v in topk_s.items()},
-        "topk_probability_mass": {k: round(v / tokens, 4) for k, v in mass.items()},
-        "bytes_per_token": per_token, "full_fp16_bytes_per_token": 2 * vocab,
+        # string keys: the result goes through JSON
+        "topk_ms_per_token": {str(k): round(1000 * v / tokens, 4) for k, v in topk_s.items()},
+        "topk_probability_mass": {str(k): round(v / tokens, 4) for k, v in mass.items()},
+        "bytes_per_token": {str(k): v for k, v in per_token.items()}, "full_fp16_bytes_per_token": 2 * vocab,
         "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
         "teacher_weight_mib": round(sum(p.numel() * p.element_size() for p in teacher.parameters()) / 2**20, 1),
         "threads": threads,
@@ -226,12 +227,16 @@ def report(res: dict, sweep: dict | None, args) -> str:
     tokens = fk["tokens"]
     ms_tok = topk["teacher_forward_ms_per_token"]
     o = kd["options"]
+    mix = res.get("finetune-mix")
     target = closed(ekd) >= 0.5
     lines = [
         "# Fine-tuning SmolLM2-135M after conversion to 25% of its KV cache",
         "",
-        f"Written by `{args.command_line}` (scripts/bench_finetune.py) at git commit `{kd['commit']}`"
-        + (f" (uncommitted changes in {', '.join(kd['dirty'])})" if kd["dirty"] else "") + ".",
+        f"Written by `{args.command_line}` (scripts/bench_finetune.py). Git commits (the repository is shared and "
+        "moved on between stages): " + "; ".join(
+            f"{label} `{r['commit'][:10]}`" + (f" (uncommitted changes in {', '.join(r['dirty'])})" if r["dirty"] else "")
+            for label, r in [("conversion", res["convert"]), ("LM fine-tune", lm), ("distillation fine-tune", kd)]
+            + ([("mixed fine-tune", res["finetune-mix"])] if "finetune-mix" in res else [])) + ".",
         f"Machine: {os.cpu_count()} CPU cores shared with other jobs (1-minute load average during the runs: "
         f"{lm['load_avg_1m_before']}-{max(lm['load_avg_1m_after'], kd['load_avg_1m_after'])}), so times are "
         "upper bounds; torch threads per process: " + str(kd["threads"]) + ".",
@@ -249,6 +254,12 @@ def report(res: dict, sweep: dict | None, args) -> str:
         f"{fmt_s(lm['wall_s'])} | {lm['peak_rss_mib']:.0f} MiB |",
         f"| + distillation fine-tune | {ekd['perplexity']:.3f} | {closed(ekd):.1%} | {closed_nll(ekd):.1%} | "
         f"{fmt_s(kd['wall_s'])} | {kd['peak_rss_mib']:.0f} MiB |",
+    ]
+    if mix:
+        emx = res["eval-mix"]
+        lines.append(f"| + mixed fine-tune (kd_weight {mix['kd_weight']:g}) | {emx['perplexity']:.3f} | "
+                     f"{closed(emx):.1%} | {closed_nll(emx):.1%} | {fmt_s(mix['wall_s'])} | {mix['peak_rss_mib']:.0f} MiB |")
+    lines += [
         "",
         f"Gap closed = (converted - fine-tuned) / (converted - source), on perplexity and on mean nll. Target: "
         f"distillation closes at least half of the perplexity gap: **{'met' if target else 'NOT met'}** "
@@ -262,11 +273,13 @@ def report(res: dict, sweep: dict | None, args) -> str:
         f"Distillation: kd_weight {o['kd_weight']:g} (pure KL(teacher || student) at temperature "
         f"{o['kd_temperature']:g}), the teacher being the source the student was converted from.",
         "",
-        "| run | held-out perplexity before -> after | train loss first -> last | training time (loop) | "
+        "| run | held-out perplexity before -> after | train loss first -> last (LM: CE; distillation: KL; mixed: "
+        "their weighted sum) | "
+        "training time (loop) | "
         "teacher forward | student forward+backward | fine-tune command wall | peak RSS |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for label, r in (("LM only", lm), ("distillation", kd)):
+    for label, r in [("LM only", lm), ("distillation", kd)] + ([(f"mixed ({mix['kd_weight']:g})", mix)] if mix else []):
         f = r["finetune"]
         teacher = f"{sum(f['teacher_forward_seconds_per_process']):.0f} s" if f["teacher_forward_seconds_per_process"] else "-"
         lines.append(
@@ -311,7 +324,7 @@ def report(res: dict, sweep: dict | None, args) -> str:
         f"forward ({share:.0%} of each step here) out of the training run but not out of the work: the same "
         f"forward runs once per token during precomputation, so the total is unchanged (plus the top-k and the "
         f"writes), while the stored targets are a truncated distribution (the top 64 keep "
-        f"{topk['topk_probability_mass'][64]:.1%} of the mass; the rest of the KL target is lost) that has to be "
+        f"{topk['topk_probability_mass']['64']:.1%} of the mass; the rest of the KL target is lost) that has to be "
         f"recomputed whenever the data, the sequence packing or the teacher changes. Loading alongside costs "
         f"memory instead ({kd['peak_rss_mib'] - lm['peak_rss_mib']:.0f} MiB here; on GPU a bf16 copy of the source, "
         "e.g. 16 GB for an 8B model, which recipes/llama-3-8b.yaml budgets for). Precomputed top-k pays off when the "
@@ -324,7 +337,10 @@ def report(res: dict, sweep: dict | None, args) -> str:
             "## Learning-rate sweep (held-out validation tail, not the test text)",
             "",
             f"Short runs of {sweep['tokens']:,} tokens each, same recipe otherwise; held-out perplexity after "
-            f"(before: {sweep['before']:.2f}). Command: `{sweep['command']}`.",
+            f"(before: {sweep['before']:.2f}). Command: `{sweep['command']}`; student converted at commit "
+            f"`{sweep['student']['commit']}` ({sweep['student']['method']})"
+            + (" (the default conversion method of that commit; the result above uses a later one)"
+               if sweep["student"]["commit"] != res["convert"]["commit"] else "") + ".",
             "",
             "| lr | LM only | distillation |",
             "|---:|---:|---:|",
@@ -386,6 +402,8 @@ def main() -> None:
     parser.add_argument("--lr-lm", type=float, default=None, help="LM-only learning rate (default: the recipe's)")
     parser.add_argument("--lr-kd", type=float, default=None, help="distillation learning rate (default: the recipe's)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    parser.add_argument("--mix", type=float, default=None,
+                        help="also a run mixing both losses with this kd_weight (0 < w < 1), same budget")
     parser.add_argument("--topk-sequences", type=int, default=8)
     parser.add_argument("--sweep", default=None, help="comma-separated learning rates: run the short sweep only")
     parser.add_argument("--sweep-tokens", type=int, default=4096)
@@ -418,7 +436,7 @@ def main() -> None:
                 print(f"lr {lr:g} kd_weight {kdw:g}: held-out {runs[-1]['held_out_before']:.2f} -> "
                       f"{runs[-1]['held_out_after']:.2f} ({r['wall_s']:.0f} s)", flush=True)
         sweep = {"tokens": args.sweep_tokens, "runs": runs, "before": runs[0]["held_out_before"],
-                 "command": args.command_line}
+                 "command": args.command_line, "student": {k: res["convert"][k] for k in ("commit", "dirty", "method")}}
         (WORK / "sweep.json").write_text(json.dumps(sweep, indent=1) + "\n")
         return
 
@@ -428,6 +446,9 @@ def main() -> None:
     res["finetune-kd"] = stage("finetune-kd", lambda: run_finetune("kd", 1.0, tokens, args.lr_kd, args.threads))
     res["eval-lm"] = stage("eval-lm", lambda: run_eval("lm", WORK / "lm" / "final", args.threads))
     res["eval-kd"] = stage("eval-kd", lambda: run_eval("kd", WORK / "kd" / "final", args.threads))
+    if args.mix is not None:
+        res["finetune-mix"] = stage("finetune-mix", lambda: run_finetune("mix", args.mix, tokens, args.lr_kd, args.threads))
+        res["eval-mix"] = stage("eval-mix", lambda: run_eval("mix", WORK / "mix" / "final", args.threads))
     res["topk"] = stage("topk", lambda: measure_topk([f"model={STUDENT}", f"max_tokens={tokens}"],
                                                      args.topk_sequences, args.threads))
     sweep_path = WORK / "sweep.json"
@@ -436,7 +457,10 @@ def main() -> None:
     BENCH.mkdir(exist_ok=True)
     shutil.copy(WORK / "lm" / "loss.png", BENCH / "finetune_lm.png")
     shutil.copy(WORK / "kd" / "loss.png", BENCH / "finetune_kd.png")
-    plot_held_out({"LM only": res["finetune-lm"], "distillation": res["finetune-kd"]}, BENCH / "finetune_heldout.png")
+    curves = {"LM only": res["finetune-lm"], "distillation": res["finetune-kd"]}
+    if "finetune-mix" in res:
+        curves[f"mix (kd_weight {args.mix:g})"] = res["finetune-mix"]
+    plot_held_out(curves, BENCH / "finetune_heldout.png")
     (BENCH / "finetune.json").write_text(json.dumps({**res, "sweep": sweep}, indent=1) + "\n")
     (BENCH / "finetune.md").write_text(report(res, sweep, args))
     print(f"wrote {BENCH / 'finetune.md'}")
