@@ -385,9 +385,11 @@ def report(res: dict, sweep: dict | None, args) -> str:
         "# fine-tunes",
         short(lm["command"]),
         short(kd["command"]),
+        *([short(mix["command"])] if mix else []),
         "# test perplexity after",
         short(elm["command"]),
         short(ekd["command"]),
+        *([short(res["eval-mix"]["command"])] if mix else []),
         "```",
         "",
         "Times: wall clock of each command; evaluation of 16 x 2048 tokens took "
