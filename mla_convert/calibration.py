@@ -79,10 +79,14 @@ class LayerRunner:
         return layer.input_layernorm(self.hidden)  # [N, T, D]
 
     @torch.no_grad()
-    def attention_profile(self, layer) -> torch.Tensor:
+    def attention_profile(self, layer, block: int = 128) -> torch.Tensor:
         """How far back each query head of the source layer looks: p [H, T] with p[h, d] the attention weight on the
         key d positions back, averaged over every calibration query (each query's row sums to 1, so p[h] does too).
-        float64. Runs the layer's own q/k projections and RoPE on the calibration hidden states."""
+        float64. Runs the layer's own q/k projections and RoPE on the calibration hidden states.
+
+        Queries go in blocks of `block` rows against the keys up to the block's last position, the keys in reversed
+        order: then "d positions back" is a fixed stride through the block's probabilities (`by_distance`), so no
+        [T, T] index tensor and no copy of the probabilities is made, and every buffer stays small."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         attn = layer.self_attn
@@ -90,22 +94,24 @@ class LayerRunner:
         head_dim = attn.head_dim
         cos, sin = self.position_embeddings
         seq = self.hidden.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-        # back[t, d] = t - d: the key d positions before query t (clamped; those rows carry zero probability)
-        back = (torch.arange(seq)[:, None] - torch.arange(seq)[None, :]).clamp_min(0)
-        valid = causal  # t - d >= 0 exactly where d <= t
         profile = torch.zeros(heads, seq, dtype=torch.float64)
-        step = max(1, int(self.batch * (512 / seq) ** 2))  # [B, H, T, T] scores: bound them like B=batch at T=512
-        for chunk in self.hidden.split(step):
-            x = layer.input_layernorm(chunk)
-            q = attn.q_proj(x).view(chunk.shape[0], seq, heads, head_dim).transpose(1, 2)  # [B, H, T, d_h]
-            k = attn.k_proj(x).view(chunk.shape[0], seq, groups, head_dim).transpose(1, 2)  # [B, G, T, d_h]
+        for sample in self.hidden:
+            x = layer.input_layernorm(sample[None])
+            q = attn.q_proj(x).view(1, seq, heads, head_dim).transpose(1, 2)  # [1, H, T, d_h]
+            k = attn.k_proj(x).view(1, seq, groups, head_dim).transpose(1, 2)  # [1, G, T, d_h]
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k = k.repeat_interleave(heads // groups, dim=1)  # [B, H, T, d_h]
-            scores = (q @ k.transpose(-1, -2)) * attn.scaling  # [B, H, T, T]
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [B, H, T(query), T(key)]
-            by_distance = probs.gather(-1, back.expand_as(probs)) * valid  # [B, H, T(query), T(distance)]
-            profile += by_distance.sum(dim=(0, 2)).double()
+            q = q[0] * attn.scaling  # [H, T, d_h]
+            k = k[0].repeat_interleave(heads // groups, dim=0)  # [H, T, d_h]
+            for first in range(0, seq, block):
+                rows = min(block, seq - first)
+                length = first + rows  # keys 0 .. length-1 are visible to some query of the block
+                keys = k[:, :length].flip(1)  # [H, L, d_h]: column c holds key length-1-c
+                scores = q[:, first:length] @ keys.transpose(1, 2)  # [H, R, L]
+                # query first+r sees key length-1-c iff c >= rows-1-r: only the first `rows` columns hold future keys
+                future = torch.ones(rows, rows, dtype=torch.bool).triu(1).flip(1)  # [R, R]: c < rows-1-r
+                scores[:, :, :rows].masked_fill_(future, float("-inf"))
+                probs = scores.softmax(-1)  # [H, R, L]
+                profile[:, :length] += by_distance(probs).double()
         return profile / (self.hidden.shape[0] * seq)
 
     @torch.no_grad()
@@ -117,3 +123,19 @@ class LayerRunner:
             out = layer(chunk, attention_mask=None, position_embeddings=pe, position_ids=None)
             outs.append(out[0] if isinstance(out, tuple) else out)
         self.hidden = torch.cat(outs)
+
+
+def by_distance(probs: torch.Tensor) -> torch.Tensor:
+    """Attention summed by distance over a block of consecutive queries whose keys are in reversed order.
+
+    probs [H, R, L]: row r is the query at position L-R+r, column c the key at position L-1-c (future keys: zero).
+    -> [H, L]: entry d sums, over the rows, the weight on the key d positions before the row's query.
+    Row r's key d back sits at column d + R-1-r, i.e. at flat offset r*(L-1) + d + R-1 of the row-major [R, L] block:
+    a strided view with row stride L-1. Where a row's d runs past its own columns the view reads the next row's
+    leading columns, which hold future keys (zero), except the very last column (d = L-1), which only the last row has.
+    """
+    heads, rows, length = probs.shape
+    probs = probs.contiguous()
+    view = probs.as_strided((heads, rows, length), (rows * length, length - 1, 1), probs.storage_offset() + rows - 1)
+    out = view[:, :, : length - 1].sum(1)  # [H, L-1]
+    return torch.cat([out, probs[:, rows - 1, length - 1 :]], dim=1)  # [H, L]; d = L-1: the last row's key 0

@@ -76,6 +76,17 @@ class Source:
     def nbytes(self) -> int:
         raise NotImplementedError
 
+    def tokenizer(self):
+        """The source's tokenizer, loaded once."""
+        if getattr(self, "_tokenizer", None) is None:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.folder)
+
     def copy_aux_files(self, out: Path) -> list[str]:
         """Copy tokenizer files and generation_config.json unchanged; returns the names copied."""
         copied = []
@@ -173,12 +184,12 @@ class GGUFSource(Source):
     """A GGUF file de-quantized by transformers. GGUF sources are small (the embedded default); held in memory."""
 
     def __init__(self, path: Path):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         self.path = path
         try:
-            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            config = model.config
         except Exception as e:  # transformers raises many types for unreadable GGUF files
             raise UserError(f"cannot read GGUF file {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
         super().__init__(config, str(path), path.parent)
@@ -199,11 +210,13 @@ class GGUFSource(Source):
     def nbytes(self) -> int:
         return self.path.stat().st_size
 
-    def copy_aux_files(self, out: Path) -> list[str]:
+    def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
-        tok.save_pretrained(out)
+        return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+
+    def copy_aux_files(self, out: Path) -> list[str]:
+        self.tokenizer().save_pretrained(out)
         self.generation_config.save_pretrained(out)
         return sorted(p.name for p in out.iterdir() if p.name in AUX_FILES)
 

@@ -527,16 +527,9 @@ def _converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_ten
 
 
 def _calibration_runner(source: Source, options: ConvertOptions):
-    from transformers import AutoTokenizer
-
     from mla_convert.calibration import LayerRunner, load_text, token_windows
-    from mla_convert.checkpoint import GGUFSource
 
     text = load_text(options.calib_data)
-    if isinstance(source, GGUFSource):
-        tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(source.folder)
-    tokens = token_windows(tokenizer, text, options.calib_samples, options.calib_seq_len, options.seed)
+    tokens = token_windows(source.tokenizer(), text, options.calib_samples, options.calib_seq_len, options.seed)
     embed = source.get("model.embed_tokens.weight")
     return LayerRunner(source.config, embed, tokens)

@@ -1,0 +1,59 @@
+"""Calibration statistics against plain reference computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_convert.calibration import LayerRunner, by_distance
+
+
+def _reference_profile(runner: LayerRunner, layer) -> torch.Tensor:
+    """The attention profile the slow way: full causal attention per sample, then weight[t, t - d] summed over t."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = layer.self_attn
+    heads, groups, head_dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    n, seq, _ = runner.hidden.shape
+    cos, sin = runner.position_embeddings
+    profile = torch.zeros(heads, seq, dtype=torch.float64)
+    x = layer.input_layernorm(runner.hidden)
+    q = attn.q_proj(x).view(n, seq, heads, head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(n, seq, groups, head_dim).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    k = k.repeat_interleave(heads // groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).double() * attn.scaling
+    probs = scores.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    for t in range(seq):
+        for d in range(t + 1):
+            profile[:, d] += probs[:, :, t, t - d].sum(0)
+    return profile / (n * seq)
+
+
+@pytest.mark.parametrize("seq,block", [(37, 8), (16, 16), (20, 64), (9, 1)])
+@torch.no_grad()
+def test_attention_profile_matches_reference(seq, block):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=50, head_dim=8)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0).eval()
+    for p in layer.parameters():  # sharp attention, so that the profile is far from uniform
+        p.mul_(4)
+    runner = LayerRunner(config, torch.randn(50, 32), torch.randint(0, 50, (3, seq)), batch=2)
+    fast = runner.attention_profile(layer, block=block)
+    slow = _reference_profile(runner, layer)
+    assert fast.shape == (4, seq)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(fast.sum(-1), torch.ones(4, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_by_distance_reads_each_query_row_back_from_its_own_position():
+    # 2 queries (positions 2 and 3) over 4 keys in reversed order: column c holds key 3 - c
+    probs = torch.tensor([[[0.0, 0.5, 0.3, 0.2], [0.4, 0.3, 0.2, 0.1]]])  # row 0: key 3 is future (zero)
+    # row 0 (query 2): d=0 -> key 2 (0.5), d=1 -> key 1 (0.3), d=2 -> key 0 (0.2)
+    # row 1 (query 3): d=0 -> key 3 (0.4), d=1 -> 0.3, d=2 -> 0.2, d=3 -> 0.1
+    torch.testing.assert_close(by_distance(probs), torch.tensor([[0.9, 0.6, 0.4, 0.1]]))
