@@ -95,6 +95,7 @@ def _convert(
     calib_samples: int,
     calib_seq_len: int,
     calib_propagate: str,
+    rank_allocation: str,
     seed: int,
     device: str,
     dtype: Optional[str],
@@ -138,6 +139,7 @@ def _convert(
         calib_samples=calib_samples,
         calib_seq_len=calib_seq_len,
         calib_propagate=calib_propagate,
+        rank_allocation=rank_allocation,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -206,8 +208,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "activation", "--method", help="activation (whitened by calibration inputs) or weight (plain SVD)."
         ),
         objective: Optional[str] = typer.Option(
-            None, "--objective", help="What the low-rank factorization keeps: kv (K/V outputs) or attention (keys by "
-            "their query-key score error, values by their error after o_proj). Default: see benchmarks/quality.md."
+            None, "--objective", help="What the low-rank factorization keeps: kv (K/V outputs), attention (keys by "
+            "their query-key score error, values by their error after o_proj) or scores (keys by score error, values "
+            "by their own). Default: see benchmarks/quality.md."
         ),
         kv_balance: Optional[float] = typer.Option(
             None, "--kv-balance", help="Scale the key block so its energy is this multiple of the value block's before "
@@ -231,6 +234,11 @@ def _make_convert_command(family: Optional[str], help_text: str):
         calib_propagate: str = typer.Option(
             "source", "--calib-propagate", help="Later layers calibrate on the source's (source) or the converted "
             "earlier layers' activations (converted)."
+        ),
+        rank_allocation: str = typer.Option(
+            "uniform", "--rank-allocation", help="uniform: every layer gets the same latent dims. energy: the same "
+            "total, shared among layers by their calibrated spectra (relative error removed per dim; per-layer "
+            "kv_lora_rank)."
         ),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option("cpu", "--device", help="Device for calibration and factorization."),

@@ -22,6 +22,7 @@ from mla_convert.families import Family, family_for
 
 log = logging.getLogger(__name__)
 
+RANK_ALLOCATIONS = ("uniform", "energy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config keys carried from the source into the MLA config unchanged.
 CARRIED_KEYS = (
@@ -50,6 +51,7 @@ class ConvertOptions:
     calib_samples: int = 8
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
+    rank_allocation: str = "uniform"  # uniform | energy: share the latent dims among layers by their spectra
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -60,7 +62,7 @@ class ConvertOptions:
             self.method == "activation"
             or self.rope_strategy in ("2-norm", "attention")
             or self.rope_merge
-            or self.objective == "attention"
+            or self.objective != "kv"
             or self.dropped_rope == "expected"
         )
 
@@ -85,6 +87,25 @@ class Plan:
     attn_params_before: int = 0
     attn_params_after: int = 0
     shapes: dict = field(default_factory=dict)
+    qkv_bias: bool = False
+
+    def set_ranks(self, ranks: list[int]) -> None:
+        """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
+        self.ranks = list(ranks)
+        heads, groups, head_dim, hidden, d_r = self.heads, self.groups, self.head_dim, self.hidden, self.rope_dim
+        after = 0
+        for layer, rank in enumerate(self.ranks):
+            shapes = {
+                "q_proj": (heads * (head_dim + d_r), hidden),
+                "kv_a_proj": (rank + d_r, hidden),
+                "kv_b_proj": (groups * 2 * head_dim, rank),
+                "o_proj": (hidden, heads * head_dim),
+            }
+            after += sum(math.prod(s) for s in shapes.values())
+            after += self.qkv_bias * (heads * (head_dim + d_r) + rank + d_r + groups * 2 * head_dim)
+            if layer == 0:
+                self.shapes = shapes
+        self.attn_params_after = after
 
     @property
     def kv_before(self) -> int:
@@ -209,10 +230,15 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--dropped-rope must be unrotated or expected, got {options.dropped_rope}")
     if options.kv_balance is not None and not options.kv_balance > 0:
         raise UserError(f"--kv-balance must be positive, got {options.kv_balance}")
-    if options.calib_data is None and options.objective == "attention":
-        raise UserError("--objective attention needs calibration text: pass --calib-data FILE or --objective kv")
+    if options.calib_data is None and options.objective != "kv":
+        raise UserError(f"--objective {options.objective} needs calibration text: pass --calib-data FILE or --objective kv")
     if options.calib_propagate not in ("source", "converted"):
         raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
+    if options.rank_allocation not in RANK_ALLOCATIONS:
+        raise UserError(f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {options.rank_allocation}")
+    if options.rank_allocation != "uniform" and options.calib_propagate == "converted":
+        raise UserError("--rank-allocation energy needs every layer's statistics before converting any: use "
+                        "--calib-propagate source (or --rank-allocation uniform)")
     if options.calib_samples <= 0 or options.calib_seq_len <= 0:
         raise UserError("--calib-samples and --calib-seq-len must be positive")
     dtype = options.dtype or _source_dtype(config)
@@ -234,18 +260,10 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         source_bytes=source.nbytes(),
         calib_tokens=options.calib_samples * options.calib_seq_len if options.needs_statistics() else 0,
     )
-    plan.shapes = {
-        "q_proj": (heads * (head_dim + d_r), hidden),
-        "kv_a_proj": (rank + d_r, hidden),
-        "kv_b_proj": (groups * 2 * head_dim, rank),
-        "o_proj": (hidden, heads * head_dim),
-    }
     per_layer_before = (2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias
-    per_layer_after = sum(math.prod(s) for s in plan.shapes.values()) + qkv_bias * (
-        heads * (head_dim + d_r) + rank + d_r + groups * 2 * head_dim
-    )
     plan.attn_params_before = per_layer_before * layers
-    plan.attn_params_after = per_layer_after * layers
+    plan.qkv_bias = bool(qkv_bias)
+    plan.set_ranks(ranks)
     if plan.ratio >= 1 and not options.force:
         raise UserError(
             f"the MLA cache ({plan.kv_after():g} per token per layer) is not smaller than the source's "
@@ -303,7 +321,44 @@ def convert_attention(
     Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair).
     """
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
-    rank, d_r = plan.ranks[layer], plan.rope_dim
+    rank = plan.ranks[layer]
+    maps = _layer_maps(tensors, plan, options, attention_scaling, cov, phase)
+    k_nope, w_v = maps["k_nope"], maps["v"]
+    up_k, up_v, down = lowrank.joint_or_split(
+        k_nope[:, :hidden], w_v[:, :hidden], rank, options.factorization == "split", *maps["objective"]
+    )
+    kv_b = torch.cat([up_k.view(groups, head_dim, rank), up_v.view(groups, head_dim, rank)], dim=1)
+    kv_b_bias = torch.cat([k_nope[:, hidden].view(groups, head_dim), w_v[:, hidden].view(groups, head_dim)], dim=1)
+    q_all, k_rope = maps["q"], maps["k_rope"]
+    out = {
+        "q_proj.weight": q_all[:, :hidden],
+        "kv_a_proj.weight": torch.cat([down.double(), k_rope[:, :hidden]]),
+        "kv_b_proj.weight": kv_b.reshape(groups * 2 * head_dim, rank),
+        "o_proj.weight": tensors["o"],
+    }
+    if "q_bias" in tensors or "k_bias" in tensors:
+        out["q_proj.bias"] = q_all[:, hidden]
+        out["kv_a_proj.bias"] = torch.cat([torch.zeros(rank, dtype=torch.float64), k_rope[:, hidden]])
+        out["kv_b_proj.bias"] = kv_b_bias.reshape(-1)
+    if "o_bias" in tensors:
+        out["o_proj.bias"] = tensors["o_bias"]
+    return {k: v.float() for k, v in out.items()}, maps["rope_plan"].frequencies
+
+
+def layer_spectrum(tensors, plan: Plan, options: ConvertOptions, attention_scaling: float, cov, phase=None) -> torch.Tensor:
+    """The eigenvalues (descending) of one layer's joint low-rank objective: the error left at rank r is the sum of
+    those past r. What `--rank-allocation energy` shares the latent dims by."""
+    hidden = plan.hidden
+    maps = _layer_maps(tensors, plan, options, attention_scaling, cov, phase)
+    return lowrank.joint_spectrum(maps["k_nope"][:, :hidden], maps["v"][:, :hidden], *maps["objective"])
+
+
+def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling: float, cov, phase) -> dict:
+    """The maps a layer's factorization starts from: the RoPE plan applied to q/k (query with the rope and nope parts,
+    the shared rope key, the nope key), the value map (weights with the bias as last column, float64), and the
+    objective (input covariance, key and value row weights) that `lowrank.joint_or_split` takes."""
+    heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
+    d_r = plan.rope_dim
 
     def aug(name: str, rows: int) -> torch.Tensor:  # [rows, D+1]: weight with the bias as last column
         bias = tensors.get(f"{name}_bias")
@@ -333,24 +388,8 @@ def convert_attention(
         scale = (options.kv_balance * e_v / max(e_k, 1e-30)) ** 0.5
         eye = torch.eye(groups * head_dim, dtype=torch.float64)
         k_weight = scale * (eye if k_weight is None else k_weight)
-    up_k, up_v, down = lowrank.joint_or_split(
-        k_nope[:, :hidden], w_v[:, :hidden], rank, options.factorization == "split", x_cov, k_weight, v_weight
-    )
-    kv_b = torch.cat([up_k.view(groups, head_dim, rank), up_v.view(groups, head_dim, rank)], dim=1)
-    kv_b_bias = torch.cat([k_nope[:, hidden].view(groups, head_dim), w_v[:, hidden].view(groups, head_dim)], dim=1)
-    out = {
-        "q_proj.weight": q_all[:, :hidden],
-        "kv_a_proj.weight": torch.cat([down.double(), k_rope[:, :hidden]]),
-        "kv_b_proj.weight": kv_b.reshape(groups * 2 * head_dim, rank),
-        "o_proj.weight": tensors["o"],
-    }
-    if "q_bias" in tensors or "k_bias" in tensors:
-        out["q_proj.bias"] = q_all[:, hidden]
-        out["kv_a_proj.bias"] = torch.cat([torch.zeros(rank, dtype=torch.float64), k_rope[:, hidden]])
-        out["kv_b_proj.bias"] = kv_b_bias.reshape(-1)
-    if "o_bias" in tensors:
-        out["o_proj.bias"] = tensors["o_bias"]
-    return {k: v.float() for k, v in out.items()}, rope_plan.frequencies
+    return {"q": q_all, "k_rope": k_rope, "k_nope": k_nope, "v": w_v, "rope_plan": rope_plan,
+            "objective": (x_cov, k_weight, v_weight)}  # fmt: skip
 
 
 def _row_weights(options: ConvertOptions, q_nope: torch.Tensor, w_o: torch.Tensor, cov, plan: Plan):
@@ -358,8 +397,9 @@ def _row_weights(options: ConvertOptions, q_nope: torch.Tensor, w_o: torch.Tenso
 
     attention: a key error e of kv group g costs sum_h E[(q_h . e)^2] / d_h in scores (queries of the group's heads,
     nope part, under the calibration inputs); a value error e costs sum_h ||W_o,h e||^2 after o_proj.
+    scores: keys as in attention, values by their own error (as in kv).
     """
-    if options.objective != "attention":
+    if options.objective not in ("attention", "scores"):
         return None, None
     heads, groups, head_dim = plan.heads, plan.groups, plan.head_dim
     per = heads // groups
@@ -368,6 +408,8 @@ def _row_weights(options: ConvertOptions, q_nope: torch.Tensor, w_o: torch.Tenso
     q_gram = q_gram.view(groups, per, head_dim, head_dim).sum(1) / head_dim
     w_o = w_o.double().view(-1, heads, head_dim).transpose(0, 1)  # [H, D, d_h]
     o_gram = (w_o.transpose(-1, -2) @ w_o).view(groups, per, head_dim, head_dim).sum(1)  # [G, d_h, d_h]
+    if options.objective == "scores":
+        return lowrank.group_weight(list(q_gram)), None
     return lowrank.group_weight(list(q_gram)), lowrank.group_weight(list(o_gram))
 
 
@@ -418,21 +460,47 @@ def convert(
         if options.needs_statistics() and runner is None:
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
         rope_pairs: list[list[int]] = [[0] * (plan.rope_dim // 2) for _ in range(plan.layers)]
-        bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
-        for i in bar:
-            bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
+
+        def layer_inputs(i: int):
+            """(prefix, the layer's tensors, its attention tensors, the source layer module or None, cov, phase),
+            with the calibration statistics taken at the runner's current hidden states."""
             prefix = family.layer_prefix.format(i=i)
             layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
             attn = _attention_tensors(layer_tensors, family, i, prefix)
             source_layer = cov = phase = None
             if runner is not None:
-                cls = family.decoder_layer_class(config.model_type)
-                source_layer = _module_from(lambda: cls(config, i), layer_tensors)
                 from mla_convert.calibration import second_moment
 
+                cls = family.decoder_layer_class(config.model_type)
+                source_layer = _module_from(lambda: cls(config, i), layer_tensors)
                 cov = second_moment(runner.attention_input(source_layer))
                 if options.needs_attention_profile():
                     phase = rope.attention_phases(runner.attention_profile(source_layer), inv_freq)
+            return prefix, layer_tensors, attn, source_layer, cov, phase
+
+        stats: dict[int, tuple] = {}
+        if options.rank_allocation == "energy":
+            # every layer's statistics first (on the source's activations), then the ranks, then the conversion
+            spectra = []
+            for i in tqdm(range(plan.layers), desc="layers: statistics", disable=not progress, unit="layer"):
+                _, _, attn, source_layer, cov, phase = layer_inputs(i)
+                stats[i] = (cov, phase)
+                spectra.append(layer_spectrum(attn, plan, options, attention_scaling, cov, phase))
+                if runner is not None:
+                    runner.advance(source_layer)
+            runner = None  # the hidden states are no longer needed
+            plan.set_ranks(allocate(plan, spectra, max_rank(config)))
+            log.info("rank allocation (energy): %s", plan.ranks)
+        bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
+        for i in bar:
+            bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
+            if i in stats:
+                prefix = family.layer_prefix.format(i=i)
+                layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
+                attn = _attention_tensors(layer_tensors, family, i, prefix)
+                source_layer, (cov, phase) = None, stats.pop(i)
+            else:
+                prefix, layer_tensors, attn, source_layer, cov, phase = layer_inputs(i)
             mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, cov, phase)
             for name, tensor in layer_tensors.items():
                 if not name.startswith("self_attn."):
@@ -472,6 +540,17 @@ def convert(
     return plan
 
 
+def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
+    """Share the plan's total latent dims among its layers by their spectra (`lowrank.allocate_ranks`): in units of 16
+    or 8 where the uniform rank is a multiple of at least 4 of them (kernel-friendly shapes), else of 1, each layer
+    keeping at least a quarter of the uniform rank."""
+    total = sum(plan.ranks)
+    uniform = total // plan.layers
+    unit = next(u for u in (16, 8, 1) if uniform % u == 0 and uniform >= 4 * u)
+    floor = max(unit, uniform // 4 // unit * unit)
+    return lowrank.allocate_ranks(spectra, total, unit=unit, floor=floor, cap=cap // unit * unit)
+
+
 def without_calibration(options: ConvertOptions) -> ConvertOptions:
     """With no calibration text, the attention-profile choices fall back to their data-free neighbours (2-norm on
     weight proxies, unrotated dropped pairs), with a warning; the resolved options are what provenance records."""
@@ -488,9 +567,12 @@ def describe_method(options: ConvertOptions) -> str:
     if options.dropped_rope == "expected":
         rope_text += " (dropped pairs keep their expected rotation)"
     fact = f"{options.factorization} {'activation-aware' if options.method == 'activation' else 'weight-only'} SVD"
-    fact += " of query-key scores and o_proj outputs" if options.objective == "attention" else " of K/V"
+    fact += {"attention": " of query-key scores and o_proj outputs", "scores": " of query-key scores and values"}.get(
+        options.objective, " of K/V")
     if options.kv_balance is not None:
         fact += f", K/V balanced {options.kv_balance:g}:1"
+    if options.rank_allocation == "energy":
+        fact += ", latent dims shared among layers by their spectra"
     return f"{rope_text}, {fact}"
 
 

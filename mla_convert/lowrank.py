@@ -17,7 +17,7 @@ import torch
 from mla_convert.errors import UserError
 
 METHODS = ("weight", "activation")
-OBJECTIVES = ("kv", "attention")
+OBJECTIVES = ("kv", "attention", "scores")
 RIDGE = 1e-4
 
 
@@ -101,3 +101,49 @@ def joint_or_split(
     up_k = torch.cat([up_k, zeros(up_k.shape[0], rank_v)], dim=1)
     up_v = torch.cat([zeros(up_v.shape[0], rank_k), up_v], dim=1)
     return up_k, up_v, torch.cat([down_k, down_v])
+
+
+def joint_spectrum(
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    cov: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    v_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eigenvalues (descending, float64) of the joint objective's gram A W C W^T A^T for W = [w_k; w_v]: keeping rank
+    r leaves the sum of the eigenvalues past r as the error (`factorize`, same ridge)."""
+    w = torch.cat([w_k, w_v]).double()
+    if k_weight is not None or v_weight is not None:
+        weight = torch.block_diag(
+            k_weight if k_weight is not None else torch.eye(w_k.shape[0], dtype=torch.float64),
+            v_weight if v_weight is not None else torch.eye(w_v.shape[0], dtype=torch.float64),
+        )
+        w = weight.double() @ w
+    if cov is not None:
+        cov = cov.double()
+        cov = cov + RIDGE * cov.diagonal().mean().clamp_min(1e-12) * torch.eye(cov.shape[0], dtype=cov.dtype)
+    gram = w @ (w.T if cov is None else cov @ w.T)
+    return torch.linalg.eigvalsh(0.5 * (gram + gram.T)).flip(0).clamp_min(0)
+
+
+def allocate_ranks(spectra: list[torch.Tensor], total: int, unit: int = 1, floor: int = 1, cap: int | None = None) -> list[int]:
+    """Share `total` latent dims among layers: each layer's eigenvalues are scaled by its total (relative error), and
+    the dims go, `unit` at a time, to the layer whose next `unit` eigenvalues remove the most relative error.
+
+    Every rank is a multiple of `unit`, at least `floor` and at most `cap` (default: its spectrum's length); the
+    ranks sum to `total` (which must be a multiple of `unit` and fit between the floors and caps)."""
+    layers = len(spectra)
+    caps = [min(len(s), cap or len(s)) // unit * unit for s in spectra]
+    if total % unit or not layers * floor <= total <= sum(caps) or floor % unit or any(floor > c for c in caps):
+        raise ValueError(f"cannot share {total} dims among {layers} layers (unit {unit}, floor {floor}, caps {caps})")
+    gains = []  # (relative error removed by the layer's next unit, layer, rank after it)
+    for layer, s in enumerate(spectra):
+        rel = s.double() / s.sum().clamp_min(1e-300)
+        for start in range(floor, caps[layer], unit):
+            gains.append((float(rel[start : start + unit].sum()), layer, start + unit))
+    ranks = [floor] * layers
+    # Each layer's relative eigenvalues decrease, so taking the largest units overall keeps every layer's units
+    # contiguous from its floor (ties broken towards the lower rank).
+    for _, layer, _ in sorted(gains, key=lambda g: (-g[0], g[2]))[: (total - layers * floor) // unit]:
+        ranks[layer] += unit
+    return ranks

@@ -5,10 +5,12 @@ Layout facts (Hugging Face "rotate_half"): inside a head of `d_h` dims, frequenc
 
 A *rope plan* says, for one layer, which (component, frequency) pairs keep RoPE in the shared rope key:
 
-- `mix[i]` is an orthogonal G x G matrix per frequency `i` (identity when not merging). Component `m` of frequency `i`
-  is the pair `k'_{m,i} = sum_g mix[i][m, g] k_{g,i}`. Because every kv head's pair `i` rotates by the same angle, the
-  mix commutes with RoPE; the query of head `h` (kv group `g`) takes `mix[i][m, g] q_{h,i}`. Without merging,
-  component `m` is kv head `m`.
+- Per frequency `i`, the G kv heads' pairs (complex numbers z_g = x_{g,i} + j x_{g,i+d_h/2}) are re-expressed in a
+  basis: components `c_m = sum_g mix[i][m, g] z_g` and back `z_g = sum_m basis[i][g, m] c_m` (basis = mix^-1).
+  Every kv head's pair `i` rotates by the same angle, so any complex mix commutes with RoPE; the query of head `h`
+  (kv group `g`) meets component `m` as `conj(basis[i][g, m]) z_q`. Without merging the basis is the identity
+  (component `m` is kv head `m`); TransMLA-style merging takes the real PCA of the key pairs (orthogonal mix); the
+  "attention" strategy takes the complex basis that minimizes the score variance lost (`plan_rope`).
 - `kept` lists the (m, i) pairs that keep their rotation, in the order of the rope key's pairs.
 
 Everything else (the part of each kv head's key not carried by a kept pair) becomes position-free "nope" key.
@@ -42,8 +44,13 @@ def source_frequencies(config) -> tuple[torch.Tensor, float]:
 
 @dataclass
 class RopePlan:
-    mix: torch.Tensor  # [d_h/2, G, G] float64, orthogonal per frequency
+    mix: torch.Tensor  # [d_h/2, G(m), G(g)] complex128: component m of frequency i = sum_g mix[i, m, g] z_g
     kept: list[tuple[int, int]]  # (component m, frequency i), one per rope-key pair
+    basis: torch.Tensor | None = None  # [d_h/2, G(g), G(m)] complex128, mix^-1 (None: mix^H, a unitary mix)
+
+    def __post_init__(self):
+        self.mix = self.mix.to(torch.complex128)
+        self.basis = self.mix.conj().transpose(-1, -2) if self.basis is None else self.basis.to(torch.complex128)
 
     @property
     def rope_dim(self) -> int:
@@ -59,7 +66,8 @@ def pair_energies(w_q: torch.Tensor, w_k: torch.Tensor, cov: torch.Tensor | None
 
     w_q [H*d_h, D'], w_k [G*d_h, D'] (D' = D, or D+1 with the bias as last column to match an augmented `cov`);
     cov [D', D'] = E[x x^T] (None: identity, a weight-only proxy).
-    Returns q_energy [H, d_h/2] = E||q_{h,i}||^2 and k_cov [d_h/2, G, G] = E[k_{g,i} . k_{g',i}].
+    Returns q_energy [H, d_h/2] = E|z_{q,h,i}|^2 and k_cov [d_h/2, G, G] complex128 = E[z_{g,i} conj(z_{g',i})]
+    (z = the pair as a complex number; the real part is the dot product of the two pairs).
     """
     half = head_dim // 2
     wq = w_q.double().view(heads, 2, half, -1)  # [H, 2 (dims i and i+half), d_h/2, D']
@@ -67,8 +75,9 @@ def pair_energies(w_q: torch.Tensor, w_k: torch.Tensor, cov: torch.Tensor | None
     cq = wq if cov is None else wq @ cov.double()
     ck = wk if cov is None else wk @ cov.double()
     q_energy = (cq * wq).sum(dim=(1, 3))  # [H, d_h/2]
-    k_cov = torch.einsum("gcid,ecid->ige", ck, wk)  # [d_h/2, G, G]
-    return q_energy, k_cov
+    real = torch.einsum("gcid,ecid->ige", ck, wk)  # E[x_g x_e + y_g y_e]
+    imag = torch.einsum("gid,eid->ige", ck[:, 1], wk[:, 0]) - torch.einsum("gid,eid->ige", ck[:, 0], wk[:, 1])
+    return q_energy, torch.complex(real, imag)  # [d_h/2, G, G]: E[y_g x_e - x_g y_e] is the imaginary part
 
 
 def attention_phases(profile: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -126,9 +135,12 @@ def plan_rope(
     if merge:
         if k_cov is None:
             raise ValueError("merging needs key statistics")
-        # PCA across kv heads per frequency: components sorted by key energy, largest first.
-        evals, evecs = torch.linalg.eigh(k_cov)  # ascending, [half, G], [half, G, G]
-        mix = evecs.flip(-1).transpose(-1, -2).contiguous()  # [half, G(m), G(g)]
+        k_cov = k_cov.to(torch.complex128)
+        if strategy == "attention":
+            return _attention_merge(k_cov, loss, group_of, groups, pairs)
+        # TransMLA's RoRoPE: a real PCA across kv heads per frequency, components sorted by key energy, largest first.
+        evals, evecs = torch.linalg.eigh(k_cov.real)  # ascending, [half, G], [half, G, G]
+        mix = evecs.flip(-1).transpose(-1, -2).contiguous()  # [half, G(m), G(g)], orthogonal
         if strategy == "2-norm":
             k_energy = evals.flip(-1).clamp_min(0).sqrt()  # [half, G(m)]
             q_norm = q_energy.clamp_min(0).sqrt()  # [H, half]
@@ -137,13 +149,6 @@ def plan_rope(
             score = (k_energy * q_comp).T.reshape(-1)  # [G*half], index m*half + i
             top = sorted(torch.topk(score, pairs).indices.tolist())
             kept = [(t // half, t % half) for t in top]
-        elif strategy == "attention":
-            # score variance lost by dropping component m of frequency i: sum over heads of the query's lost energy on
-            # that component times the component's key energy
-            k_energy = evals.flip(-1).clamp_min(0)  # [half, G(m)]
-            q_comp = torch.einsum("img,hg,hi->im", mix**2, torch.nn.functional.one_hot(group_of, groups).double(), loss)
-            score = (k_energy * q_comp).T.reshape(-1)  # [G*half], index m*half + i
-            kept = [(t // half, t % half) for t in sorted(torch.topk(score, pairs).indices.tolist())]
         else:
             kept = []
             for m in range(groups):
@@ -166,14 +171,38 @@ def plan_rope(
             if q_energy is None or k_cov is None:
                 raise ValueError("2-norm needs query/key statistics")
             q_norm = q_energy[group_of == g].clamp_min(0).sqrt().sum(0)  # [half]
-            score = q_norm * k_cov[:, g, g].clamp_min(0).sqrt()
+            score = q_norm * k_cov[:, g, g].real.clamp_min(0).sqrt()
             kept += [(g, i) for i in sorted(torch.topk(score, per_head).indices.tolist())]
         elif strategy == "attention":
-            score = loss[group_of == g].sum(0) * k_cov[:, g, g].clamp_min(0)
+            score = loss[group_of == g].sum(0) * k_cov[:, g, g].real.clamp_min(0)
             kept += [(g, i) for i in sorted(torch.topk(score, per_head).indices.tolist())]
         else:
             kept += [(g, i) for i in _ordered(strategy, half, per_head)]
     return RopePlan(mix=mix, kept=kept)
+
+
+def _attention_merge(k_cov: torch.Tensor, loss: torch.Tensor, group_of: torch.Tensor, groups: int, pairs: int) -> RopePlan:
+    """The merge that loses least score variance, and the pairs it keeps.
+
+    Model: dropping component m of frequency i replaces its rotation by the expected one, losing (per query head h of
+    group g) E|query on m|^2 E|c_m|^2 (1 - |phase_{h,i}|^2). With D_i = diag over groups of w_g = sum_{h in g}
+    E|z_{q,h,i}|^2 (1 - |phase_{h,i}|^2) and uncorrelated components, the loss of a basis is sum over dropped m of
+    E|c_m|^2 sum_g w_g |basis[g, m]|^2, minimized by the eigenvectors V of D^1/2 C_i D^1/2 (C_i the complex key
+    covariance): c = V^H D^1/2 z, basis = D^-1/2 V, and the loss of dropping m is its eigenvalue. Exact at full rope
+    (any invertible basis is); with one kv group (MHA) or uniform weights it is the complex PCA of the keys.
+    """
+    half = k_cov.shape[0]
+    weight = torch.zeros(half, groups, dtype=torch.float64).index_add_(1, group_of, loss.T.double())  # [half, G]
+    weight = weight.clamp_min(1e-9 * float(weight.max().clamp_min(1e-300)))  # every group stays invertible
+    root = weight.sqrt()  # [half, G]
+    scaled = root[:, :, None] * k_cov * root[:, None, :]  # D^1/2 C D^1/2, [half, G, G] Hermitian
+    evals, evecs = torch.linalg.eigh(scaled)  # ascending
+    evals, evecs = evals.flip(-1), evecs.flip(-1)  # [half, G(m)], [half, G(g), G(m)]
+    mix = evecs.conj().transpose(-1, -2) * root[:, None, :]  # [half, G(m), G(g)]: V^H D^1/2
+    basis = evecs / root[:, :, None]  # [half, G(g), G(m)]: D^-1/2 V
+    score = evals.clamp_min(0).T.reshape(-1)  # [G*half], index m*half + i
+    kept = [(t // half, t % half) for t in sorted(torch.topk(score, pairs).indices.tolist())]
+    return RopePlan(mix=mix, kept=kept, basis=basis)
 
 
 def split_rope(plan: RopePlan, w_q: torch.Tensor, w_k: torch.Tensor, heads: int, groups: int, head_dim: int):
@@ -189,14 +218,18 @@ def split_rope(plan: RopePlan, w_q: torch.Tensor, w_k: torch.Tensor, heads: int,
     n = len(plan.kept)
     wq = w_q.double().view(heads, 2, half, -1)
     wk = w_k.double().view(groups, 2, half, -1)
+    zq = torch.complex(wq[:, 0], wq[:, 1])  # [H, half, D']
+    zk = torch.complex(wk[:, 0], wk[:, 1])  # [G, half, D']
     group_of = torch.arange(heads) // (heads // groups)
-    q_rope = wq.new_zeros(heads, 2, n, wq.shape[-1])
-    k_rope = wk.new_zeros(2, n, wk.shape[-1])
-    k_nope = wk.clone()
+    q_rope = torch.zeros(heads, n, wq.shape[-1], dtype=torch.complex128)
+    k_rope = torch.zeros(n, wk.shape[-1], dtype=torch.complex128)
+    z_nope = zk.clone()
     for j, (m, i) in enumerate(plan.kept):
-        u = plan.mix[i, m]  # [G]
-        comp = torch.einsum("g,gcd->cd", u, wk[:, :, i])  # [2, D']: component m of frequency i
-        k_rope[:, j] = comp
-        k_nope[:, :, i] -= torch.einsum("g,cd->gcd", u, comp)
-        q_rope[:, :, j] = u[group_of][:, None, None] * wq[:, :, i]
+        comp = plan.mix[i, m] @ zk[:, i]  # [D']: component m of frequency i
+        k_rope[j] = comp
+        z_nope[:, i] -= plan.basis[i, :, m, None] * comp
+        q_rope[:, j] = plan.basis[i, group_of, m].conj()[:, None] * zq[:, i]
+    q_rope = torch.stack([q_rope.real, q_rope.imag], dim=1)  # [H, 2, n, D']: rotate_half layout
+    k_rope = torch.stack([k_rope.real, k_rope.imag])  # [2, n, D']
+    k_nope = torch.stack([z_nope.real, z_nope.imag], dim=1)  # [G, 2, half, D']
     return q_rope.reshape(heads, 2 * n, -1), k_rope.reshape(2 * n, -1), k_nope.reshape(groups * head_dim, -1)

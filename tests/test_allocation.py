@@ -1,0 +1,64 @@
+"""Rank allocation across layers: one global latent budget shared by the layers' spectra."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import mla_convert  # noqa: F401
+from mla_convert.errors import UserError
+from mla_convert.lowrank import allocate_ranks
+
+
+def test_allocation_follows_relative_spectra():
+    flat = torch.ones(32)  # every dim removes the same share of this layer's error
+    steep = 0.5 ** torch.arange(32.0)  # a few dims carry this layer
+    ranks = allocate_ranks([flat, steep, flat * 100], total=52, unit=4, floor=4)
+    assert sum(ranks) == 52 and all(r % 4 == 0 and r >= 4 for r in ranks)
+    assert ranks[1] == 4  # the steep layer needs only its floor
+    assert ranks[0] == ranks[2] == 24  # scale does not matter: relative error does
+    assert allocate_ranks([flat, steep], total=64, unit=1, floor=1, cap=32) == [32, 32]  # the caps bind
+    with pytest.raises(ValueError):
+        allocate_ranks([flat, steep], total=66, unit=1, floor=1)  # more than the spectra hold
+
+
+@pytest.fixture(scope="module")
+def steep_first_layer(tmp_path_factory):
+    """A tiny llama whose layer 0 keys and values are nearly rank 2: a few latent dims carry that layer."""
+    from tiny import tiny_source
+
+    folder = tiny_source("llama-gqa", tmp_path_factory.mktemp("steep") / "src", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for proj in (model.model.layers[0].self_attn.k_proj, model.model.layers[0].self_attn.v_proj):
+            rows, cols = proj.weight.shape
+            low = torch.randn(rows, 2, generator=gen) @ torch.randn(2, cols, generator=gen) * 0.1
+            proj.weight.copy_(low + 1e-3 * torch.randn(rows, cols, generator=gen))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_energy_allocation_converts_at_the_same_cache(steep_first_layer, convert_tiny):
+    uniform = convert_tiny(steep_first_layer, rank=8, rope_dims=4)
+    shared = convert_tiny(steep_first_layer, rank=8, rope_dims=4, rank_allocation="energy")
+    cfg_u, cfg_s = (json.loads((f / "config.json").read_text()) for f in (uniform, shared))
+    assert cfg_u["kv_lora_rank"] == [8, 8]
+    assert sum(cfg_s["kv_lora_rank"]) == 16 and cfg_s["kv_lora_rank"][0] < 8 < cfg_s["kv_lora_rank"][1]
+    record = json.loads((shared / "provenance.json").read_text())
+    assert record["plan"]["ranks"] == cfg_s["kv_lora_rank"]
+    assert record["options"]["rank_allocation"] == "energy"
+    model = AutoModelForCausalLM.from_pretrained(shared).eval()
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    for layer, rank in enumerate(cfg_s["kv_lora_rank"]):
+        assert out.past_key_values.layers[layer].keys.shape[-1] == rank  # the latent cache has the layer's rank
+
+
+def test_energy_allocation_needs_source_statistics(sources, convert_tiny):
+    with pytest.raises(UserError, match="--calib-propagate source"):
+        convert_tiny(sources["llama-gqa"], rank=8, rope_dims=4, rank_allocation="energy", calib_propagate="converted")
