@@ -16,8 +16,9 @@ Two measurements, every ratio taken within the same run:
 2. The whole model, tokens per second, with transformers' DynamicCache pre-filled to the context length with random
    values (no prefill is timed: decode cost does not depend on the values).
 
-On CUDA it also times the attention core alone (the Triton kernel, the torch reference, the source's sdpa) and reports
-the achieved bandwidth (cache bytes read per second) against the measured device copy bandwidth.
+On CUDA it also times the attention core alone at the same shapes (the Triton kernel, the model's torch absorbed path,
+the float32 reference, the source's GQA sdpa), as GPU time per call from CUDA-graph replays over rotating input sets,
+and reports the achieved bandwidth (cache bytes read per second) against the measured device copy bandwidth.
 
 Weights: `--from-config` (default) builds SmolLM2-135M-shaped models with random weights (timing does not depend on
 weight values); `--model DIR` loads a converted folder (the source is `--source` if given, else built from the
@@ -25,8 +26,15 @@ converted config with random weights).
 
 The numbers in benchmarks/decode.md (a 2-core CPU shared with other jobs, hence one thread and the CPU clock):
     OMP_NUM_THREADS=1 nice python scripts/bench_decode.py --threads 1 --clock cpu --json benchmarks/decode.json
-On CUDA (adds the Triton kernel and the attention-core table):
-    python scripts/bench_decode.py
+On CUDA (adds the Triton kernel, the attention-core table and its before/after), the numbers in
+benchmarks/decode_gpu.md (H100):
+    python scripts/bench_decode.py --device cuda --contexts 1k,2k,4k,8k,16k,32k,64k --batches 1,8,32 \
+        --model-contexts 1k,8k,32k --model-batches 1,8,32 --model-budget 1.5 \
+        --kernel-baseline benchmarks/decode_gpu.before.json \
+        --out benchmarks/decode_gpu.md --json benchmarks/decode_gpu.json --plot benchmarks/decode_gpu.png
+The Triton kernel's launch-knob sweep (benchmarks/decode_gpu.sweep.json, which chose the kernel's defaults):
+    python scripts/bench_decode.py --skip-layer --skip-model --skip-kernel --kernel-sweep benchmarks/decode_gpu.sweep.json \
+        --out /tmp/decode_gpu.sweep.md
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -318,9 +327,36 @@ def bench_layers(source, mla, args, device, dtype, log):
                 row["ms"][name] = statistics.median(samples[name]) * 1e3
             del steps
             gc.collect()
-            rows.append(row)
             log(f"layer  B={batch:<3d} ctx={context:<6d} " + "  ".join(f"{k} {v:8.3f} ms" for k, v in row["ms"].items()))
+            if device.type == "cuda" and not args.no_graph:
+                row["graph_ms"] = graph_layer_times(variants, row, hidden, pos, batch, context, device, dtype, log)
+                log(f"graph  B={batch:<3d} ctx={context:<6d} " + "  ".join(
+                    f"{k} {v:8.3f} ms" for k, v in row["graph_ms"].items() if v is not None))
+            rows.append(row)
     return rows
+
+
+def graph_layer_times(variants, row, hidden, pos, batch, context, device, dtype, log) -> dict:
+    """CUDA: GPU ms per layer step of each form, from CUDA-graph replays (launch gaps and Python left out, as a
+    serving engine that captures its decode step sees it). Each form steps over several caches in turn (together at
+    least 256 MiB, at most 64), so a cache is cold in L2 when its turn comes."""
+    out = {}
+    for name, (attn, layout, step) in variants.items():
+        heads, d_k, d_v = layout
+        n_sets = input_sets(row["kv_bytes"][name], most=64)
+        try:
+            calls = [functools.partial(step, attn, SlotCache(
+                torch.randn(batch, heads, context + 1, d_k, device=device, dtype=dtype),
+                torch.randn(batch, heads, context + 1, d_v, device=device, dtype=dtype)), hidden, pos)
+                for _ in range(n_sets)]
+            out[name] = graph_seconds(calls, device) * 1e3
+        except RuntimeError as err:  # a form that cannot be captured is reported as such, not timed another way
+            log(f"graph  {name} B={batch} ctx={context}: not captured: {str(err).splitlines()[0][:160]}")
+            out[name] = None
+        calls = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
 
 
 @torch.no_grad()
@@ -344,6 +380,24 @@ def prefilled_cache(model, batch, context, device, dtype):
 def cache_tensor_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                if t is not None)
+
+
+def count_kernel_calls(fn) -> int:
+    """How many times one call of `fn` runs the Triton decode kernel."""
+    import mla_convert.kernels.triton_mla as triton_mla
+
+    original, calls = triton_mla.mla_decode_triton, []
+
+    def counting(*a, **k):
+        calls.append(1)
+        return original(*a, **k)
+
+    triton_mla.mla_decode_triton = counting
+    try:
+        fn()
+    finally:
+        triton_mla.mla_decode_triton = original
+    return len(calls)
 
 
 @torch.no_grad()
@@ -370,6 +424,9 @@ def bench_models(source, mla, args, device, dtype, log):
                     model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     cache.crop(-1)  # drop the appended row: every timed step sees the same context
 
+                calls = count_kernel_calls(step) if name == "MLA triton" else None
+                if calls is not None:
+                    row["triton_calls_per_step"] = calls  # the kernel ran in every layer (checked, not assumed)
                 t0 = now()
                 step()
                 sync(device)
@@ -386,43 +443,179 @@ def bench_models(source, mla, args, device, dtype, log):
     return rows
 
 
+def graph_seconds(calls, device, reps: int = 20) -> float:
+    """Median GPU seconds per call: one CUDA graph runs every call of `calls` once (each on its own input set, so a
+    set is cold in L2 when its turn comes), and the graph's replays are timed with events."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up outside the capture: compilation, autotuning, workspace allocation
+        for call in calls:
+            call()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    sync(device)
+    seconds = statistics.median(time_samples(graph.replay, device, reps)) / len(calls)
+    del graph
+    return seconds
+
+
+def input_sets(set_bytes: int, target: int = 256 * 2**20, most: int = 256) -> int:
+    """How many input sets to rotate through so that together they are several times the L2 cache (50 MB on H100)."""
+    return max(2, min(most, math.ceil(target / max(set_bytes, 1))))
+
+
+def kernel_inputs(batch, context, heads, d_c, d_r, n_kv, d_h, dtype, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    return {"q_latent": rand(batch, heads, d_c), "q_rope": rand(batch, heads, d_r), "latent": rand(batch, context, d_c),
+            "k_rope": rand(batch, context, d_r), "q": rand(batch, heads, 1, d_h), "k": rand(batch, n_kv, context, d_h),
+            "v": rand(batch, n_kv, context, d_h)}
+
+
+def kernel_shapes(mla):
+    attn = mla.model.layers[0].self_attn
+    src = source_config_from(mla.config)
+    return attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim, src.num_key_value_heads, src.head_dim, attn.scaling
+
+
 @torch.no_grad()
 def bench_kernel(mla, args, device, dtype, copy_bw, log):
-    """CUDA only: the attention core alone — Triton kernel vs torch reference vs the source's sdpa (GQA)."""
+    """CUDA only: the attention core alone, at the same shapes, each timed as GPU time per call (CUDA graph replays
+    over rotating input sets, cold L2): the Triton kernel; the model's torch absorbed path (`latent_attention`, the
+    A_CC_ME core: rope scores as an sdpa bias); the float32 torch reference; the source's GQA sdpa (default dispatch,
+    and the flash backend forced). Also the Triton kernel called eagerly (one call, Python launch cost included)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from mla_convert.kernels import mla_decode
+    from mla_convert.kernels import mla_decode, mla_decode_reference
+    from mla_convert.modeling.modeling_mla import latent_attention
 
-    attn = mla.model.layers[0].self_attn
-    heads, d_c, d_r = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
-    src = source_config_from(mla.config)
-    n_kv, d_h = src.num_key_value_heads, src.head_dim
+    heads, d_c, d_r, n_kv, d_h, scale = kernel_shapes(mla)
     esize = torch.tensor([], dtype=dtype).element_size()
     rows = []
-    for batch in args.batches:
-        for context in args.contexts:
-            q_latent = torch.randn(batch, heads, d_c, device=device, dtype=dtype)
-            q_rope = torch.randn(batch, heads, d_r, device=device, dtype=dtype)
-            latent = torch.randn(batch, context, d_c, device=device, dtype=dtype)
-            k_rope = torch.randn(batch, context, d_r, device=device, dtype=dtype)
-            lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
-            scale = attn.scaling
-            t_kernel = time_fn(lambda: mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale,
-                                                  backend="triton"), device, reps=50, warmup=5)
-            t_ref = time_fn(lambda: mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale, backend="torch"),
-                            device, reps=20, warmup=3)
-            q = torch.randn(batch, heads, 1, d_h, device=device, dtype=dtype)
-            k = torch.randn(batch, n_kv, context, d_h, device=device, dtype=dtype)
-            v = torch.randn_like(k)
-            t_sdpa = time_fn(lambda: sdpa(q, k, v, enable_gqa=True), device, reps=50, warmup=5)
+    for batch in args.kernel_batches:
+        for context in args.kernel_contexts:
             mla_bytes = batch * context * (d_c + d_r) * esize
             src_bytes = batch * context * 2 * n_kv * d_h * esize
-            rows.append({"batch": batch, "context": context, "triton_us": t_kernel * 1e6, "reference_us": t_ref * 1e6,
-                         "sdpa_us": t_sdpa * 1e6, "triton_bw": mla_bytes / t_kernel, "sdpa_bw": src_bytes / t_sdpa,
-                         "copy_bw": copy_bw})
-            log(f"kernel B={batch:<3d} ctx={context:<6d} triton {t_kernel*1e6:8.1f} us ({mla_bytes/t_kernel/1e9:6.0f} GB/s)"
-                f"  reference {t_ref*1e6:8.1f} us  source sdpa {t_sdpa*1e6:8.1f} us ({src_bytes/t_sdpa/1e9:6.0f} GB/s)")
-            del q_latent, q_rope, latent, k_rope, q, k, v
+            n_sets = input_sets(src_bytes)
+            sets = [kernel_inputs(batch, context, heads, d_c, d_r, n_kv, d_h, dtype, device, seed)
+                    for seed in range(n_sets)]
+            lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+
+            def forms(x):
+                def flash():
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        return sdpa(x["q"], x["k"], x["v"], enable_gqa=True)
+
+                return {
+                    "triton": lambda: mla_decode(x["q_latent"], x["q_rope"], x["latent"], x["k_rope"], lengths, scale,
+                                                 backend="triton"),
+                    "torch_absorbed": lambda: latent_attention(x["q_latent"][:, :, None], x["q_rope"][:, :, None],
+                                                               x["latent"][:, None], x["k_rope"][:, None], None, scale),
+                    "reference": lambda: mla_decode_reference(x["q_latent"], x["q_rope"], x["latent"], x["k_rope"],
+                                                              lengths, scale),
+                    "sdpa": lambda: sdpa(x["q"], x["k"], x["v"], enable_gqa=True),
+                    "sdpa_flash": flash,
+                }
+
+            per_set = [forms(x) for x in sets]
+            us = {}
+            for name in per_set[0]:
+                try:
+                    us[name] = graph_seconds([f[name] for f in per_set], device) * 1e6
+                except RuntimeError as err:  # e.g. no flash kernel for these inputs
+                    log(f"kernel {name} B={batch} ctx={context}: {str(err).splitlines()[0]}")
+                    us[name] = None
+            x = sets[0]
+            us["triton_eager"] = time_fn(per_set[0]["triton"], device, reps=50, warmup=5) * 1e6
+            # The kernel's output against the float32 reference, on this run's inputs.
+            got = per_set[0]["triton"]().float()
+            want = mla_decode_reference(x["q_latent"].float(), x["q_rope"].float(), x["latent"].float(),
+                                        x["k_rope"].float(), lengths, scale)
+            rel_err = float((got - want).norm() / want.norm())
+            row = {"batch": batch, "context": context, "us": us, "mla_bytes": mla_bytes, "src_bytes": src_bytes,
+                   "input_sets": n_sets, "triton_rel_err": rel_err, "copy_bw": copy_bw,
+                   "triton_bw": mla_bytes / (us["triton"] / 1e6),
+                   "torch_absorbed_bw": mla_bytes / (us["torch_absorbed"] / 1e6),
+                   "sdpa_bw": src_bytes / (us["sdpa"] / 1e6)}
+            rows.append(row)
+            log(f"kernel B={batch:<3d} ctx={context:<6d} " +
+                "  ".join(f"{k} {v:8.1f} us" for k, v in us.items() if v is not None) +
+                f"  triton {row['triton_bw'] / 1e9:.0f} GB/s ({row['triton_bw'] / copy_bw:.0%} of copy), "
+                f"rel err {rel_err:.1e}")
+            del sets, per_set
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 8192), (8, 32768), (32, 32768), (32, 65536)]
+
+
+def sweep_variants():
+    base = dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, min_split_rows=256, max_splits=64)
+    out = []
+    for block_n in (64, 128, 256):
+        for num_warps in (4, 8):
+            for num_stages in (2, 3, 4):
+                for ppsm, min_rows, most in ((2, 256, 64), (4, 128, 128), (8, 64, 256)):
+                    out.append(dict(base, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                                    programs_per_sm=ppsm, min_split_rows=min_rows, max_splits=most))
+    return out
+
+
+@torch.no_grad()
+def kernel_sweep(mla, device, dtype, copy_bw, log):
+    """CUDA only: the Triton kernel's launch knobs (row block, warps, pipeline stages, split heuristic) over a few
+    shapes, GPU time per call as in `bench_kernel`; each variant's output is checked against the reference."""
+    from mla_convert.kernels import mla_decode_reference
+    from mla_convert.kernels.triton_mla import launch_config, mla_decode_triton
+
+    heads, d_c, d_r, n_kv, d_h, scale = kernel_shapes(mla)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for batch, context in SWEEP_SHAPES:
+        mla_bytes = batch * context * (d_c + d_r) * esize
+        n_sets = input_sets(mla_bytes)
+        sets = [kernel_inputs(batch, context, heads, d_c, d_r, 1, 16, dtype, device, seed) for seed in range(n_sets)]
+        lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+        x = sets[0]
+        want = mla_decode_reference(x["q_latent"].float(), x["q_rope"].float(), x["latent"].float(),
+                                    x["k_rope"].float(), lengths, scale)
+        for tune in sweep_variants():
+            cfg = launch_config(batch, heads, context, d_c, d_r, sms, **tune)
+            row = {"batch": batch, "context": context, "tune": tune, "num_splits": cfg["num_splits"]}
+            try:
+                got = mla_decode_triton(x["q_latent"], x["q_rope"], x["latent"], x["k_rope"], lengths, scale,
+                                        tune=tune).float()
+                row["rel_err"] = float((got - want).norm() / want.norm())
+                seconds = graph_seconds([functools.partial(mla_decode_triton, y["q_latent"], y["q_rope"], y["latent"],
+                                                           y["k_rope"], lengths, scale, tune=tune) for y in sets],
+                                        device)
+                row["us"] = seconds * 1e6
+                row["bw"] = mla_bytes / seconds
+            except Exception as err:  # noqa: BLE001 - e.g. out of shared memory for a large block and many stages
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            rows.append(row)
+        ok = [r for r in rows if r["batch"] == batch and r["context"] == context and "us" in r]
+        best = min(ok, key=lambda r: r["us"])
+        default = ok[0]
+        log(f"sweep  B={batch:<3d} ctx={context:<6d} default {default['us']:7.1f} us "
+            f"({default['bw'] / 1e9:5.0f} GB/s)  best {best['us']:7.1f} us ({best['bw'] / 1e9:5.0f} GB/s, "
+            f"{best['bw'] / copy_bw:.0%} of copy) {best['tune']} splits {best['num_splits']}; "
+            f"max rel err {max(r['rel_err'] for r in ok):.1e}; {len(ok)}/{len(sweep_variants())} ran")
+        del sets
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -501,13 +694,36 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
             cells = [f"{row['ms'][n]:.2f}" + ("" if n == "source" else f" ({src / row['ms'][n]:.2f}x)") for n in names]
             lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) +
                          f" | {fmt_bytes(row['kv_bytes']['source'])} | {fmt_bytes(row['kv_bytes']['A_CC_ME'])} |")
-        lines += ["", f"![layer decode step time]({plot_path.name})", ""]
+        lines += [""]
         lines += ["Cache bytes read per second by each form (its cache bytes / step time):", "",
                   "| batch | context | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
         for row in layer_rows:
             lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " +
                          " | ".join(f"{row['kv_bytes'][n] / (row['ms'][n] / 1e3) / 1e9:.1f} GB/s" for n in names) + " |")
         lines.append("")
+        if any(r.get("graph_ms") for r in layer_rows):
+            lines += [
+                "### The same step as GPU time (CUDA graph replay)",
+                "",
+                "The step above is timed eagerly: on a GPU, with this small model, its time is mostly the host "
+                "issuing ~10-20 kernels from Python, so the forms differ little until the cache is large. Here each "
+                "form's step is captured in a CUDA graph over several caches in turn (together at least 256 MiB, so a "
+                "cache is cold in L2 when its turn comes) and the replays are timed with CUDA events: GPU time per "
+                "step, as an engine that captures its decode step sees it. ms per step; in brackets the speedup over "
+                "the source.",
+                "",
+                "| batch | context | " + " | ".join(names) + " |",
+                "|---:|---:|" + "---:|" * len(names),
+            ]
+            for row in layer_rows:
+                g = row.get("graph_ms") or {}
+                src = g.get("source")
+                cells = [("n/a" if g.get(n) is None else f"{g[n]:.3f}" +
+                          ("" if n == "source" or not src else f" ({src / g[n]:.2f}x)")) for n in names]
+                lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) + " |")
+            lines += ["", f"![layer decode step GPU time]({plot_path.name})", ""]
+        else:
+            lines += [f"![layer decode step time]({plot_path.name})", ""]
     if model_rows:
         mnames = list(model_rows[0]["tok_s"])
         lines += [
@@ -528,23 +744,66 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
                          f" | {fmt_bytes(row['kv_bytes']['source'])} | {fmt_bytes(row['kv_bytes']['MLA A_CC_ME'])} |")
         lines.append("")
     if kernel_rows:
-        lines += [
-            "## Attention core alone (CUDA)",
-            "",
-            "The Triton kernel and the torch reference over the latent cache, and the source's sdpa (GQA) over its "
-            "K/V cache; achieved bandwidth = cache bytes read / time, against the measured copy bandwidth "
-            f"({kernel_rows[0]['copy_bw'] / 1e9:.0f} GB/s).",
-            "",
-            "| batch | context | triton us | reference us | source sdpa us | triton GB/s (% of copy) | sdpa GB/s (% of copy) |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in kernel_rows:
-            lines.append(f"| {r['batch']} | {ctx_label(r['context'])} | {r['triton_us']:.1f} | {r['reference_us']:.1f}"
-                         f" | {r['sdpa_us']:.1f} | {r['triton_bw'] / 1e9:.0f} ({r['triton_bw'] / r['copy_bw']:.0%}) |"
-                         f" {r['sdpa_bw'] / 1e9:.0f} ({r['sdpa_bw'] / r['copy_bw']:.0%}) |")
-        lines.append("")
+        lines += kernel_section(kernel_rows, meta)
+    if model_rows and "triton_calls_per_step" in model_rows[0]:
+        lines += [f"Whole model, MLA triton: the Triton kernel ran {model_rows[0]['triton_calls_per_step']} times per "
+                  f"decode step ({meta['layers']} layers), counted by wrapping it for one step.", ""]
     lines += targets_section(layer_rows, model_rows)
     path.write_text("\n".join(lines) + "\n")
+
+
+def kernel_section(kernel_rows, meta) -> list[str]:
+    copy_bw = kernel_rows[0]["copy_bw"]
+    has_before = any("triton_before_us" in r for r in kernel_rows)
+
+    def us(v):
+        return "n/a" if v is None else f"{v:.1f}"
+
+    lines = [
+        "## Attention core alone (CUDA)",
+        "",
+        "One decode step of attention alone, the same shapes for every column (the MLA forms read the latent cache, "
+        f"{meta['d_c']} + {meta['d_r']} values per token; the source's GQA sdpa reads its K/V cache, 2 x "
+        f"{meta['kv_heads']} x {meta['head_dim']} values per token, {meta['heads']} query heads). GPU time per call "
+        "in microseconds: a CUDA graph runs each form once on each of several input sets (together at least 256 MiB, "
+        "so a set is cold in the 50 MB L2 when its turn comes) and its replays are timed with CUDA events; launch "
+        "gaps are left out. **triton**: the kernel (`mla_decode`, backend triton); **triton eager**: the same, one "
+        "call from Python timed with events, launch cost included (what an eager decode step pays); **torch "
+        "absorbed**: the model's torch decode path (`latent_attention`, the A_CC_ME core: rope scores as an sdpa "
+        "bias); **fp32 ref**: the float32 einsum reference; **sdpa** / **sdpa flash**: the source's GQA attention "
+        "(`scaled_dot_product_attention(..., enable_gqa=True)`, default dispatch / flash backend forced)."
+        + (" **before**: the kernel as it was before this run's tuning (see the note below the table)."
+           if has_before else ""),
+        "",
+        f"Achieved bandwidth = cache bytes read / GPU time, against the measured device copy bandwidth "
+        f"({copy_bw / 1e9:.0f} GB/s, read + write, 512 MiB copy).",
+        "",
+        "| batch | context | KV MLA | KV source | triton us |" + (" before us |" if has_before else "") +
+        " triton eager us | torch absorbed us | fp32 ref us | sdpa us | sdpa flash us | triton GB/s (% of copy) |"
+        " torch absorbed GB/s | sdpa GB/s (% of copy) | triton speedup vs torch absorbed | vs sdpa |",
+        "|---:|---:|---:|---:|---:|" + ("---:|" if has_before else "") + "---:|" * 10,
+    ]
+    for r in kernel_rows:
+        u = r["us"]
+        lines.append(
+            f"| {r['batch']} | {ctx_label(r['context'])} | {fmt_bytes(r['mla_bytes'])} | {fmt_bytes(r['src_bytes'])} | "
+            f"{us(u['triton'])} |" + (f" {us(r.get('triton_before_us'))} |" if has_before else "") +
+            f" {us(u['triton_eager'])} | {us(u['torch_absorbed'])} | {us(u['reference'])} | {us(u['sdpa'])} |"
+            f" {us(u['sdpa_flash'])} | {r['triton_bw'] / 1e9:.0f} ({r['triton_bw'] / copy_bw:.0%}) |"
+            f" {r['torch_absorbed_bw'] / 1e9:.0f} | {r['sdpa_bw'] / 1e9:.0f} ({r['sdpa_bw'] / copy_bw:.0%}) |"
+            f" {u['torch_absorbed'] / u['triton']:.2f}x | {u['sdpa'] / u['triton']:.2f}x |")
+    warm = [f"B={r['batch']} {ctx_label(r['context'])}" for r in kernel_rows
+            if r["input_sets"] * r["mla_bytes"] < 100e6]
+    if warm:
+        lines += ["", f"At {', '.join(warm)} the rotated latent-cache sets total under 100 MB (2x L2, at most 256 sets), "
+                      "so part of the MLA forms' reads may come from L2; these points are launch- and latency-bound "
+                      "anyway."]
+    errs = [r["triton_rel_err"] for r in kernel_rows]
+    lines += ["", f"Kernel output vs the float32 reference on the timed inputs: relative error (Frobenius) "
+                  f"{min(errs):.1e} to {max(errs):.1e} ({meta['dtype']} inputs).", ""]
+    if has_before:
+        lines += [f"Before: {meta.get('kernel_baseline_note', '')}", ""]
+    return lines
 
 
 def load_note(meta) -> list[str]:
@@ -571,6 +830,13 @@ def targets_section(layer_rows, model_rows=()):
         out.append(f"- Absorbed (A_CC_ME) attention step at least 2x faster than the source's at 8K context, batch 8: "
                    f"{speedup:.2f}x -> **{'met' if speedup >= 2 else 'not met'}** "
                    f"(source {r['source']:.2f} ms, A_CC_ME {r['A_CC_ME']:.2f} ms, CC {r['CC']:.2f} ms).")
+        g = at[0].get("graph_ms") or {}
+        if g.get("source") and g.get("A_CC_ME"):
+            out.append(f"- The same check on GPU time (CUDA graph, the table above): source / A_CC_ME "
+                       f"{g['source'] / g['A_CC_ME']:.2f}x"
+                       + (f", source / triton {g['source'] / g['triton']:.2f}x" if g.get("triton") else "")
+                       + f" -> **{'met' if g['source'] / g.get('triton', g['A_CC_ME']) >= 2 else 'not met'}**"
+                       + (" with the Triton kernel" if g.get("triton") else "") + ".")
     else:
         out.append("- 8K context at batch 8 was not in this run's sweep.")
     long = [r for r in layer_rows if r["context"] > 1024]
@@ -596,18 +862,20 @@ def plot(layer_rows, path: Path, meta):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    key = "graph_ms" if all(r.get("graph_ms") for r in layer_rows) else "ms"
     batches = sorted({r["batch"] for r in layer_rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         rows = [r for r in layer_rows if r["batch"] == batch]
         for name in rows[0]["ms"]:
-            ax.plot([r["context"] for r in rows], [r["ms"][name] for r in rows], marker="o", label=name,
+            pts = [(r["context"], r[key][name]) for r in rows if r[key].get(name) is not None]
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=name,
                     linewidth=2.5 if name in ("source", "A_CC_ME", "triton") else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks([r["context"] for r in rows], [ctx_label(r["context"]) for r in rows])
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per decode step, one layer")
+        ax.set_ylabel("ms per decode step, one layer" + (" (GPU time, CUDA graph)" if key == "graph_ms" else ""))
         ax.set_title(f"batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
@@ -649,7 +917,20 @@ def main(argv=None):
     p.add_argument("--clock", choices=sorted(_CLOCK), default="wall",
                    help="wall (default) or cpu: CPU time of the one benchmark thread (CPU device, --threads 1), for a "
                         "machine shared with other jobs")
-    p.add_argument("--skip-model", action="store_true", help="only the per-layer sweep")
+    p.add_argument("--kernel-contexts", type=parse_ints, default=parse_ints("1k,8k,32k,64k"),
+                   help="attention-core table contexts (CUDA; default 1k,8k,32k,64k)")
+    p.add_argument("--kernel-batches", type=parse_ints, default=[1, 8, 32],
+                   help="attention-core table batch sizes (CUDA; default 1,8,32)")
+    p.add_argument("--skip-layer", action="store_true", help="no per-layer sweep")
+    p.add_argument("--no-graph", action="store_true", help="CUDA: no CUDA-graph timing of the per-layer step")
+    p.add_argument("--skip-model", action="store_true", help="no whole-model sweep")
+    p.add_argument("--skip-kernel", action="store_true", help="no attention-core table (CUDA)")
+    p.add_argument("--kernel-sweep", metavar="JSON", help="CUDA: also time the Triton kernel's launch knobs over a "
+                                                          "few shapes and write them here")
+    p.add_argument("--kernel-baseline", metavar="JSON", help="an earlier run's --json: its Triton times go beside "
+                                                             "this run's in the attention-core table")
+    p.add_argument("--kernel-note", help="a note on the kernel version, stored in the JSON (used with "
+                                         "--kernel-baseline)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "decode.md"))
     p.add_argument("--plot", default=None, help="PNG path (default: beside --out, .png)")
     p.add_argument("--json", default=None, help="also write the raw numbers here")
@@ -681,7 +962,7 @@ def main(argv=None):
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     meta = {
         "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python", "scripts/bench_decode.py"] + (sys.argv[1:] if argv is None else list(argv))),
+        "command": shlex.join(["python", "scripts/bench_decode.py"] + (sys.argv[1:] if argv is None else list(argv))),
         "device": f"{device.type} ({device_name})", "dtype": str(dtype).replace("torch.", ""),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "origin": origin, "clock": args.clock,
         "hidden": scfg.hidden_size, "heads": scfg.num_attention_heads, "kv_heads": scfg.num_key_value_heads,
@@ -691,16 +972,33 @@ def main(argv=None):
         "cd_elems": attn.num_kv_groups * (attn.qk_nope_head_dim + attn.qk_rope_head_dim + attn.v_head_dim),
         "copy_bw": copy_bw, "element_size": esize, "cpus": os.cpu_count(), "load_before": load_before,
     }
-    layer_rows = bench_layers(source, mla, args, device, dtype, log)
+    if args.kernel_note:
+        meta["kernel_note"] = args.kernel_note
+    layer_rows = [] if args.skip_layer else bench_layers(source, mla, args, device, dtype, log)
     model_rows = [] if args.skip_model else bench_models(source, mla, args, device, dtype, log)
-    kernel_rows = bench_kernel(mla, args, device, dtype, copy_bw, log) if device.type == "cuda" else []
+    cuda = device.type == "cuda"
+    kernel_rows = bench_kernel(mla, args, device, dtype, copy_bw, log) if cuda and not args.skip_kernel else []
     meta["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     meta["minutes"] = (time.perf_counter() - started) / 60
-    plot(layer_rows, plot_path, meta)
+    if args.kernel_baseline:
+        before = json.loads(Path(args.kernel_baseline).read_text())
+        by_shape = {(r["batch"], r["context"]): r["us"]["triton"] for r in before.get("kernel", [])}
+        for r in kernel_rows:
+            if (r["batch"], r["context"]) in by_shape:
+                r["triton_before_us"] = by_shape[(r["batch"], r["context"])]
+        note = before["meta"].get("kernel_note")
+        meta["kernel_baseline_note"] = (f"`{args.kernel_baseline}`, written by `{before['meta']['command']}`"
+                                        + (f" ({note})" if note and note not in before["meta"]["command"] else "")
+                                        + ".")
+    sweep_rows = kernel_sweep(mla, device, dtype, copy_bw, log) if args.kernel_sweep else []
+    if layer_rows:
+        plot(layer_rows, plot_path, meta)
     write_report(out, args, meta, layer_rows, model_rows, kernel_rows, plot_path)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "layer": layer_rows, "model": model_rows,
                                                "kernel": kernel_rows}, indent=1))
+    if args.kernel_sweep:
+        Path(args.kernel_sweep).write_text(json.dumps({"meta": meta, "sweep": sweep_rows}, indent=1))
     log(f"wrote {out} and {plot_path}")
 
 

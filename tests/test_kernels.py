@@ -33,6 +33,7 @@ CASES = [
     ("batch5_many_splits", 5, 3, 257, 32, 8, "float32", 5, [257, 1, 128, 129, 200]),
     ("float16", 2, 9, 150, 64, 32, "float16", 3, [150, 7]),
     ("strided_queries", 2, 6, 90, 64, 32, "float32", 2, None),  # q views of [B, H, T, d] as the model passes them
+    ("merge_chunks", 2, 3, 700, 300, 16, "float32", 20, [700, 333]),  # 11 splits, merged 8 a load; 333 empties 5
 ]
 # bfloat16 runs on GPU only: Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits
 # (runtime/interpreter.py, create_dot), so interpreter results for bf16 are meaningless.
@@ -133,6 +134,20 @@ def test_launch_config_covers_the_sequence(bsz, heads, seq_len, d_c, d_r, sms, s
     assert cfg["BLOCK_C"] >= d_c and cfg["BLOCK_R"] >= d_r
 
 
+def test_launch_config_tuning_knobs():
+    pytest.importorskip("triton")
+    from mla_convert.kernels.triton_mla import launch_config
+
+    default = launch_config(1, 9, 32768, 64, 32, 132)
+    assert (default["num_splits"], default["split_len"], default["BLOCK_N"], default["num_stages"]) == (64, 512, 128, 3)
+    wide_latent = launch_config(1, 16, 4096, 512, 64, 132)
+    assert (wide_latent["BLOCK_N"], wide_latent["num_stages"]) == (32, 2)  # shared memory
+    wide = launch_config(1, 9, 32768, 64, 32, 132, block_n=128, programs_per_sm=8, min_split_rows=64, max_splits=256,
+                         num_warps=8, num_stages=3)
+    assert (wide["num_splits"], wide["split_len"], wide["BLOCK_N"]) == (256, 128, 128)
+    assert (wide["num_warps"], wide["num_stages"]) == (8, 3)
+
+
 # ---------------------------------------------------------------------------------------------- interpreter
 
 
@@ -158,9 +173,35 @@ def _model_decode_logits(kernel: str):
     return torch.stack(steps)
 
 
+def _interpreter_scalar_loop_bounds() -> None:
+    """Let older Triton interpreters take a runtime loop bound under NumPy >= 2.5.
+
+    The interpreter holds scalars as 1-element arrays and converts a `range` bound with `int(array)`; Triton 3.6 does
+    that without squeezing, which NumPy 2.5 refuses ("only 0-dimensional arrays can be converted to Python scalars").
+    This wraps the interpreter's tensor patching so `__index__` squeezes first (newer Triton already does). Test-only:
+    it runs in the interpreter child process.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_squeezes_index", False):
+        return
+
+    def patched(tensor, *args, **kwargs):
+        result = original(tensor, *args, **kwargs)
+        tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+        return result
+
+    patched._squeezes_index = True
+    interpreter._patch_lang_tensor = patched
+
+
 def _worker(in_path: str, out_path: str) -> None:
     """Child process (TRITON_INTERPRET=1): run the kernel on every case, and the tiny model with the kernel forced."""
     import mla_convert.kernels.triton_mla as triton_mla
+
+    _interpreter_scalar_loop_bounds()
 
     payload = torch.load(in_path)
     results = {}
@@ -238,11 +279,46 @@ def test_cuda_kernel_matches_reference(shape, dtype):
                                    atol=TOL[DTYPES[dtype]], rtol=TOL[DTYPES[dtype]])
 
 
+# Launch knobs the benchmark sweeps (scripts/bench_decode.py --kernel-sweep): each must compute the same function.
+# Wide latents take small row blocks only (a 512-wide latent block of 128 rows and 3 stages outgrows shared memory).
+NARROW_TUNES = [dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=256, num_warps=8, num_stages=2),
+                dict(block_n=256, num_warps=4, num_stages=4),
+                dict(block_n=32, num_warps=4, num_stages=4, programs_per_sm=8, min_split_rows=64, max_splits=256)]
+WIDE_TUNES = [dict(block_n=16, num_warps=8, num_stages=3),
+              dict(block_n=32, num_warps=4, num_stages=2, programs_per_sm=8, min_split_rows=64, max_splits=256)]
+TUNE_CASES = [(shape, tune) for shape in [(1, 9, 32768, 64, 32), (8, 9, 5000, 64, 32)] for tune in NARROW_TUNES]
+TUNE_CASES += [((2, 16, 3000, 512, 64), tune) for tune in WIDE_TUNES]
+
+
 @pytest.mark.gpu
 @cuda
-def test_cuda_model_decode_uses_kernel_and_matches_torch():
+@pytest.mark.parametrize("shape,tune", TUNE_CASES,
+                         ids=["x".join(map(str, s)) + "-" + "-".join(f"{k}{v}" for k, v in t.items())
+                              for s, t in TUNE_CASES])
+def test_cuda_kernel_tuning_knobs(shape, tune):
+    from mla_convert.kernels.triton_mla import mla_decode_triton
+
+    bsz, heads, seq_len, d_c, d_r = shape
+    inputs = make_inputs("x", bsz, heads, seq_len, d_c, d_r, "bfloat16", None, seed=3, device="cuda")
+    want = mla_decode_reference(*inputs)
+    got = mla_decode_triton(*inputs, tune=tune)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_model_decode_uses_kernel_and_matches_torch(monkeypatch):
+    import mla_convert.kernels.triton_mla as triton_mla
     from mla_convert.modeling import MLAConfig, MLAForCausalLM
 
+    calls = []
+    original = triton_mla.mla_decode_triton
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_mla, "mla_decode_triton", counting)
     torch.manual_seed(0)
     model = MLAForCausalLM(MLAConfig(**TINY_MLA)).eval().cuda()
     ids = torch.randint(0, 100, (2, 5), device="cuda")
@@ -253,6 +329,9 @@ def test_cuda_model_decode_uses_kernel_and_matches_torch():
             out = model(ids, use_cache=True)
             out = model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
         logits[kernel] = out.logits
+        if kernel == "auto":  # the decode step ran the kernel in every layer; the prefill did not
+            assert len(calls) == TINY_MLA["num_hidden_layers"]
+    assert len(calls) == TINY_MLA["num_hidden_layers"]  # "torch" never calls it
     torch.testing.assert_close(logits["auto"], logits["torch"], atol=1e-4, rtol=1e-4)
 
 

@@ -8,8 +8,9 @@ flash-decoding):
    the sequence in BLOCK_N rows, and keeps an online softmax (running max `m`, running sum `l`, accumulator
    `acc` [BLOCK_H, d_c]). Each cached row is read once per head block, whatever the number of heads. It writes the
    normalized partial output and its log-sum-exp (base 2).
-2. `_merge_kernel`, grid (B, H): merges the splits of one head with their log-sum-exps. Skipped when there is one
-   split (the first launch then writes the output directly).
+2. `_merge_kernel`, grid (B, H): merges the splits of one head with their log-sum-exps, a [BLOCK_S, d_c] tile of
+   partial outputs a load (a split at a time would serialize one dependent load per split). Skipped when there is
+   one split (the first launch then writes the output directly).
 
 Rows at or past `lengths[b]` are never read. A split that starts past the end writes lse = -inf and drops out of the
 merge. Scores are taken in base 2 (`scale * log2(e)` folded in), as exp2 is the cheap instruction.
@@ -114,17 +115,26 @@ def _merge_kernel(
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_c = tl.arange(0, BLOCK_C)
-    mask_s = offs_s < num_splits
     mask_c = offs_c < D_C
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, axis=0)  # finite when the sequence has at least one row
-    w = tl.exp2(lse - m)  # [BLOCK_S]; 0 for empty splits
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for s in range(0, num_splits):
-        w_s = tl.exp2(tl.load(LSE + b * stride_lb + h * stride_lh + s) - m)
-        part = tl.load(O_PART + b * stride_pb + h * stride_ph + s * stride_ps + offs_c, mask=mask_c, other=0.0)
-        acc += w_s * part
-    out = acc / tl.sum(w, axis=0)
+    lse_ptr = LSE + b * stride_lb + h * stride_lh
+    part_ptr = O_PART + b * stride_pb + h * stride_ph
+    # Pass 1: the largest log-sum-exp, BLOCK_S splits a load. Finite: split 0 always holds row 0.
+    m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        lse = tl.load(lse_ptr + s0 + offs_s, mask=s0 + offs_s < num_splits, other=float("-inf"))  # [BLOCK_S]
+        m_vec = tl.maximum(m_vec, lse)
+    m = tl.max(m_vec, axis=0)
+    # Pass 2: weighted sum of the partial outputs, a [BLOCK_S, BLOCK_C] tile a load (empty splits weigh 0).
+    acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        mask_s = s0 + offs_s < num_splits
+        w = tl.exp2(tl.load(lse_ptr + s0 + offs_s, mask=mask_s, other=float("-inf")) - m)  # [BLOCK_S]
+        part = tl.load(part_ptr + (s0 + offs_s)[:, None] * stride_ps + offs_c[None, :],
+                       mask=mask_s[:, None] & mask_c[None, :], other=0.0)  # [BLOCK_S, BLOCK_C]
+        acc += w[:, None] * part
+        w_sum += w
+    out = tl.sum(acc, axis=0) / tl.sum(w_sum, axis=0)  # [BLOCK_C]
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_c, out, mask=mask_c)
 
 
@@ -137,33 +147,52 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=1024)
 def launch_config(batch: int, heads: int, seq_len: int, d_c: int, d_r: int, sm_count: int,
-                  num_splits: int | None = None) -> dict:
-    """Block sizes and the sequence split for one call (pure function of the shapes, so tests can check it).
+                  num_splits: int | None = None, *, block_n: int | None = None, programs_per_sm: int = 2,
+                  min_split_rows: int = 256, max_splits: int = 64, num_warps: int = 4,
+                  num_stages: int | None = None) -> dict:
+    """Block sizes, the sequence split and the launch options for one call (a pure function of the shapes and the
+    tuning knobs, so tests can check it).
 
     BLOCK_H heads share one read of each cached row; the accumulator is BLOCK_H x d_c floats per program, so wide
     latents get fewer heads and shorter row blocks (register budget). Splits are added until the grid holds about
-    two programs per SM, but never so many that a split gets fewer than 256 rows (merge overhead would dominate).
+    `programs_per_sm` programs per SM, but never so many that a split gets fewer than `min_split_rows` rows (merge
+    overhead would dominate), nor more than `max_splits`. `block_n` overrides the row block (a power of two >= 16).
     tl.dot wants every dimension >= 16, hence the floors.
+
+    Cached (decode calls it with the same shapes every step; uncached it took a quarter of the host time of a call
+    under cProfile): callers must not modify the returned dict.
+
+    Defaults were chosen on an H100 (bf16, d_c 64, d_r 32, 9 heads; benchmarks/decode_gpu.sweep.json, written by
+    `scripts/bench_decode.py --kernel-sweep`): 128-row blocks and 3 pipeline stages for latents up to 64 wide were
+    within 9% of the best of 54 launch variants at every swept shape (batch 1-32, 8K-64K), and 1.1-1.5x faster than
+    the earlier 64 rows / 2 stages. Wider latents keep smaller blocks and 2 stages (shared memory).
     """
     block_c = max(16, _next_pow2(d_c))
     block_r = max(16, _next_pow2(d_r)) if d_r else 16
     max_h = 64 if block_c <= 128 else (32 if block_c <= 256 else 16)
     block_h = min(max(16, _next_pow2(heads)), max_h)
-    block_n = 64 if block_c <= 128 else (32 if block_c <= 512 else 16)
+    if block_n is None:
+        block_n = 128 if block_c <= 64 else (64 if block_c <= 128 else (32 if block_c <= 512 else 16))
+    if num_stages is None:
+        num_stages = 3 if block_c <= 128 else 2
     head_blocks = triton.cdiv(heads, block_h)
     if num_splits is None:
-        wanted = triton.cdiv(2 * sm_count, batch * head_blocks)
-        num_splits = max(1, min(wanted, triton.cdiv(seq_len, 256), 64))
+        wanted = triton.cdiv(programs_per_sm * sm_count, batch * head_blocks)
+        num_splits = max(1, min(wanted, triton.cdiv(seq_len, min_split_rows), max_splits))
     num_splits = max(1, min(num_splits, triton.cdiv(seq_len, block_n)))
     split_len = triton.cdiv(triton.cdiv(seq_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(seq_len, split_len)  # rounding the split length up may leave fewer splits
     return dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, head_blocks=head_blocks,
-                num_splits=num_splits, split_len=split_len)
+                num_splits=num_splits, split_len=split_len, num_warps=num_warps, num_stages=num_stages)
 
 
-def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_splits: int | None = None):
-    """Same contract as `mla_convert.kernels.mla_decode_reference`; `num_splits` overrides the split heuristic.
+def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_splits: int | None = None,
+                      tune: dict | None = None):
+    """Same contract as `mla_convert.kernels.mla_decode_reference`; `num_splits` overrides the split heuristic and
+    `tune` passes keyword knobs to `launch_config` (block_n, programs_per_sm, min_split_rows, max_splits, num_warps,
+    num_stages; for benchmarks).
 
     Inputs may be strided views as long as the last dim is contiguous. CUDA tensors run compiled; CPU tensors (or
     TRITON_INTERPRET=1) run in the interpreter.
@@ -184,7 +213,7 @@ def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_spli
     if seq_len == 0:
         return out.fill_(float("nan"))  # the reference's softmax over nothing
     sms = 1 if interpret else _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    cfg = launch_config(bsz, heads, seq_len, d_c, d_r, sms, num_splits)
+    cfg = launch_config(bsz, heads, seq_len, d_c, d_r, sms, num_splits, **(tune or {}))
     splits = cfg["num_splits"]
     if splits == 1:
         o_part = out.unsqueeze(2)  # [B, H, 1, d_c]: the first launch writes the result directly
@@ -203,7 +232,7 @@ def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_spli
         heads, d_c, d_r, cfg["split_len"], float(scale) * LOG2E,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_C=cfg["BLOCK_C"], BLOCK_R=cfg["BLOCK_R"],
         HAS_ROPE=has_rope, IEEE=latent.dtype == torch.float32,
-        **({} if interpret else {"num_warps": 4, "num_stages": 2}),
+        **({} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}),
     )
     if splits > 1:
         _merge_kernel[(bsz, heads)](
@@ -211,7 +240,7 @@ def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_spli
             o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             d_c, splits,
-            BLOCK_C=cfg["BLOCK_C"], BLOCK_S=max(2, _next_pow2(splits)),
+            BLOCK_C=cfg["BLOCK_C"], BLOCK_S=max(2, min(_next_pow2(splits), 4096 // cfg["BLOCK_C"])),
             **({} if interpret else {"num_warps": 4}),
         )
     return out
