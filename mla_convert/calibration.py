@@ -82,7 +82,16 @@ class LayerRunner:
     def attention_profile(self, layer, block: int = 128) -> torch.Tensor:
         """How far back each query head of the source layer looks: p [H, T] with p[h, d] the attention weight on the
         key d positions back, averaged over every calibration query (each query's row sums to 1, so p[h] does too).
-        float64. Runs the layer's own q/k projections and RoPE on the calibration hidden states.
+        float64. Runs the layer's own q/k projections and RoPE on the calibration hidden states."""
+        return self.attention_statistics(layer, block)[0]
+
+    @torch.no_grad()
+    def attention_statistics(self, layer, block: int = 128, attended_every: int = 0):
+        """(profile [H, T] as in `attention_profile`, attended [G, D+1, D+1] or None).
+
+        attended: with `attended_every` = s > 0, the second moment of the *attended* inputs x~_t = sum_j p_tj [x_j, 1]
+        (what a value map is applied to, through attention), averaged over the query heads of each kv group, on every
+        s-th block of queries. float64.
 
         Queries go in blocks of `block` rows against the keys up to the block's last position, the keys in reversed
         order: then "d positions back" is a fixed stride through the block's probabilities (`by_distance`), so no
@@ -93,8 +102,10 @@ class LayerRunner:
         heads, groups = attn.config.num_attention_heads, attn.config.num_key_value_heads
         head_dim = attn.head_dim
         cos, sin = self.position_embeddings
-        seq = self.hidden.shape[1]
+        seq, dim = self.hidden.shape[1:]
         profile = torch.zeros(heads, seq, dtype=torch.float64)
+        attended = torch.zeros(groups, dim + 1, dim + 1, dtype=torch.float64) if attended_every else None
+        attended_rows = 0
         for sample in self.hidden:
             x = layer.input_layernorm(sample[None])
             q = attn.q_proj(x).view(1, seq, heads, head_dim).transpose(1, 2)  # [1, H, T, d_h]
@@ -102,7 +113,7 @@ class LayerRunner:
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             q = q[0] * attn.scaling  # [H, T, d_h]
             k = k[0].repeat_interleave(heads // groups, dim=0)  # [H, T, d_h]
-            for first in range(0, seq, block):
+            for index, first in enumerate(range(0, seq, block)):
                 rows = min(block, seq - first)
                 length = first + rows  # keys 0 .. length-1 are visible to some query of the block
                 keys = k[:, :length].flip(1)  # [H, L, d_h]: column c holds key length-1-c
@@ -112,7 +123,14 @@ class LayerRunner:
                 scores[:, :, :rows].masked_fill_(future, float("-inf"))
                 probs = scores.softmax(-1)  # [H, R, L]
                 profile[:, :length] += by_distance(probs).double()
-        return profile / (self.hidden.shape[0] * seq)
+                if attended is not None and index % attended_every == 0:
+                    mixed = probs @ x[0, :length].flip(0)  # [H, R, D]: each query's attended input
+                    mixed = torch.cat([mixed, mixed.new_ones(heads, rows, 1)], dim=-1)  # rows of p sum to 1
+                    mixed = mixed.view(groups, -1, dim + 1).double()  # [G, (H/G) R, D+1]
+                    attended += mixed.transpose(1, 2) @ mixed
+                    attended_rows += rows * heads // groups
+        profile /= self.hidden.shape[0] * seq
+        return profile, (attended / attended_rows if attended is not None else None)
 
     @torch.no_grad()
     def advance(self, layer) -> None:

@@ -96,6 +96,7 @@ def _convert(
     calib_seq_len: int,
     calib_propagate: str,
     rank_allocation: str,
+    value_inputs: str,
     seed: int,
     device: str,
     dtype: Optional[str],
@@ -140,6 +141,7 @@ def _convert(
         calib_seq_len=calib_seq_len,
         calib_propagate=calib_propagate,
         rank_allocation=rank_allocation,
+        value_inputs=value_inputs,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -239,6 +241,10 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "uniform", "--rank-allocation", help="uniform: every layer gets the same latent dims. energy: the same "
             "total, shared among layers by their calibrated spectra (relative error removed per dim; per-layer "
             "kv_lora_rank)."
+        ),
+        value_inputs: str = typer.Option(
+            "token", "--value-inputs", help="token: the value up-projection fits values per token (as keys). attended: "
+            "it fits them on the attention-averaged inputs they are consumed through (calibrated)."
         ),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option("cpu", "--device", help="Device for calibration and factorization."),

@@ -23,6 +23,8 @@ from mla_convert.families import Family, family_for
 log = logging.getLogger(__name__)
 
 RANK_ALLOCATIONS = ("uniform", "energy")
+VALUE_INPUTS = ("token", "attended")
+ATTENDED_EVERY = 4  # attended-input statistics on every 4th block of calibration queries (they cost a [T, T] x [T, D])
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config keys carried from the source into the MLA config unchanged.
 CARRIED_KEYS = (
@@ -52,6 +54,7 @@ class ConvertOptions:
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
     rank_allocation: str = "uniform"  # uniform | energy: share the latent dims among layers by their spectra
+    value_inputs: str = "token"  # token | attended: fit the value up-projection on the inputs attention averages
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -63,11 +66,15 @@ class ConvertOptions:
             or self.rope_strategy in ("2-norm", "attention")
             or self.rope_merge
             or self.objective != "kv"
+            or self.value_inputs != "token"
             or self.dropped_rope == "expected"
         )
 
     def needs_attention_profile(self) -> bool:
         return self.rope_strategy == "attention" or self.dropped_rope == "expected"
+
+    def needs_attention_statistics(self) -> bool:
+        return self.needs_attention_profile() or self.value_inputs == "attended"
 
 
 @dataclass
@@ -234,6 +241,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--objective {options.objective} needs calibration text: pass --calib-data FILE or --objective kv")
     if options.calib_propagate not in ("source", "converted"):
         raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
+    if options.value_inputs not in VALUE_INPUTS:
+        raise UserError(f"--value-inputs must be one of {', '.join(VALUE_INPUTS)}, got {options.value_inputs}")
     if options.rank_allocation not in RANK_ALLOCATIONS:
         raise UserError(f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {options.rank_allocation}")
     if options.rank_allocation != "uniform" and options.calib_propagate == "converted":
@@ -312,12 +321,16 @@ def convert_attention(
     attention_scaling: float,
     cov: torch.Tensor | None,
     phase: torch.Tensor | None = None,
+    attended: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """One layer's source attention -> MLA attention tensors.
 
     tensors: {"q", "k", "v", "o"} weights and optional {"q_bias", "k_bias", "v_bias", "o_bias"} (float32);
     cov: augmented input second moment [D+1, D+1] (None: weight-only proxies);
-    phase: [H, d_h/2] complex E[e^{j theta d}] under each head's attention (None: dropped pairs stay unrotated).
+    phase: [H, d_h/2] complex E[e^{j theta d}] under each head's attention (None: dropped pairs stay unrotated);
+    attended: [G, D+1, D+1] second moment of the attention-averaged inputs per kv group (None: values are fit on
+    token inputs like keys). Given the latent, each group's value up-projection is then the least-squares map on the
+    inputs values are consumed through: U_v = W_v C~ D^T (D C~ D^T)^-1 (exact at full rank, as any left inverse).
     Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair).
     """
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
@@ -327,6 +340,9 @@ def convert_attention(
     up_k, up_v, down = lowrank.joint_or_split(
         k_nope[:, :hidden], w_v[:, :hidden], rank, options.factorization == "split", *maps["objective"]
     )
+    if attended is not None and options.factorization == "joint":
+        x_cov = maps["objective"][0]
+        up_v = _attended_values(w_v[:, :hidden], down, attended[:, :hidden, :hidden], x_cov, groups, head_dim)
     kv_b = torch.cat([up_k.view(groups, head_dim, rank), up_v.view(groups, head_dim, rank)], dim=1)
     kv_b_bias = torch.cat([k_nope[:, hidden].view(groups, head_dim), w_v[:, hidden].view(groups, head_dim)], dim=1)
     q_all, k_rope = maps["q"], maps["k_rope"]
@@ -343,6 +359,27 @@ def convert_attention(
     if "o_bias" in tensors:
         out["o_proj.bias"] = tensors["o_bias"]
     return {k: v.float() for k, v in out.items()}, maps["rope_plan"].frequencies
+
+
+def _attended_values(w_v, down, attended, token_cov, groups: int, head_dim: int, blend: float = 0.05):
+    """Per kv group, the value up-projection [d_h, r] minimizing E||(W_v - U D) x~||^2 over attended inputs x~, plus
+    `blend` x the same error over token inputs (relative to the two traces) and the factorization's ridge: attended
+    inputs from a small calibration set are often rank-deficient (layer 0 sees few distinct tokens), and the token
+    term keeps every direction of W_v determined, so full rank stays exact."""
+    down = down.double()
+    dim = down.shape[1]
+    token = torch.eye(dim, dtype=torch.float64) if token_cov is None else token_cov.double()
+    token = token / token.diagonal().sum().clamp_min(1e-300)
+    ups = []
+    for g in range(groups):
+        c = attended[g].double()
+        c = c / c.diagonal().sum().clamp_min(1e-300) + blend * token  # [D, D]
+        c = c + lowrank.RIDGE * c.diagonal().mean() * torch.eye(dim, dtype=torch.float64)
+        gram = down @ c @ down.T  # [r, r]
+        gram = gram + 1e-12 * gram.diagonal().mean().clamp_min(1e-300) * torch.eye(gram.shape[0], dtype=torch.float64)
+        cross = w_v[g * head_dim : (g + 1) * head_dim].double() @ c @ down.T  # [d_h, r]
+        ups.append(torch.linalg.solve(gram, cross.T).T)
+    return torch.cat(ups).float()
 
 
 def layer_spectrum(tensors, plan: Plan, options: ConvertOptions, attention_scaling: float, cov, phase=None) -> torch.Tensor:
@@ -462,30 +499,32 @@ def convert(
         rope_pairs: list[list[int]] = [[0] * (plan.rope_dim // 2) for _ in range(plan.layers)]
 
         def layer_inputs(i: int):
-            """(prefix, the layer's tensors, its attention tensors, the source layer module or None, cov, phase),
-            with the calibration statistics taken at the runner's current hidden states."""
+            """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
+            (cov, phase, attended)), the statistics taken at the runner's current hidden states."""
             prefix = family.layer_prefix.format(i=i)
             layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
             attn = _attention_tensors(layer_tensors, family, i, prefix)
-            source_layer = cov = phase = None
+            source_layer = cov = phase = attended = None
             if runner is not None:
                 from mla_convert.calibration import second_moment
 
                 cls = family.decoder_layer_class(config.model_type)
                 source_layer = _module_from(lambda: cls(config, i), layer_tensors)
                 cov = second_moment(runner.attention_input(source_layer))
-                if options.needs_attention_profile():
-                    phase = rope.attention_phases(runner.attention_profile(source_layer), inv_freq)
-            return prefix, layer_tensors, attn, source_layer, cov, phase
+                if options.needs_attention_statistics():
+                    every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
+                    profile, attended = runner.attention_statistics(source_layer, attended_every=every)
+                    if options.needs_attention_profile():
+                        phase = rope.attention_phases(profile, inv_freq)
+            return prefix, layer_tensors, attn, source_layer, (cov, phase, attended)
 
         stats: dict[int, tuple] = {}
         if options.rank_allocation == "energy":
             # every layer's statistics first (on the source's activations), then the ranks, then the conversion
             spectra = []
             for i in tqdm(range(plan.layers), desc="layers: statistics", disable=not progress, unit="layer"):
-                _, _, attn, source_layer, cov, phase = layer_inputs(i)
-                stats[i] = (cov, phase)
-                spectra.append(layer_spectrum(attn, plan, options, attention_scaling, cov, phase))
+                _, _, attn, source_layer, stats[i] = layer_inputs(i)
+                spectra.append(layer_spectrum(attn, plan, options, attention_scaling, *stats[i][:2]))
                 if runner is not None:
                     runner.advance(source_layer)
             runner = None  # the hidden states are no longer needed
@@ -498,10 +537,10 @@ def convert(
                 prefix = family.layer_prefix.format(i=i)
                 layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
                 attn = _attention_tensors(layer_tensors, family, i, prefix)
-                source_layer, (cov, phase) = None, stats.pop(i)
+                source_layer, statistics = None, stats.pop(i)
             else:
-                prefix, layer_tensors, attn, source_layer, cov, phase = layer_inputs(i)
-            mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, cov, phase)
+                prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i)
+            mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
             for name, tensor in layer_tensors.items():
                 if not name.startswith("self_attn."):
                     writer.add(prefix + name, tensor)
@@ -554,12 +593,12 @@ def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
 def without_calibration(options: ConvertOptions) -> ConvertOptions:
     """With no calibration text, the attention-profile choices fall back to their data-free neighbours (2-norm on
     weight proxies, unrotated dropped pairs), with a warning; the resolved options are what provenance records."""
-    if options.calib_data is not None or not options.needs_attention_profile():
+    if options.calib_data is not None or not options.needs_attention_statistics():
         return options
     log.warning("no calibration text: --rope-strategy attention -> 2-norm (weight proxies), --dropped-rope expected "
-                "-> unrotated; pass --calib-data for the attention-aware choices")
+                "-> unrotated, --value-inputs attended -> token; pass --calib-data for the attention-aware choices")
     strategy = "2-norm" if options.rope_strategy == "attention" else options.rope_strategy
-    return dataclasses.replace(options, rope_strategy=strategy, dropped_rope="unrotated")
+    return dataclasses.replace(options, rope_strategy=strategy, dropped_rope="unrotated", value_inputs="token")
 
 
 def describe_method(options: ConvertOptions) -> str:
@@ -571,6 +610,8 @@ def describe_method(options: ConvertOptions) -> str:
         options.objective, " of K/V")
     if options.kv_balance is not None:
         fact += f", K/V balanced {options.kv_balance:g}:1"
+    if options.value_inputs == "attended":
+        fact += ", values fit on attended inputs"
     if options.rank_allocation == "energy":
         fact += ", latent dims shared among layers by their spectra"
     return f"{rope_text}, {fact}"

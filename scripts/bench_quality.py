@@ -129,10 +129,16 @@ def table(rows: list[dict], windows: int) -> list[str]:
         for r in sorted(at, key=lambda r: r["perplexity"]):
             rel = f"{100 * (r['perplexity'] / best - 1):+.0f}%" if best and r["method"] not in ("mha2mla", "transmla") else ""
             lines.append(
-                f"| {budget} | {100 * budget / SOURCE_CACHE:g} | {r['method']} | {r['d_c']} | {r['d_r']} | "
+                f"| {budget} | {100 * budget / SOURCE_CACHE:g} | {r['method']} | {latent(r)} | {r['d_r']} | "
                 f"{r['perplexity']:.2f} | {rel} | {r['convert_s']:.0f} | {r['convert_rss_mb']} | `{r['command']}` |"
             )
     return lines + [""]
+
+
+def latent(row: dict) -> str:
+    """d_c: the layers' rank, or their mean and range when a rank allocation shared the dims unevenly."""
+    low, high = row.get("d_c_range", [row["d_c"], row["d_c"]])
+    return f"{row['d_c']:g}" if low == high else f"{row['d_c']:g} ({low}-{high})"
 
 
 def plot(rows: list[dict], source: dict | None) -> None:
@@ -202,7 +208,9 @@ def main() -> None:
             prov = json.loads((out / "provenance.json").read_text())
             result = evaluate(str(out), args, work, out.name)
             shown = " ".join(["mla-convert llama", *options, "--calib-data ../shared/data/wikitext-2/wiki.valid.tokens"])
-            row = {"method": method, "budget": budget, "windows": args.windows, "d_c": prov["plan"]["ranks"][0],
+            ranks = prov["plan"]["ranks"]
+            row = {"method": method, "budget": budget, "windows": args.windows, "d_c": sum(ranks) / len(ranks),
+                   "d_c_range": [min(ranks), max(ranks)],
                    "d_r": prov["plan"]["rope_dim"], "convert_s": round(wall, 1), "convert_rss_mb": round(rss / 2**20),
                    "options": prov["options"], "command": shown, **result}  # fmt: skip
             record(row)

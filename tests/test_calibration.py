@@ -51,6 +51,39 @@ def test_attention_profile_matches_reference(seq, block):
     torch.testing.assert_close(fast.sum(-1), torch.ones(4, dtype=torch.float64), rtol=1e-6, atol=0)
 
 
+@torch.no_grad()
+def test_attended_inputs_second_moment_matches_reference():
+    """attended[g] = mean over the group's query heads and the sampled queries of [p x, 1][p x, 1]^T."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, apply_rotary_pos_emb
+
+    torch.manual_seed(1)
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=30, head_dim=4)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0).eval()
+    seq, block, every = 20, 4, 2
+    runner = LayerRunner(config, torch.randn(30, 16), torch.randint(0, 30, (2, seq)))
+    _, attended = runner.attention_statistics(layer, block=block, attended_every=every)
+    attn = layer.self_attn
+    x = layer.input_layernorm(runner.hidden)  # [N, T, D]
+    cos, sin = runner.position_embeddings
+    q = attn.q_proj(x).view(2, seq, 4, 4).transpose(1, 2)
+    k = attn.k_proj(x).view(2, seq, 2, 4).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)).double() * attn.scaling
+    probs = scores.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf")).softmax(-1)  # [N,H,T,T]
+    mixed = probs @ x.double()[:, None]  # [N, H, T, D]
+    mixed = torch.cat([mixed, torch.ones(*mixed.shape[:-1], 1, dtype=torch.float64)], dim=-1)
+    rows = torch.tensor([t for t in range(seq) if (t // block) % every == 0])
+    mixed = mixed[:, :, rows]  # the sampled query blocks
+    want = torch.stack([
+        torch.einsum("nhti,nhtj->ij", mixed[:, 2 * g : 2 * g + 2], mixed[:, 2 * g : 2 * g + 2]) / (2 * 2 * len(rows))
+        for g in range(2)
+    ])  # fmt: skip
+    torch.testing.assert_close(attended, want, rtol=1e-5, atol=1e-7)
+
+
 def test_by_distance_reads_each_query_row_back_from_its_own_position():
     # 2 queries (positions 2 and 3) over 4 keys in reversed order: column c holds key 3 - c
     probs = torch.tensor([[[0.0, 0.5, 0.3, 0.2], [0.4, 0.3, 0.2, 0.1]]])  # row 0: key 3 is future (zero)
