@@ -87,7 +87,10 @@ class LayerRunner:
 
     @torch.no_grad()
     def attention_statistics(self, layer, block: int = 128, attended_every: int = 0):
-        """(profile [H, T] as in `attention_profile`, attended [G, D+1, D+1] or None).
+        """(profile [H, T] as in `attention_profile`, attended [G, D+1, D+1] or None, keyed [D+1, D+1]).
+
+        keyed: the second moment of the augmented inputs [x_j, 1] with each key position weighted by the attention it
+        receives (summed over queries, averaged over heads): E_t sum_j p_tj x~_j x~_j^T. float64.
 
         attended: with `attended_every` = s > 0, the second moment of the *attended* inputs x~_t = sum_j p_tj [x_j, 1]
         (what a value map is applied to, through attention), averaged over the query heads of each kv group, on every
@@ -106,8 +109,10 @@ class LayerRunner:
         profile = torch.zeros(heads, seq, dtype=torch.float64)
         attended = torch.zeros(groups, dim + 1, dim + 1, dtype=torch.float64) if attended_every else None
         attended_rows = 0
+        keyed = torch.zeros(dim + 1, dim + 1, dtype=torch.float64)
         for sample in self.hidden:
             x = layer.input_layernorm(sample[None])
+            received = torch.zeros(seq, dtype=torch.float64)  # attention each key receives, summed over queries/heads
             q = attn.q_proj(x).view(1, seq, heads, head_dim).transpose(1, 2)  # [1, H, T, d_h]
             k = attn.k_proj(x).view(1, seq, groups, head_dim).transpose(1, 2)  # [1, G, T, d_h]
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -123,14 +128,18 @@ class LayerRunner:
                 scores[:, :, :rows].masked_fill_(future, float("-inf"))
                 probs = scores.softmax(-1)  # [H, R, L]
                 profile[:, :length] += by_distance(probs).double()
+                received[:length] += probs.sum(dim=(0, 1)).flip(0).double()  # column c is key length-1-c
                 if attended is not None and index % attended_every == 0:
                     mixed = probs @ x[0, :length].flip(0)  # [H, R, D]: each query's attended input
                     mixed = torch.cat([mixed, mixed.new_ones(heads, rows, 1)], dim=-1)  # rows of p sum to 1
                     mixed = mixed.view(groups, -1, dim + 1).double()  # [G, (H/G) R, D+1]
                     attended += mixed.transpose(1, 2) @ mixed
                     attended_rows += rows * heads // groups
+            xa = torch.cat([x[0], x.new_ones(seq, 1)], dim=-1).double()  # [T, D+1]
+            keyed += (xa * received[:, None]).T @ xa
         profile /= self.hidden.shape[0] * seq
-        return profile, (attended / attended_rows if attended is not None else None)
+        keyed /= self.hidden.shape[0] * seq * heads  # each query row of each head sums to 1
+        return profile, (attended / attended_rows if attended is not None else None), keyed
 
     @torch.no_grad()
     def advance(self, layer) -> None:

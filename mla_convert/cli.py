@@ -97,6 +97,7 @@ def _convert(
     calib_propagate: str,
     rank_allocation: str,
     value_inputs: str,
+    key_inputs: str,
     seed: int,
     device: str,
     dtype: Optional[str],
@@ -142,6 +143,7 @@ def _convert(
         calib_propagate=calib_propagate,
         rank_allocation=rank_allocation,
         value_inputs=value_inputs,
+        key_inputs=key_inputs,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -245,6 +247,10 @@ def _make_convert_command(family: Optional[str], help_text: str):
         value_inputs: str = typer.Option(
             "token", "--value-inputs", help="token: the value up-projection fits values per token (as keys). attended: "
             "it fits them on the attention-averaged inputs they are consumed through (calibrated)."
+        ),
+        key_inputs: str = typer.Option(
+            "token", "--key-inputs", help="token: the latent fits every calibration token alike. attended: each token "
+            "counts by the attention its key receives (calibrated)."
         ),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option("cpu", "--device", help="Device for calibration and factorization."),

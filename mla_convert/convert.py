@@ -55,6 +55,7 @@ class ConvertOptions:
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
     rank_allocation: str = "uniform"  # uniform | energy: share the latent dims among layers by their spectra
     value_inputs: str = "token"  # token | attended: fit the value up-projection on the inputs attention averages
+    key_inputs: str = "token"  # token | attended: weight each calibration token by the attention its key receives
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -67,6 +68,7 @@ class ConvertOptions:
             or self.rope_merge
             or self.objective != "kv"
             or self.value_inputs != "token"
+            or self.key_inputs != "token"
             or self.dropped_rope == "expected"
         )
 
@@ -74,7 +76,7 @@ class ConvertOptions:
         return self.rope_strategy == "attention" or self.dropped_rope == "expected"
 
     def needs_attention_statistics(self) -> bool:
-        return self.needs_attention_profile() or self.value_inputs == "attended"
+        return self.needs_attention_profile() or self.value_inputs == "attended" or self.key_inputs == "attended"
 
 
 @dataclass
@@ -243,6 +245,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
     if options.value_inputs not in VALUE_INPUTS:
         raise UserError(f"--value-inputs must be one of {', '.join(VALUE_INPUTS)}, got {options.value_inputs}")
+    if options.key_inputs not in VALUE_INPUTS:
+        raise UserError(f"--key-inputs must be one of {', '.join(VALUE_INPUTS)}, got {options.key_inputs}")
     if options.rank_allocation not in RANK_ALLOCATIONS:
         raise UserError(f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {options.rank_allocation}")
     if options.rank_allocation != "uniform" and options.calib_propagate == "converted":
@@ -322,6 +326,7 @@ def convert_attention(
     cov: torch.Tensor | None,
     phase: torch.Tensor | None = None,
     attended: torch.Tensor | None = None,
+    keyed: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """One layer's source attention -> MLA attention tensors.
 
@@ -330,12 +335,14 @@ def convert_attention(
     phase: [H, d_h/2] complex E[e^{j theta d}] under each head's attention (None: dropped pairs stay unrotated);
     attended: [G, D+1, D+1] second moment of the attention-averaged inputs per kv group (None: values are fit on
     token inputs like keys). Given the latent, each group's value up-projection is then the least-squares map on the
-    inputs values are consumed through: U_v = W_v C~ D^T (D C~ D^T)^-1 (exact at full rank, as any left inverse).
+    inputs values are consumed through: U_v = W_v C~ D^T (D C~ D^T)^-1 (exact at full rank, as any left inverse);
+    keyed: [D+1, D+1] second moment of the inputs weighted by the attention each token's key receives (None: `cov`),
+    the input statistics of the low-rank factorization.
     Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair).
     """
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
     rank = plan.ranks[layer]
-    maps = _layer_maps(tensors, plan, options, attention_scaling, cov, phase)
+    maps = _layer_maps(tensors, plan, options, attention_scaling, cov, phase, keyed)
     k_nope, w_v = maps["k_nope"], maps["v"]
     up_k, up_v, down = lowrank.joint_or_split(
         k_nope[:, :hidden], w_v[:, :hidden], rank, options.factorization == "split", *maps["objective"]
@@ -382,15 +389,17 @@ def _attended_values(w_v, down, attended, token_cov, groups: int, head_dim: int,
     return torch.cat(ups).float()
 
 
-def layer_spectrum(tensors, plan: Plan, options: ConvertOptions, attention_scaling: float, cov, phase=None) -> torch.Tensor:
+def layer_spectrum(
+    tensors, plan: Plan, options: ConvertOptions, attention_scaling: float, cov, phase=None, attended=None, keyed=None
+) -> torch.Tensor:
     """The eigenvalues (descending) of one layer's joint low-rank objective: the error left at rank r is the sum of
     those past r. What `--rank-allocation energy` shares the latent dims by."""
     hidden = plan.hidden
-    maps = _layer_maps(tensors, plan, options, attention_scaling, cov, phase)
+    maps = _layer_maps(tensors, plan, options, attention_scaling, cov, phase, keyed)
     return lowrank.joint_spectrum(maps["k_nope"][:, :hidden], maps["v"][:, :hidden], *maps["objective"])
 
 
-def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling: float, cov, phase) -> dict:
+def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling: float, cov, phase, keyed=None) -> dict:
     """The maps a layer's factorization starts from: the RoPE plan applied to q/k (query with the rope and nope parts,
     the shared rope key, the nope key), the value map (weights with the bias as last column, float64), and the
     objective (input covariance, key and value row weights) that `lowrank.joint_or_split` takes."""
@@ -417,7 +426,8 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
     q_nope = w_q_nope.view(heads, head_dim, hidden + 1) * attention_scaling**2
     q_all = torch.cat([q_nope, q_rope], dim=1).reshape(heads * (head_dim + d_r), hidden + 1)
 
-    x_cov = None if (cov is None or options.method == "weight") else cov[:hidden, :hidden]
+    fit_cov = cov if keyed is None else keyed
+    x_cov = None if (fit_cov is None or options.method == "weight") else fit_cov[:hidden, :hidden]
     k_weight, v_weight = _row_weights(options, q_nope, tensors["o"], cov, plan)
     if options.kv_balance is not None:
         e_k = lowrank.energy(k_nope[:, :hidden], x_cov, k_weight)
@@ -500,11 +510,11 @@ def convert(
 
         def layer_inputs(i: int):
             """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
-            (cov, phase, attended)), the statistics taken at the runner's current hidden states."""
+            (cov, phase, attended, keyed)), the statistics taken at the runner's current hidden states."""
             prefix = family.layer_prefix.format(i=i)
             layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
             attn = _attention_tensors(layer_tensors, family, i, prefix)
-            source_layer = cov = phase = attended = None
+            source_layer = cov = phase = attended = keyed = None
             if runner is not None:
                 from mla_convert.calibration import second_moment
 
@@ -513,10 +523,11 @@ def convert(
                 cov = second_moment(runner.attention_input(source_layer))
                 if options.needs_attention_statistics():
                     every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
-                    profile, attended = runner.attention_statistics(source_layer, attended_every=every)
+                    profile, attended, keyed = runner.attention_statistics(source_layer, attended_every=every)
                     if options.needs_attention_profile():
                         phase = rope.attention_phases(profile, inv_freq)
-            return prefix, layer_tensors, attn, source_layer, (cov, phase, attended)
+                    keyed = keyed if options.key_inputs == "attended" else None
+            return prefix, layer_tensors, attn, source_layer, (cov, phase, attended, keyed)
 
         stats: dict[int, tuple] = {}
         if options.rank_allocation == "energy":
@@ -524,7 +535,7 @@ def convert(
             spectra = []
             for i in tqdm(range(plan.layers), desc="layers: statistics", disable=not progress, unit="layer"):
                 _, _, attn, source_layer, stats[i] = layer_inputs(i)
-                spectra.append(layer_spectrum(attn, plan, options, attention_scaling, *stats[i][:2]))
+                spectra.append(layer_spectrum(attn, plan, options, attention_scaling, *stats[i]))
                 if runner is not None:
                     runner.advance(source_layer)
             runner = None  # the hidden states are no longer needed
@@ -598,7 +609,8 @@ def without_calibration(options: ConvertOptions) -> ConvertOptions:
     log.warning("no calibration text: --rope-strategy attention -> 2-norm (weight proxies), --dropped-rope expected "
                 "-> unrotated, --value-inputs attended -> token; pass --calib-data for the attention-aware choices")
     strategy = "2-norm" if options.rope_strategy == "attention" else options.rope_strategy
-    return dataclasses.replace(options, rope_strategy=strategy, dropped_rope="unrotated", value_inputs="token")
+    return dataclasses.replace(options, rope_strategy=strategy, dropped_rope="unrotated", value_inputs="token",
+                               key_inputs="token")
 
 
 def describe_method(options: ConvertOptions) -> str:
@@ -610,6 +622,8 @@ def describe_method(options: ConvertOptions) -> str:
         options.objective, " of K/V")
     if options.kv_balance is not None:
         fact += f", K/V balanced {options.kv_balance:g}:1"
+    if options.key_inputs == "attended":
+        fact += ", calibration tokens weighted by the attention their keys receive"
     if options.value_inputs == "attended":
         fact += ", values fit on attended inputs"
     if options.rank_allocation == "energy":

@@ -53,7 +53,8 @@ def test_attention_profile_matches_reference(seq, block):
 
 @torch.no_grad()
 def test_attended_inputs_second_moment_matches_reference():
-    """attended[g] = mean over the group's query heads and the sampled queries of [p x, 1][p x, 1]^T."""
+    """attended[g] = mean over the group's query heads and the sampled queries of [p x, 1][p x, 1]^T; keyed = the
+    inputs' second moment with every token weighted by the attention its key receives."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, apply_rotary_pos_emb
 
@@ -64,7 +65,7 @@ def test_attended_inputs_second_moment_matches_reference():
     layer = LlamaDecoderLayer(config, 0).eval()
     seq, block, every = 20, 4, 2
     runner = LayerRunner(config, torch.randn(30, 16), torch.randint(0, 30, (2, seq)))
-    _, attended = runner.attention_statistics(layer, block=block, attended_every=every)
+    _, attended, keyed = runner.attention_statistics(layer, block=block, attended_every=every)
     attn = layer.self_attn
     x = layer.input_layernorm(runner.hidden)  # [N, T, D]
     cos, sin = runner.position_embeddings
@@ -73,6 +74,9 @@ def test_attended_inputs_second_moment_matches_reference():
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)).double() * attn.scaling
     probs = scores.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf")).softmax(-1)  # [N,H,T,T]
+    xa = torch.cat([x.double(), torch.ones(2, seq, 1, dtype=torch.float64)], dim=-1)  # [N, T, D+1]
+    received = probs.sum(dim=(1, 2))  # [N, T]: attention each key gets, over heads and queries
+    torch.testing.assert_close(keyed, torch.einsum("nt,nti,ntj->ij", received, xa, xa) / (2 * seq * 4))
     mixed = probs @ x.double()[:, None]  # [N, H, T, D]
     mixed = torch.cat([mixed, torch.ones(*mixed.shape[:-1], 1, dtype=torch.float64)], dim=-1)
     rows = torch.tensor([t for t in range(seq) if (t // block) % every == 0])
