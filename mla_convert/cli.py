@@ -98,6 +98,7 @@ def _convert(
     rank_allocation: str,
     value_inputs: str,
     key_inputs: str,
+    latent_rounds: int,
     seed: int,
     device: str,
     dtype: Optional[str],
@@ -144,6 +145,7 @@ def _convert(
         rank_allocation=rank_allocation,
         value_inputs=value_inputs,
         key_inputs=key_inputs,
+        latent_rounds=latent_rounds,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -251,6 +253,10 @@ def _make_convert_command(family: Optional[str], help_text: str):
         key_inputs: str = typer.Option(
             "token", "--key-inputs", help="token: the latent fits every calibration token alike. attended: each token "
             "counts by the attention its key receives (calibrated)."
+        ),
+        latent_rounds: int = typer.Option(
+            0, "--latent-rounds", help="With --value-inputs attended: rounds of refining the shared latent so that keys "
+            "(on token inputs) and values (on attended inputs) are both fit (0: only the value up-projection is refit)."
         ),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option("cpu", "--device", help="Device for calibration and factorization."),

@@ -56,6 +56,7 @@ class ConvertOptions:
     rank_allocation: str = "uniform"  # uniform | energy: share the latent dims among layers by their spectra
     value_inputs: str = "token"  # token | attended: fit the value up-projection on the inputs attention averages
     key_inputs: str = "token"  # token | attended: weight each calibration token by the attention its key receives
+    latent_rounds: int = 0  # with value_inputs attended: rounds refining the shared latent for both input kinds
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -245,6 +246,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
     if options.value_inputs not in VALUE_INPUTS:
         raise UserError(f"--value-inputs must be one of {', '.join(VALUE_INPUTS)}, got {options.value_inputs}")
+    if options.latent_rounds < 0:
+        raise UserError(f"--latent-rounds must be 0 or more, got {options.latent_rounds}")
     if options.key_inputs not in VALUE_INPUTS:
         raise UserError(f"--key-inputs must be one of {', '.join(VALUE_INPUTS)}, got {options.key_inputs}")
     if options.rank_allocation not in RANK_ALLOCATIONS:
@@ -348,8 +351,13 @@ def convert_attention(
         k_nope[:, :hidden], w_v[:, :hidden], rank, options.factorization == "split", *maps["objective"]
     )
     if attended is not None and options.factorization == "joint":
-        x_cov = maps["objective"][0]
-        up_v = _attended_values(w_v[:, :hidden], down, attended[:, :hidden, :hidden], x_cov, groups, head_dim)
+        covs = _attended_covs(attended[:, :hidden, :hidden], maps["objective"][0], hidden)
+        if options.latent_rounds:
+            up_k, up_v, down = _refine_latent(
+                k_nope[:, :hidden], w_v[:, :hidden], down, covs, maps["objective"], options.latent_rounds, head_dim
+            )
+        else:
+            up_v = _attended_values(w_v[:, :hidden], down, covs, head_dim)
     kv_b = torch.cat([up_k.view(groups, head_dim, rank), up_v.view(groups, head_dim, rank)], dim=1)
     kv_b_bias = torch.cat([k_nope[:, hidden].view(groups, head_dim), w_v[:, hidden].view(groups, head_dim)], dim=1)
     q_all, k_rope = maps["q"], maps["k_rope"]
@@ -368,25 +376,46 @@ def convert_attention(
     return {k: v.float() for k, v in out.items()}, maps["rope_plan"].frequencies
 
 
-def _attended_values(w_v, down, attended, token_cov, groups: int, head_dim: int, blend: float = 0.05):
-    """Per kv group, the value up-projection [d_h, r] minimizing E||(W_v - U D) x~||^2 over attended inputs x~, plus
-    `blend` x the same error over token inputs (relative to the two traces) and the factorization's ridge: attended
-    inputs from a small calibration set are often rank-deficient (layer 0 sees few distinct tokens), and the token
-    term keeps every direction of W_v determined, so full rank stays exact."""
-    down = down.double()
-    dim = down.shape[1]
+def _attended_covs(attended, token_cov, dim: int, blend: float = 0.05) -> list[torch.Tensor]:
+    """Per kv group, the input second moment a value map is judged on: the attended inputs' (trace-normalized) plus
+    `blend` x the token inputs' and the factorization's ridge, scaled to the token inputs' trace. Attended inputs from a
+    small calibration set are often rank-deficient (layer 0 sees few distinct tokens); the token term keeps every
+    direction of W_v determined, so full rank stays exact."""
     token = torch.eye(dim, dtype=torch.float64) if token_cov is None else token_cov.double()
-    token = token / token.diagonal().sum().clamp_min(1e-300)
-    ups = []
-    for g in range(groups):
-        c = attended[g].double()
-        c = c / c.diagonal().sum().clamp_min(1e-300) + blend * token  # [D, D]
+    scale = token.diagonal().sum().clamp_min(1e-300)
+    out = []
+    for a in attended:
+        c = a.double() / a.double().diagonal().sum().clamp_min(1e-300) + blend * token / scale
         c = c + lowrank.RIDGE * c.diagonal().mean() * torch.eye(dim, dtype=torch.float64)
+        out.append(c * scale)
+    return out
+
+
+def _attended_values(w_v, down, covs: list[torch.Tensor], head_dim: int):
+    """Per kv group, the value up-projection [d_h, r] minimizing E||(W_v - U D) x~||^2 under the group's `covs`."""
+    down = down.double()
+    ups = []
+    for g, c in enumerate(covs):
         gram = down @ c @ down.T  # [r, r]
         gram = gram + 1e-12 * gram.diagonal().mean().clamp_min(1e-300) * torch.eye(gram.shape[0], dtype=torch.float64)
         cross = w_v[g * head_dim : (g + 1) * head_dim].double() @ c @ down.T  # [d_h, r]
         ups.append(torch.linalg.solve(gram, cross.T).T)
     return torch.cat(ups).float()
+
+
+def _refine_latent(k_nope, w_v, down, covs, objective, rounds: int, head_dim: int):
+    """The shared latent refined for keys on their inputs and each group's values on its attended inputs
+    (`lowrank.refine_shared`). Returns (up_k, up_v, down), float32."""
+    x_cov, k_weight, v_weight = objective
+    dim = down.shape[1]
+    token = torch.eye(dim, dtype=torch.float64) if x_cov is None else x_cov.double()
+    token = token + lowrank.RIDGE * token.diagonal().mean().clamp_min(1e-12) * torch.eye(dim, dtype=torch.float64)
+    blocks = [(k_nope, k_weight, token)]
+    for g, c in enumerate(covs):
+        rows = slice(g * head_dim, (g + 1) * head_dim)
+        blocks.append((w_v[rows], None if v_weight is None else v_weight[rows, rows], c))
+    ups, down = lowrank.refine_shared(blocks, down, rounds=rounds)
+    return ups[0].float(), torch.cat(ups[1:]).float(), down.float()
 
 
 def layer_spectrum(
@@ -625,7 +654,8 @@ def describe_method(options: ConvertOptions) -> str:
     if options.key_inputs == "attended":
         fact += ", calibration tokens weighted by the attention their keys receive"
     if options.value_inputs == "attended":
-        fact += ", values fit on attended inputs"
+        fact += ", values fit on attended inputs" + (f" (latent refined, {options.latent_rounds} rounds)"
+                                                     if options.latent_rounds else "")
     if options.rank_allocation == "energy":
         fact += ", latent dims shared among layers by their spectra"
     return f"{rope_text}, {fact}"

@@ -147,3 +147,51 @@ def allocate_ranks(spectra: list[torch.Tensor], total: int, unit: int = 1, floor
     for _, layer, _ in sorted(gains, key=lambda g: (-g[0], g[2]))[: (total - layers * floor) // unit]:
         ranks[layer] += unit
     return ranks
+
+
+def refine_shared(blocks: list[tuple], down: torch.Tensor, rounds: int = 3, cg_steps: int = 20) -> tuple[list, torch.Tensor]:
+    """Alternating refinement of a shared down-projection when the blocks of the stacked map see different inputs.
+
+    blocks: (w_b [m_b, D], row_weight_b [m_b, m_b] or None, cov_b [D, D] PD); objective
+    sum_b E||A_b (W_b - U_b D) x_b||^2 with E[x_b x_b^T] = cov_b. Starting from `down` [r, D], each round takes every
+    U_b = W_b C_b D^T (D C_b D^T)^-1 (least squares given D), then improves D given the U_b by conjugate gradient on
+    sum_b M_b D C_b = sum_b N_b W_b C_b (M_b = U_b^T A_b^T A_b U_b, N_b = U_b^T A_b^T A_b), warm-started: no round
+    increases the objective, and an exact start (full rank) stays exact. Returns ([U_b], D), float64.
+    """
+    d = down.double().clone()
+    blocks = [(w.double(), None if a is None else a.double(), c.double()) for w, a, c in blocks]
+
+    def ups(d):
+        out = []
+        for w, _, c in blocks:
+            gram = d @ c @ d.T
+            gram = gram + 1e-12 * gram.diagonal().mean().clamp_min(1e-300) * torch.eye(gram.shape[0], dtype=gram.dtype)
+            out.append(torch.linalg.solve(gram, (w @ c @ d.T).T).T)
+        return out
+
+    for _ in range(rounds):
+        us = ups(d)
+        ms, rhs = [], torch.zeros_like(d)
+        for (w, a, c), u in zip(blocks, us):
+            au = u if a is None else a @ u
+            ms.append(au.T @ au)
+            rhs += (au.T @ (w if a is None else a @ w)) @ c
+
+        def apply(x):
+            return sum(m @ x @ c for m, (_, _, c) in zip(ms, blocks))
+
+        resid = rhs - apply(d)
+        direction = resid.clone()
+        norm = (resid * resid).sum()
+        stop = 1e-20 * (rhs * rhs).sum()
+        for _ in range(cg_steps):
+            if norm <= stop:
+                break
+            step_dir = apply(direction)
+            alpha = norm / (direction * step_dir).sum().clamp_min(1e-300)
+            d += alpha * direction
+            resid -= alpha * step_dir
+            new_norm = (resid * resid).sum()
+            direction = resid + (new_norm / norm) * direction
+            norm = new_norm
+    return ups(d), d

@@ -103,7 +103,7 @@ def test_every_method_is_exact_at_full_rank(sources, convert_tiny, kind):
     for extra in (
         dict(rope_strategy="attention", dropped_rope="expected", objective="attention", kv_balance=1.0),
         dict(rope_strategy="attention", dropped_rope="expected", objective="scores", rank_allocation="energy",
-             value_inputs="attended", key_inputs="attended"),
+             value_inputs="attended", key_inputs="attended", latent_rounds=2),
         dict(rope_strategy="2-norm", objective="kv", kv_balance=0.5, rope_merge=False),
     ):
         options = {**full_options(src.config, True), **extra}
