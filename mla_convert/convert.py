@@ -340,7 +340,7 @@ def convert_attention(
     token inputs like keys). Given the latent, each group's value up-projection is then the least-squares map on the
     inputs values are consumed through: U_v = W_v C~ D^T (D C~ D^T)^-1 (exact at full rank, as any left inverse);
     keyed: [D+1, D+1] second moment of the inputs weighted by the attention each token's key receives (None: `cov`),
-    the input statistics of the low-rank factorization.
+    the input statistics of the low-rank factorization and of the key pairs in the RoPE merge.
     Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair).
     """
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
@@ -445,6 +445,8 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
         q_energy, k_cov = rope.pair_energies(w_q[:, :hidden], w_k[:, :hidden], None, heads, groups, head_dim)
     else:
         q_energy, k_cov = rope.pair_energies(w_q, w_k, cov, heads, groups, head_dim)
+        if keyed is not None:  # key pairs judged on the tokens whose keys get attended
+            k_cov = rope.pair_energies(w_q, w_k, keyed, heads, groups, head_dim)[1]
     rope_plan = rope.plan_rope(
         d_r, options.rope_strategy, options.rope_merge, heads, groups, head_dim, q_energy, k_cov, phase
     )
