@@ -247,12 +247,12 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "kv_lora_rank)."
         ),
         value_inputs: str = typer.Option(
-            "token", "--value-inputs", help="token: the value up-projection fits values per token (as keys). attended: "
-            "it fits them on the attention-averaged inputs they are consumed through (calibrated)."
+            "attended", "--value-inputs", help="attended (default): the value up-projection fits values on the "
+            "attention-averaged inputs they are consumed through (calibrated). token: per token, as keys."
         ),
         key_inputs: str = typer.Option(
-            "token", "--key-inputs", help="token: the latent fits every calibration token alike. attended: each token "
-            "counts by the attention its key receives (calibrated)."
+            "attended", "--key-inputs", help="attended (default): each calibration token counts by the attention its "
+            "key receives (calibrated). token: every token alike."
         ),
         latent_rounds: int = typer.Option(
             0, "--latent-rounds", help="With --value-inputs attended: rounds of refining the shared latent so that keys "

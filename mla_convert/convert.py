@@ -54,8 +54,8 @@ class ConvertOptions:
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
     rank_allocation: str = "uniform"  # uniform | energy: share the latent dims among layers by their spectra
-    value_inputs: str = "token"  # token | attended: fit the value up-projection on the inputs attention averages
-    key_inputs: str = "token"  # token | attended: weight each calibration token by the attention its key receives
+    value_inputs: str = "attended"  # token | attended: fit the value up-projection on the inputs attention averages
+    key_inputs: str = "attended"  # token | attended: weight each calibration token by the attention its key receives
     latent_rounds: int = 0  # with value_inputs attended: rounds refining the shared latent for both input kinds
     seed: int = 0
     device: str = "cpu"

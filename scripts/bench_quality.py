@@ -33,6 +33,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 SOURCE_CACHE = 384  # SmolLM2-135M: 2 x 3 kv heads x 64 per token per layer
+PROBE_SOURCE_PPL = 18.84  # `mla-convert eval out/smollm2-src --windows 2` (the probes' source copy)
+PROBE_SERIES = {
+    "A": "the earlier code (real-PCA merge, token inputs); unlisted: 2-norm, unrotated, objective kv, no balance, "
+         "d_r 32, 32 x 512 calibration, unless `defaults` says.",
+    "B": "this code; unlisted: attention strategy with the attention-weighted complex merge, expected rotation, "
+         "objective kv, balance 1, d_r a third of the budget, 8 x 2048 calibration, token inputs for keys and values, "
+         "uniform ranks, no latent rounds (the defaults before the last probes chose the attended inputs).",
+}
+
+
+# What the baselines do not have, spelled out so that a change of mla-convert's defaults never reaches them.
+PLAIN = ["--value-inputs", "token", "--key-inputs", "token", "--latent-rounds", "0", "--rank-allocation", "uniform"]
 
 
 def method_options(method: str, budget: int) -> list[str]:
@@ -40,11 +52,12 @@ def method_options(method: str, budget: int) -> list[str]:
     if method == "mha2mla":
         d_r = 24
         return ["--rope-dims", str(d_r), "--rope-strategy", "2-norm", "--no-rope-merge", "--method", "weight",
-                "--objective", "kv", "--dropped-rope", "unrotated", "--rank", str(budget - d_r)]  # fmt: skip
+                "--objective", "kv", "--dropped-rope", "unrotated", *PLAIN, "--rank", str(budget - d_r)]  # fmt: skip
     if method == "transmla":
         d_r = min(64, budget // 2)
         return ["--rope-dims", str(d_r), "--rope-strategy", "high", "--rope-merge", "--method", "activation",
-                "--objective", "kv", "--kv-balance", "1", "--dropped-rope", "unrotated", "--rank", str(budget - d_r)]  # fmt: skip
+                "--objective", "kv", "--kv-balance", "1", "--dropped-rope", "unrotated", *PLAIN,
+                "--rank", str(budget - d_r)]  # fmt: skip
     if method == "mla-convert":
         return ["--kv-budget", str(budget)]
     if method.startswith("custom:"):  # custom:OPTIONS (space separated), for ablations
@@ -96,16 +109,18 @@ def write_report(rows: list[dict], args) -> None:
         lines += table([r for r in rows if r["windows"] == windows], windows)
     probes = ROOT / "benchmarks" / "quality_probes.jsonl"
     if probes.exists():  # the probes that chose the defaults (scripts/explore_quality.py)
-        lines += ["## Probes that chose the defaults (2 windows; not the protocol)", "",
+        lines += ["## Probes that chose the defaults (2 windows at 50%; not the protocol)", "",
                   "`W=2 python scripts/explore_quality.py SRC NAME key=value ...` (in-process conversion of a "
-                  "safetensors copy of the embedded model, first 2 test windows; the source scores about 21 there):",
-                  "", "| probe | perplexity (2 windows) | options (ConvertOptions fields; unlisted = defaults of the "
-                  "time it ran: 2-norm, unrotated, objective kv, no balance, d_r 32, 32 x 512 calibration, unless `defaults` says) |", "|---|---|---|"]  # fmt: skip
-        for line in probes.read_text().splitlines():
-            p = json.loads(line)
-            opts = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("name", "ppl", "W", "convert_s"))
-            lines.append(f"| {p['name']} | {p['ppl']:.1f} | {opts} |")
-        lines.append("")
+                  "safetensors copy of the embedded model, the first 2 test windows, where the source scores "
+                  f"{PROBE_SOURCE_PPL}). Options are ConvertOptions fields; unlisted ones are the defaults of the "
+                  "probe's series:", ""]  # fmt: skip
+        rows = [json.loads(line) for line in probes.read_text().splitlines() if line.strip()]
+        for series, text in PROBE_SERIES.items():
+            lines += [f"**Series {series}**: {text}", "", "| probe | perplexity (2 windows) | options |", "|---|---|---|"]
+            for p in (r for r in rows if r.get("series", "A") == series):
+                opts = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("name", "ppl", "W", "convert_s", "series"))
+                lines.append(f"| {p['name']} | {p['ppl']:.1f} | {opts} |")
+            lines.append("")
     lines += ["![perplexity vs budget](quality.png)", ""]
     (ROOT / "benchmarks" / "quality.md").write_text("\n".join(lines))
     if counts:
