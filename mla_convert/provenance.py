@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shlex
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -51,7 +52,7 @@ def new(kind: str, **fields) -> dict:
         "kind": kind,
         "mla_convert_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "command": shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),  # quoted: pastes back into a shell
         "versions": versions(),
     }
     record.update(fields)
