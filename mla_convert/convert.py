@@ -539,12 +539,14 @@ def convert(
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
         rope_pairs: list[list[int]] = [[0] * (plan.rope_dim // 2) for _ in range(plan.layers)]
 
-        def layer_inputs(i: int):
+        def layer_inputs(i: int, known: tuple | None = None):
             """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
-            (cov, phase, attended, keyed)), the statistics taken at the runner's current hidden states."""
+            (cov, phase, attended, keyed)): `known` statistics, or those taken at the runner's current hidden states."""
             prefix = family.layer_prefix.format(i=i)
             layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
             attn = _attention_tensors(layer_tensors, family, i, prefix)
+            if known is not None:
+                return prefix, layer_tensors, attn, None, known
             source_layer = cov = phase = attended = keyed = None
             if runner is not None:
                 from mla_convert.calibration import second_moment
@@ -575,13 +577,7 @@ def convert(
         bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
         for i in bar:
             bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
-            if i in stats:
-                prefix = family.layer_prefix.format(i=i)
-                layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
-                attn = _attention_tensors(layer_tensors, family, i, prefix)
-                source_layer, statistics = None, stats.pop(i)
-            else:
-                prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i)
+            prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i, stats.pop(i, None))
             mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
             for name, tensor in layer_tensors.items():
                 if not name.startswith("self_attn."):
