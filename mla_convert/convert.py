@@ -23,7 +23,7 @@ from mla_convert.families import Family, family_for
 log = logging.getLogger(__name__)
 
 RANK_ALLOCATIONS = ("uniform", "energy")
-VALUE_INPUTS = ("token", "attended")
+INPUT_KINDS = ("token", "attended")  # --value-inputs, --key-inputs
 ATTENDED_EVERY = 4  # attended-input statistics on every 4th block of calibration queries (they cost a [T, T] x [T, D])
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config keys carried from the source into the MLA config unchanged.
@@ -244,12 +244,15 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--objective {options.objective} needs calibration text: pass --calib-data FILE or --objective kv")
     if options.calib_propagate not in ("source", "converted"):
         raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
-    if options.value_inputs not in VALUE_INPUTS:
-        raise UserError(f"--value-inputs must be one of {', '.join(VALUE_INPUTS)}, got {options.value_inputs}")
+    if options.value_inputs not in INPUT_KINDS:
+        raise UserError(f"--value-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.value_inputs}")
     if options.latent_rounds < 0:
         raise UserError(f"--latent-rounds must be 0 or more, got {options.latent_rounds}")
-    if options.key_inputs not in VALUE_INPUTS:
-        raise UserError(f"--key-inputs must be one of {', '.join(VALUE_INPUTS)}, got {options.key_inputs}")
+    if options.latent_rounds and (options.value_inputs != "attended" or options.factorization != "joint"):
+        raise UserError("--latent-rounds refines a joint latent for attended values: use it with --value-inputs "
+                        "attended and --factorization joint (or drop it)")
+    if options.key_inputs not in INPUT_KINDS:
+        raise UserError(f"--key-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.key_inputs}")
     if options.rank_allocation not in RANK_ALLOCATIONS:
         raise UserError(f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {options.rank_allocation}")
     if options.rank_allocation != "uniform" and options.calib_propagate == "converted":
@@ -383,33 +386,20 @@ def _attended_covs(attended, token_cov, dim: int, blend: float = 0.05) -> list[t
     direction of W_v determined, so full rank stays exact."""
     token = torch.eye(dim, dtype=torch.float64) if token_cov is None else token_cov.double()
     scale = token.diagonal().sum().clamp_min(1e-300)
-    out = []
-    for a in attended:
-        c = a.double() / a.double().diagonal().sum().clamp_min(1e-300) + blend * token / scale
-        c = c + lowrank.RIDGE * c.diagonal().mean() * torch.eye(dim, dtype=torch.float64)
-        out.append(c * scale)
-    return out
+    return [lowrank.ridged(a.double() / a.double().diagonal().sum().clamp_min(1e-300) + blend * token / scale) * scale
+            for a in attended]  # fmt: skip
 
 
 def _attended_values(w_v, down, covs: list[torch.Tensor], head_dim: int):
     """Per kv group, the value up-projection [d_h, r] minimizing E||(W_v - U D) x~||^2 under the group's `covs`."""
-    down = down.double()
-    ups = []
-    for g, c in enumerate(covs):
-        gram = down @ c @ down.T  # [r, r]
-        gram = gram + 1e-12 * gram.diagonal().mean().clamp_min(1e-300) * torch.eye(gram.shape[0], dtype=torch.float64)
-        cross = w_v[g * head_dim : (g + 1) * head_dim].double() @ c @ down.T  # [d_h, r]
-        ups.append(torch.linalg.solve(gram, cross.T).T)
-    return torch.cat(ups).float()
+    return torch.cat([lowrank.fit_up(w_v[g * head_dim : (g + 1) * head_dim], down, c) for g, c in enumerate(covs)]).float()
 
 
 def _refine_latent(k_nope, w_v, down, covs, objective, rounds: int, head_dim: int):
     """The shared latent refined for keys on their inputs and each group's values on its attended inputs
     (`lowrank.refine_shared`). Returns (up_k, up_v, down), float32."""
     x_cov, k_weight, v_weight = objective
-    dim = down.shape[1]
-    token = torch.eye(dim, dtype=torch.float64) if x_cov is None else x_cov.double()
-    token = token + lowrank.RIDGE * token.diagonal().mean().clamp_min(1e-12) * torch.eye(dim, dtype=torch.float64)
+    token = lowrank.ridged(torch.eye(down.shape[1], dtype=torch.float64) if x_cov is None else x_cov)
     blocks = [(k_nope, k_weight, token)]
     for g, c in enumerate(covs):
         rows = slice(g * head_dim, (g + 1) * head_dim)
@@ -520,6 +510,11 @@ def convert(
 
     family = family_for(source.config, family_name)
     options = without_calibration(options)
+    if options.factorization == "split" and options.value_inputs == "attended" and not options.latent_rounds:
+        # the attended refit fits values in the whole latent, which a split factorization keeps for keys and values
+        # apart: record what runs
+        log.info("--factorization split: values keep their per-token fit (--value-inputs token)")
+        options = dataclasses.replace(options, value_inputs="token")
     plan = make_plan(source, family, options)
     if dry_run:
         return plan

@@ -21,6 +21,20 @@ OBJECTIVES = ("kv", "attention", "scores")
 RIDGE = 1e-4
 
 
+def ridged(cov: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
+    """cov + ridge x its mean diagonal x I (float64): every direction stays visible to a solver."""
+    cov = cov.double()
+    return cov + ridge * cov.diagonal().mean().clamp_min(1e-12) * torch.eye(cov.shape[0], dtype=cov.dtype)
+
+
+def fit_up(w: torch.Tensor, down: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """The up-projection U [m, r] minimizing E||(W - U D) x||^2 for E[x x^T] = cov, given the down-projection D
+    [r, D]: U = W C D^T (D C D^T)^-1 (a 1e-12 relative ridge only guards latent dims that D leaves empty). float64."""
+    down, cov = down.double(), cov.double()
+    gram = ridged(down @ cov @ down.T, 1e-12)  # [r, r]
+    return torch.linalg.solve(gram, (w.double() @ cov @ down.T).T).T
+
+
 def sqrtm_psd(sym: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
     """Symmetric square root of a PSD matrix, with `ridge` x its mean eigenvalue added so that it is invertible."""
     sym = 0.5 * (sym.double() + sym.double().T)
@@ -60,8 +74,7 @@ def factorize(
     w = w.double()
     aw = w if row_weight is None else row_weight.double() @ w
     if cov is not None:
-        cov = cov.double()
-        cov = cov + RIDGE * cov.diagonal().mean().clamp_min(1e-12) * torch.eye(d, dtype=cov.dtype)
+        cov = ridged(cov)
     gram = aw @ (aw.T if cov is None else cov @ aw.T)  # [m, m]
     u = top_eigvecs(gram, rank)  # [m, r]
     down = u.T @ aw  # [r, D]
@@ -120,8 +133,7 @@ def joint_spectrum(
         )
         w = weight.double() @ w
     if cov is not None:
-        cov = cov.double()
-        cov = cov + RIDGE * cov.diagonal().mean().clamp_min(1e-12) * torch.eye(cov.shape[0], dtype=cov.dtype)
+        cov = ridged(cov)
     gram = w @ (w.T if cov is None else cov @ w.T)
     return torch.linalg.eigvalsh(0.5 * (gram + gram.T)).flip(0).clamp_min(0)
 
@@ -162,12 +174,7 @@ def refine_shared(blocks: list[tuple], down: torch.Tensor, rounds: int = 3, cg_s
     blocks = [(w.double(), None if a is None else a.double(), c.double()) for w, a, c in blocks]
 
     def ups(d):
-        out = []
-        for w, _, c in blocks:
-            gram = d @ c @ d.T
-            gram = gram + 1e-12 * gram.diagonal().mean().clamp_min(1e-300) * torch.eye(gram.shape[0], dtype=gram.dtype)
-            out.append(torch.linalg.solve(gram, (w @ c @ d.T).T).T)
-        return out
+        return [fit_up(w, d, c) for w, _, c in blocks]
 
     for _ in range(rounds):
         us = ups(d)

@@ -62,3 +62,11 @@ def test_energy_allocation_converts_at_the_same_cache(steep_first_layer, convert
 def test_energy_allocation_needs_source_statistics(sources, convert_tiny):
     with pytest.raises(UserError, match="--calib-propagate source"):
         convert_tiny(sources["llama-gqa"], rank=8, rope_dims=4, rank_allocation="energy", calib_propagate="converted")
+
+
+def test_split_factorization_records_per_token_values(sources, convert_tiny):
+    """The attended-value refit needs the joint latent: with --factorization split, provenance says what ran."""
+    out = convert_tiny(sources["llama-gqa"], rank=8, rope_dims=4, factorization="split")
+    record = json.loads((out / "provenance.json").read_text())
+    assert record["options"]["value_inputs"] == "token"
+    assert "attended inputs" not in record["method"]
