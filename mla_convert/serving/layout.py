@@ -1,0 +1,122 @@
+"""A native MLA checkpoint in the cache layout an engine's MLA kernels take, exactly.
+
+Engines' MLA attention (vLLM's `MLAAttention`, SGLang's) knows one kv head per query head and a cache row of
+`kv_lora_rank + qk_rope_head_dim` values of a size its kernels were built for (vLLM: 320 = 256 + 64 or 576 = 512 + 64;
+its CPU kernel only 576). A native layer maps onto that exactly, tensor by tensor:
+
+    q_proj [H*(d_n+d_r), D]        -> [H*(d_n+d_r'), D]   rope rows of each head padded with zero rows
+    kv_a_proj [d_c+d_r, D]         -> [d_c'+d_r', D]      zero latent rows, zero rope rows (bias alike)
+    kv_b_proj [G*(d_n+d_v), d_c]   -> [H*(d_n+d_v), d_c'] kv groups repeated per query head, zero columns; its bias
+                                                          is dropped: the nope-key part adds one constant per query
+                                                          to every score (softmax cancels it), the value part ...
+    o_proj [D, H*d_v] (+bias)      -> ... is folded into the o_proj bias (softmax rows sum to 1)
+
+Rope rows stay in rotate_half layout inside the padded width (pair j: rows j and j + d_r'/2); the padded pairs are
+zero in query and key, so whatever frequency they get adds nothing. The result is itself a native MLA model (G = H,
+ranks d_c', rope dims d_r', `rope_pairs` padded with `PAD_PAIR`), which is how tests prove the mapping exact in
+transformers before any engine runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mla_convert.errors import UserError
+
+# (kv_lora_rank, qk_rope_head_dim) splits vLLM's MLA backends take (head sizes 320 and 576; FlashMLA and the CPU
+# kernel only 576).
+VLLM_LAYOUTS = {"cpu": ((512, 64),), "cuda": ((256, 64), (512, 64))}
+PAD_PAIR = 0  # source frequency index given to padded rope pairs (their rows are zero: any index is exact)
+
+
+@dataclass(frozen=True)
+class ServedLayout:
+    latent: int  # d_c': kv_lora_rank of the engine's cache (every layer)
+    rope: int  # d_r': qk_rope_head_dim of the engine's cache
+
+    @property
+    def elements_per_token_per_layer(self) -> int:
+        return self.latent + self.rope
+
+
+def served_layout(ranks: list[int], rope: int, layouts: tuple[tuple[int, int], ...]) -> ServedLayout:
+    """The smallest layout of `layouts` that holds every layer's latent and the rope key (zero-padded, exact)."""
+    need = max(ranks)
+    for latent, rope_out in sorted(layouts, key=sum):
+        if need <= latent and rope <= rope_out:
+            return ServedLayout(latent, rope_out)
+    raise UserError(
+        f"no MLA cache layout of the engine ({', '.join(f'{a}+{b}' for a, b in layouts)}) holds this model's latent "
+        f"{need} + rope key {rope}: convert with --rank {max(a for a, _ in layouts)} or less and --rope-dims "
+        f"{max(b for _, b in layouts)} or less"
+    )
+
+
+def served_config(config, layout: ServedLayout) -> dict:
+    """Fields of an MLAConfig that describe the served model (for a native model equal to what the engine runs)."""
+    pad = (layout.rope - config.qk_rope_head_dim) // 2
+    return {
+        "num_key_value_heads": config.num_attention_heads,
+        "kv_lora_rank": [layout.latent] * config.num_hidden_layers,
+        "qk_rope_head_dim": layout.rope,
+        "rope_pairs": [list(p) + [PAD_PAIR] * pad for p in config.rope_pairs],
+        "attention_bias": bool(config.attention_bias),
+        "o_proj_bias": bool(config.attention_bias or config.o_proj_bias),
+    }
+
+
+def _pad_rope_rows(x: torch.Tensor, rope: int, rope_out: int) -> torch.Tensor:
+    """[..., d_r] rotate_half dims -> [..., d_r']: pair j stays at rows (j, j + d_r'/2), the rest zero."""
+    half, half_out = rope // 2, rope_out // 2
+    out = x.new_zeros(*x.shape[:-1], rope_out)
+    out[..., :half] = x[..., :half]
+    out[..., half_out : half_out + half] = x[..., half:]
+    return out
+
+
+def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: ServedLayout) -> dict[str, torch.Tensor]:
+    """One native layer's attention tensors (keys `q_proj.weight`, `kv_a_proj.bias`, ...) -> the served layer's.
+
+    Computed in float32 (the o_proj bias fold is a matrix product), returned in float32.
+    """
+    heads, groups = config.num_attention_heads, config.num_key_value_heads
+    d_n, d_v, d_r = config.qk_nope_head_dim, config.v_head_dim, config.qk_rope_head_dim
+    d_c = config.kv_lora_rank[layer]
+    d_c_out, d_r_out = layout.latent, layout.rope
+    per_group = heads // groups
+    t = {k: v.float() for k, v in tensors.items()}
+    out = {}
+
+    def query(x):  # [H*(d_n+d_r), *] -> [H*(d_n+d_r'), *]
+        x = x.reshape(heads, d_n + d_r, -1).transpose(1, 2)  # [H, *, d_n+d_r]
+        x = torch.cat((x[..., :d_n], _pad_rope_rows(x[..., d_n:], d_r, d_r_out)), dim=-1)
+        return x.transpose(1, 2).reshape(heads * (d_n + d_r_out), -1)
+
+    def latent_rows(x):  # [d_c+d_r, *] -> [d_c'+d_r', *]
+        x = x.reshape(d_c + d_r, -1)
+        y = x.new_zeros(d_c_out + d_r_out, x.shape[1])
+        y[:d_c] = x[:d_c]
+        y[d_c_out:] = _pad_rope_rows(x[d_c:].T, d_r, d_r_out).T
+        return y
+
+    out["q_proj.weight"] = query(t["q_proj.weight"])
+    if "q_proj.bias" in t:
+        out["q_proj.bias"] = query(t["q_proj.bias"])[:, 0]
+    out["kv_a_proj.weight"] = latent_rows(t["kv_a_proj.weight"])
+    if "kv_a_proj.bias" in t:
+        out["kv_a_proj.bias"] = latent_rows(t["kv_a_proj.bias"])[:, 0]
+    w_b = t["kv_b_proj.weight"].view(groups, d_n + d_v, d_c).repeat_interleave(per_group, dim=0)  # [H, d_n+d_v, d_c]
+    kv_b = w_b.new_zeros(heads, d_n + d_v, d_c_out)
+    kv_b[..., :d_c] = w_b
+    out["kv_b_proj.weight"] = kv_b.reshape(heads * (d_n + d_v), d_c_out)
+    w_o = t["o_proj.weight"]  # [D, H*d_v]
+    out["o_proj.weight"] = w_o
+    if config.attention_bias or config.o_proj_bias:
+        o_bias = t.get("o_proj.bias", w_o.new_zeros(w_o.shape[0]))
+        if "kv_b_proj.bias" in t:
+            v_bias = t["kv_b_proj.bias"].view(groups, d_n + d_v)[:, d_n:]  # [G, d_v]
+            o_bias = o_bias + w_o @ v_bias.repeat_interleave(per_group, dim=0).reshape(-1)
+        out["o_proj.bias"] = o_bias
+    return out
