@@ -488,6 +488,8 @@ def deepseek_config(config, plan: ExportPlan, dtype: torch.dtype) -> dict:
         initializer_range=config.initializer_range,
     )  # fmt: skip
     out = ds.to_dict()
+    # Without it vLLM resolves the base DeepseekV3Model and serves an embedding model (LLM.generate refuses it).
+    out["architectures"] = ["DeepseekV3ForCausalLM"]
     out["dtype"] = str(dtype).replace("torch.", "")
     # Engines pinned to transformers 4 read these top-level keys (rope_parameters is transformers 5).
     out["rope_theta"] = plan.fit.base

