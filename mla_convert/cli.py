@@ -159,9 +159,15 @@ def _convert(
     source = open_source(model, revision)
     if target == "deepseek":  # resolve and check exportable options before any heavy work
         from mla_convert.export import deepseek_convert_options, deepseek_layout_notes
+        from mla_convert.families import family_for
 
         explicit = {k for k, v in (("rope_strategy", rope_strategy), ("rope_dims", rope_dims)) if v is not None}
         options, notes = deepseek_convert_options(source.config, options, explicit)
+        if format == "deepseek" and any(family_for(source.config, family).attention_biases(source.config)):
+            raise UserError("this model has attention biases, which vLLM's and SGLang's DeepSeek classes drop "
+                            "silently: serve the native checkpoint through the vLLM plugin instead (convert without "
+                            "--format deepseek; docs/serving.md), or convert with --target deepseek and run "
+                            "`mla-convert export --keep-biases` (transformers only) or `--drop-biases --allow-approx`")
         plan = convert(source, native_out, options, family, dry_run=True)
         if format == "deepseek" and plan.dtype == "float16":
             raise UserError("the DeepSeek-V3 export cannot hold float16 (its identity latent norm needs bfloat16's "
@@ -470,6 +476,10 @@ def export_command(
     drop_biases: bool = typer.Option(
         False, "--drop-biases", help="Drop attention biases (vLLM and SGLang ignore them anyway); needs --allow-approx."
     ),
+    keep_biases: bool = typer.Option(
+        False, "--keep-biases", help="Keep attention biases although only transformers applies them (vLLM and SGLang "
+        "skip them silently). Default: refused; serve such models through the vLLM plugin (docs/serving.md)."
+    ),
     pad_latent: str = typer.Option(
         "none", "--pad-latent", help="none, vllm (kv_lora_rank + rope dims = 320 or 576) or flashmla (512 + 64): "
         "exact zero padding to a layout the engines' MLA kernels accept; the cache grows."
@@ -487,7 +497,7 @@ def export_command(
     from mla_convert.export import ExportOptions, export
 
     options = ExportOptions(
-        format=format, dtype=dtype, allow_approx=allow_approx, drop_biases=drop_biases, pad_latent=pad_latent,
+        format=format, dtype=dtype, allow_approx=allow_approx, drop_biases=drop_biases, keep_biases=keep_biases, pad_latent=pad_latent,
         verify=verify,
     )  # fmt: skip
     _echo_export(export(model, output, options, overwrite=overwrite), output)

@@ -66,6 +66,7 @@ class ExportOptions:
     dtype: str = "auto"  # auto: the native checkpoint's dtype (float16 is refused, see _out_dtype)
     allow_approx: bool = False  # accept measured approximations (RoPE frequencies, dropped biases)
     drop_biases: bool = False  # drop biases the engines ignore (vLLM/SGLang load no attention bias); needs allow_approx
+    keep_biases: bool = False  # keep them although only transformers applies them (vLLM/SGLang skip them silently)
     pad_latent: str = "none"  # none | vllm (kv_lora_rank + d_r in 320/576) | flashmla (512 + 64); exact, larger cache
     verify: bool = True
     verify_tokens: int = 64
@@ -425,6 +426,12 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
         if options.drop_biases:
             approximations.append(f"dropped the {', '.join(names)} biases (what vLLM and SGLang compute anyway)")
             has = dict.fromkeys(has, False)
+        elif not options.keep_biases:
+            raise UserError(
+                f"this model has {', '.join(names)} biases, which vLLM's and SGLang's DeepSeek classes drop silently: "
+                "serve the native checkpoint through the vLLM plugin instead (exact, docs/serving.md), or pass "
+                "--keep-biases (for transformers only) or --drop-biases --allow-approx (the error is measured)"
+            )
         else:
             warnings.append(
                 f"this export keeps {', '.join(names)} biases (attention_bias: true): transformers loads them, but "

@@ -218,15 +218,16 @@ def greedy(model, prompt, n=6):
 def test_export_equals_native(kind, tmp_path):
     """Stock DeepseekV3ForCausalLM on the export equals the native model: logits and greedy tokens (cached decode)."""
     native = native_model(kind, tmp_path / "native")
-    record = export(native, tmp_path / "ds", ExportOptions(dtype="float32", verify=False))
+    biased = kind == "qwen2-biases"
+    record = export(native, tmp_path / "ds", ExportOptions(dtype="float32", verify=False, keep_biases=biased))
     cfg = json.loads((tmp_path / "ds" / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v3" and cfg["num_key_value_heads"] == cfg["num_attention_heads"]
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
     assert cfg["first_k_dense_replace"] == cfg["num_hidden_layers"] and cfg["rope_interleave"] is True
     assert cfg["rms_norm_eps"] == EXPORT_EPS and cfg["tie_word_embeddings"] is False
     assert cfg["kv_lora_rank"] == max(KINDS[kind]["kv_lora_rank"]) and record["rope_exact"]
     assert (tmp_path / "ds" / "generation_config.json").is_file()
     assert json.loads((tmp_path / "ds" / "provenance.json").read_text())["kind"] == "export"
-    biased = kind == "qwen2-biases"
     assert cfg["attention_bias"] == biased and (cfg["q_lora_rank"] is not None) == biased
     ref, got = native_and_stock_logits(native, tmp_path / "ds")
     assert relative_error(ref, got) < 1e-5
@@ -255,7 +256,7 @@ def test_converted_export_verified_in_stock_transformers(kind, tmp_path):
     """Converted with exportable options (uniform pairs merged across kv heads): the built-in check (stock
     transformers in a subprocess that never imports mla_convert) finds the export equal to the native model."""
     _, native = convert_tiny(kind, tmp_path, rank=24, rope_dims=8)
-    record = export(native, tmp_path / "ds", ExportOptions(dtype="float32"))
+    record = export(native, tmp_path / "ds", ExportOptions(dtype="float32", keep_biases=kind == "qwen2"))
     m = record["measurements"]
     assert m["export_max_rel_logit_error"] < 1e-3 and m["export_greedy_tokens_match"], m
     prov = json.loads((tmp_path / "ds" / "provenance.json").read_text())
@@ -274,7 +275,7 @@ def test_full_rank_every_pair_equals_source(kind, tmp_path):
 
     source, native = convert_tiny(kind, tmp_path, rank=32, rope_dims=16, strategy="high", merge=False,
                                   num_key_value_heads=1)  # fmt: skip
-    export(native, tmp_path / "ds", ExportOptions(dtype="float32", verify=False))
+    export(native, tmp_path / "ds", ExportOptions(dtype="float32", verify=False, keep_biases=kind == "qwen2"))
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()(ids).logits
@@ -315,6 +316,8 @@ def test_export_refusals(tmp_path):
         export(native, tmp_path / "ds", ExportOptions(dtype="float16"))
     with pytest.raises(UserError, match="--allow-approx"):
         export(native, tmp_path / "ds", ExportOptions(drop_biases=True))
+    with pytest.raises(UserError, match="drop silently"):  # biases the engines would skip: refused by default
+        export(native_model("qwen2-biases", tmp_path / "n3"), tmp_path / "ds", ExportOptions(dtype="float32"))
     with pytest.raises(UserError, match="measured"):
         export(native, tmp_path / "ds", ExportOptions(allow_approx=True, verify=False))
     with pytest.raises(UserError, match="divides 64"):

@@ -140,18 +140,26 @@ def test_cli_target_deepseek_native_output_is_exportable(sources, tmp_path, cali
 
 
 def test_cli_format_deepseek_writes_verified_export(sources, tmp_path, calib):
-    """Qwen2 (biases, GQA) straight from convert to a stock DeepSeek-V3 folder, verified in a clean subprocess."""
+    """GQA straight from convert to a stock DeepSeek-V3 folder, verified in a clean subprocess."""
     out = tmp_path / "ds"
-    code, output = run("qwen", sources["qwen2"], "--kv-budget", 0.5, "--format", "deepseek", "-o", out, *calib)
+    code, output = run("llama", sources["llama-gqa"], "--kv-budget", 0.5, "--format", "deepseek", "-o", out, *calib)
     assert code == 0, output
     assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
     assert json.loads((tmp_path / "ds-native" / "config.json").read_text())["model_type"] == "mla"
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["kind"] == "export" and prov["parent"]["kind"] == "convert" and prov["export"]["rope_exact"]
     m = prov["measurements"]
     assert m["export_max_rel_logit_error"] < 1e-3 and m["export_greedy_tokens_match"], m
     assert "greedy tokens match" in output and f"wrote {out}: DeepSeek-V3" in output
-    assert "vLLM and SGLang build DeepSeek attention without biases" in output  # the bias warning reaches the user
+
+
+def test_cli_format_deepseek_refuses_biases_up_front(sources, tmp_path, calib):
+    """Qwen2's biases would be dropped silently by vLLM's and SGLang's DeepSeek classes: refused before any work."""
+    out = tmp_path / "ds"
+    code, output = run("qwen", sources["qwen2"], "--kv-budget", 0.5, "--format", "deepseek", "-o", out, *calib)
+    assert_user_error(code, output, "biases", "vLLM plugin")
+    assert not out.exists() and not (tmp_path / "ds-native").exists()
 
 
 def test_cli_export_prints_serving_warning(tmp_path):

@@ -1,0 +1,192 @@
+"""Serving benchmark: the converted model in vLLM (its CPU build here) against transformers, same folder, same tokens.
+
+For each KV budget: the default conversion (native checkpoint, served through mla-convert's vLLM plugin) scored by
+vLLM in bfloat16 and float32 and by transformers in float32 on the first WINDOWS x SEQ_LEN tokens of WikiText-2 test
+(each window on its own, as `mla-convert eval` does); greedy continuations compared; vLLM's decode tokens/s for the
+source model and the converted ones; the KV-cache bytes per token vLLM allocates (read from its cache tensors and
+block count). With --deepseek, also (at the first budget) the `--target deepseek` conversion's DeepSeek-V3 export (padded to 512 + 64 for
+vLLM's CPU MLA kernel) to show what that route costs. Writes benchmarks/serving.md and benchmarks/serving.json.
+
+    python scripts/bench_serving.py [--budgets 0.5 0.25] [--windows 16] [--deepseek]
+
+Needs .venv-vllm (scripts/install-vllm.sh). Conversions are made with `mla-convert` if their folder is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mla_convert import evaluate  # noqa: E402
+from mla_convert.serving import engine  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+CLI = [sys.executable, "-m", "mla_convert.cli"]
+
+
+def run(cmd: list[str]) -> float:
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return time.time() - t0
+
+
+def source_folder(out: Path) -> Path:
+    """The embedded default as a safetensors folder (vLLM reads folders; the source ships as GGUF)."""
+    folder = out / "source-hf"
+    if not (folder / "config.json").exists():
+        model, tokenizer, _ = evaluate.load_model(None)
+        # transformers refuses to save a model loaded from GGUF; the de-quantized weights go into a plain copy
+        config = type(model.config).from_dict(
+            {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"})
+        plain = type(model)(config)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def windows_of(folder: Path, count: int, seq_len: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = evaluate.tokenize(tokenizer, (DATA / "wiki.test.raw").read_text())
+    return [ids[w * seq_len : (w + 1) * seq_len].tolist() for w in range(count)]
+
+
+def bytes_per_token(report: dict) -> float | None:
+    return report.get("bytes_per_token")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench-serving")
+    ap.add_argument("--deepseek", action="store_true", help="also the --target deepseek export route")
+    ap.add_argument("--decode-batch", type=int, default=8)
+    ap.add_argument("--decode-prompt", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    calib = str(DATA / "wiki.valid.tokens")
+    src = source_folder(args.out)
+    windows = windows_of(src, args.windows, args.seq_len)
+    prompts = [w[:32] for w in windows[:3]]
+    decode = {"batch": args.decode_batch, "prompt_tokens": args.decode_prompt, "new_tokens": args.decode_tokens}
+    rows, commands, result_meta = [], [], {}
+
+    def measure(label: str, folder: Path, budget: float | None, route: str) -> dict:
+        row = {"label": label, "folder": str(folder.relative_to(ROOT)), "budget": budget, "route": route}
+        for dtype in ("bfloat16", "float32"):
+            t0 = time.time()
+            res = engine.score_in_vllm(folder, windows, prompts, new_tokens=24, dtype=dtype,
+                                       max_model_len=args.seq_len + 64, decode=decode if dtype == "bfloat16" else None)
+            row[f"vllm_{dtype}"] = {
+                "perplexity": engine.perplexity(res["logprobs"]), "greedy": res["greedy"],
+                "kv_cache": res["kv_cache"], "backend": res["attention_backend"],
+                "decode_tokens_per_s": res.get("decode_tokens_per_s"), "seconds": time.time() - t0,
+            }  # fmt: skip
+            row[f"vllm_{dtype}"]["logprobs"] = res["logprobs"]
+            result_meta["vllm_version"] = res["vllm_version"]
+            print(label, dtype, row[f"vllm_{dtype}"]["perplexity"], flush=True)
+        t0 = time.time()
+        hf = engine.score_in_transformers(folder, windows, prompts, new_tokens=24, dtype=torch.float32)
+        row["transformers_float32"] = {"perplexity": engine.perplexity(hf["logprobs"]), "greedy": hf["greedy"],
+                                       "seconds": time.time() - t0}
+        for dtype in ("bfloat16", "float32"):
+            v = row[f"vllm_{dtype}"]
+            v["max_abs_logprob_diff"] = engine.max_logprob_difference(hf["logprobs"], v.pop("logprobs"))
+            v["greedy_tokens_equal"] = sum(a == b for p, q in zip(hf["greedy"], v["greedy"]) for a, b in zip(p, q))
+        print(label, "transformers", row["transformers_float32"]["perplexity"], flush=True)
+        return row
+
+    rows.append(measure("source SmolLM2-135M-Instruct (Llama, GQA)", src, None, "vLLM LlamaForCausalLM"))
+    for budget in args.budgets:
+        folder = args.out / f"native-{int(budget * 1000)}"
+        cmd = ["mla-convert", "llama", "--kv-budget", str(budget), "--calib-data", calib, "-o", str(folder)]
+        if not (folder / "config.json").exists():
+            run(CLI + cmd[1:])
+        commands.append(" ".join(cmd))
+        rows.append(measure(f"mla-convert default, {budget:.0%} cache", folder, budget, "vLLM + mla-convert plugin"))
+        if args.deepseek and budget == args.budgets[0]:  # one budget shows what the route costs
+            ds_native, ds = args.out / f"ds-{int(budget * 1000)}-native", args.out / f"ds-{int(budget * 1000)}"
+            conv = ["mla-convert", "llama", "--kv-budget", str(budget), "--target", "deepseek", "--rope-dims", "32",
+                    "--calib-data", calib, "-o", str(ds_native)]
+            exp = ["mla-convert", "export", str(ds_native), "--format", "deepseek", "--pad-latent", "flashmla",
+                   "--dtype", "bfloat16", "-o", str(ds)]
+            if not (ds / "config.json").exists():
+                if not (ds_native / "config.json").exists():
+                    run(CLI + conv[1:])
+                run(CLI + exp[1:])
+            commands += [" ".join(conv), " ".join(exp)]
+            rows.append(measure(f"--target deepseek export, {budget:.0%} cache", ds, budget,
+                                "vLLM DeepseekV3ForCausalLM"))
+    result = {"rows": rows, "commands": commands, "windows": args.windows, "seq_len": args.seq_len,
+              "decode": decode, "vllm_version": result_meta["vllm_version"],
+              "torch_threads": torch.get_num_threads()}
+    bench = ROOT / "benchmarks"
+    (bench / "serving.json").write_text(json.dumps(result, indent=1))
+    write_report(result, bench / "serving.md")
+
+
+def write_report(result: dict, path: Path) -> None:
+    rows = result["rows"]
+    src_bytes = bytes_per_token(rows[0]["vllm_bfloat16"]["kv_cache"])
+    lines = [
+        "# Serving in vLLM: the converted model against transformers, same folder, same tokens",
+        "",
+        "Command (vLLM's CPU build 0.32.0 in `.venv-vllm` from `scripts/install-vllm.sh`; 2 CPU cores):",
+        "",
+        "```",
+        "python scripts/bench_serving.py " + ("--deepseek" if any("deepseek" in r["route"] for r in rows) else ""),
+        "```",
+        "",
+        "Conversions it ran (calibration on the validation text only):",
+        "",
+        "```",
+        *result["commands"],
+        "```",
+        "",
+        f"Perplexity on the first {result['windows']} windows of {result['seq_len']} tokens of WikiText-2 raw test "
+        "(each window on its own; vLLM: `SamplingParams(prompt_logprobs=0)`, transformers: float32 forward). "
+        "KV bytes/token: vLLM's own cache tensors divided by the tokens its blocks hold (bfloat16 run), all layers.",
+        "",
+        "| model | served by | vLLM bf16 ppl | vLLM fp32 ppl | transformers fp32 ppl | vLLM bf16 vs transformers | "
+        "max abs log-prob diff fp32 / bf16 | greedy tokens equal (bf16, of 72) | vLLM KV bytes/token (bf16) | "
+        "vs source | decode tok/s (vLLM bf16) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        b, f, h = r["vllm_bfloat16"], r["vllm_float32"], r["transformers_float32"]
+        kv = bytes_per_token(b["kv_cache"])
+        lines.append(
+            f"| {r['label']} | {r['route']} ({b['backend']}) | {b['perplexity']:.3f} | {f['perplexity']:.3f} | "
+            f"{h['perplexity']:.3f} | {b['perplexity'] / h['perplexity'] - 1:+.2%} | "
+            f"{f['max_abs_logprob_diff']:.2g} / {b['max_abs_logprob_diff']:.2g} | {b['greedy_tokens_equal']} | "
+            f"{kv:.0f} | {kv / src_bytes:.2f}x | {b['decode_tokens_per_s']:.1f} |"
+        )
+    d = result["decode"]
+    lines += [
+        "",
+        f"Decode: batch {d['batch']}, {d['prompt_tokens']}-token prompts, {d['new_tokens']} new tokens, greedy, "
+        "`enforce_eager=True`; tokens/s = batch x (new tokens - 1) / (time of the full run - time of a prefill-only "
+        "run of the same prompts).",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
