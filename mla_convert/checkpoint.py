@@ -284,16 +284,49 @@ def _download(repo_id: str, revision: str | None) -> Path:
 # ---------------------------------------------------------------------------------------------------- writing
 
 
+def written_by_us(folder: Path) -> bool:
+    """True when `folder` holds a `provenance.json` that mla-convert wrote (its marker of an output folder)."""
+    try:
+        record = json.loads((Path(folder) / "provenance.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "mla_convert_version" in record and "kind" in record
+
+
+def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), marker=written_by_us) -> Path:
+    """Refuse an output folder that a write (or --overwrite) must not touch; returns it resolved.
+
+    Refused always: the current directory or a folder that contains it, a folder that is or holds an input, an
+    output inside an input, an existing file. Refused without `overwrite`: a non-empty folder. Refused even with
+    `overwrite`: a non-empty folder that `marker` does not recognise as one this tool wrote (so --overwrite never
+    deletes a user's own files)."""
+    given = out
+    out = Path(out).expanduser().resolve()
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise UserError(f"output {given} is the current directory or contains it: choose a new folder, e.g. -o out/NAME")
+    for src in inputs:
+        src = Path(src).expanduser().resolve()
+        if out == src or src in out.parents:
+            raise UserError(f"output {given} is inside the input {src}: choose a folder outside it")
+        if out in src.parents:
+            raise UserError(f"output {given} contains the input {src}: choose a folder that does not hold it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {given} is an existing file: choose a folder name")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"{given} already exists and is not empty: pass --overwrite or choose another -o")
+        if not marker(out):
+            raise UserError(f"{given} is not a folder mla-convert wrote (no provenance.json of ours), so --overwrite "
+                            "will not delete it: remove it yourself or choose another -o")
+    return out
+
+
 @contextlib.contextmanager
 def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()):
-    """Yield a hidden staging folder beside `out`; move it into place only if the block completes."""
-    out = Path(out).expanduser().resolve()
-    for src in inputs:
-        src = Path(src).resolve()
-        if out == src or src in out.parents:
-            raise UserError(f"output {out} is inside the input {src}: choose a folder outside it")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise UserError(f"{out} already exists and is not empty: pass --overwrite or choose another -o")
+    """Yield a hidden staging folder beside `out`; move it into place only if the block completes.
+    `out` is checked by `check_output` first: an existing folder is replaced only if mla-convert wrote it."""
+    out = check_output(out, overwrite, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
     try:
@@ -301,13 +334,19 @@ def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()):
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    check_output(out, overwrite, inputs)  # again: the folder may have changed during a long conversion
     os.chmod(stage, 0o755)  # mkdtemp made it private
     for f in stage.iterdir():
         if f.is_file():
             os.chmod(f, 0o644)
-    os.replace(stage, out)
+    if out.exists():
+        # move the old folder aside, then the new one in: there is never a moment without one of them complete
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+        os.replace(out, old / out.name)
+        os.replace(stage, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(stage, out)
 
 
 class ShardedWriter:

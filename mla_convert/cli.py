@@ -152,10 +152,12 @@ def _convert(
         force=force,
     )
     if output is not None and not dry_run:
-        # refuse an existing output before the (possibly slow) source load
-        for out in {output.expanduser(), native_out.expanduser()}:
-            if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-                raise UserError(f"{out} already exists and is not empty: pass --overwrite or choose another -o")
+        # refuse an output that must not be written or replaced before the (possibly slow) source load
+        from mla_convert.checkpoint import check_output
+
+        inputs = tuple(p for p in (Path(model).expanduser(),) if p.exists()) if model is not None else ()
+        for out in dict.fromkeys((output, native_out)):
+            check_output(out, overwrite, inputs)
     source = open_source(model, revision)
     if target == "deepseek":  # resolve and check exportable options before any heavy work
         from mla_convert.export import deepseek_convert_options, deepseek_layout_notes
@@ -551,8 +553,10 @@ def finetune_command(
 
     from mla_convert.finetune import load_config, resolve_recipe_path
 
+    from mla_convert.finetune import check_output
+
     overrides = list(ctx.args)
-    load_config(config, overrides)  # fail here, before any launch, on a bad recipe or override
+    check_output(load_config(config, overrides))  # fail here, before any launch, on a bad recipe, override or output
     if num_processes < 1:
         raise UserError("--num-processes must be at least 1")
     if num_processes == 1 and accelerate_config is None:

@@ -522,7 +522,7 @@ def convert(
     config._attn_implementation = "sdpa"  # calibration runs source layers causally without an explicit mask
     inv_freq, attention_scaling = rope.source_frequencies(config)
     torch.manual_seed(options.seed)
-    inputs = (source.folder,) if source.folder is not None and Path(source.origin).exists() else ()
+    inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
     with staged_output(out, overwrite, inputs) as stage:
         writer = ShardedWriter(stage, DTYPES[plan.dtype])
         layer_prefix = family.layer_prefix.split("{")[0]

@@ -135,9 +135,16 @@ def test_output_inside_input_and_existing_output(sources, tmp_path, calib):
     (out / "notes.txt").write_text("mine")
     assert_user_error(*run("llama", src, "--rank", 8, "-o", out, *calib), "--overwrite")
     assert (out / "notes.txt").read_text() == "mine"
-    code, output = run("llama", src, "--rank", 8, "-o", out, "--overwrite", *calib)
+    # --overwrite replaces only a folder mla-convert wrote: a user's own folder stays as it is
+    assert_user_error(*run("llama", src, "--rank", 8, "-o", out, "--overwrite", *calib), "not a folder mla-convert wrote")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    ours = tmp_path / "ours"
+    assert run("llama", src, "--rank", 8, "-o", ours, *calib)[0] == 0
+    (ours / "stale.txt").write_text("left by an earlier run")
+    code, output = run("llama", src, "--rank", 4, "-o", ours, "--overwrite", *calib)
     assert code == 0, output
-    assert not (out / "notes.txt").exists() and (out / "config.json").is_file()
+    assert not (ours / "stale.txt").exists() and json.loads((ours / "config.json").read_text())["kv_lora_rank"][0] == 4
+    assert not list(tmp_path.glob(".ours.*"))  # no staging or replaced folder left beside it
 
 
 def test_eval_reports_perplexity_and_cache(sources, tmp_path, calib_text, convert_tiny):
