@@ -403,29 +403,52 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 
 def _check_output(cfg: FinetuneConfig, out: Path) -> None:
-    model_path = Path(cfg.model).expanduser()
-    if model_path.exists():
-        model_path = model_path.resolve()
-        if out == model_path or model_path in out.parents:
-            raise UserError(f"output {out} is inside the student folder {model_path}: choose a folder outside it")
-        if out in model_path.parents:
-            raise UserError(f"the student {model_path} is inside output {out}: choose another output")
+    """Refuse an output folder that is the current directory (or holds it), or that is, holds or lies inside an input."""
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise UserError(f"output {out} is the current directory or contains it: set output to a new folder, "
+                        "e.g. output=runs/NAME")
+    for label, spec in (("student", cfg.model), ("training text", cfg.data), ("eval_data", cfg.eval_data),
+                        ("teacher", cfg.teacher)):
+        if spec in (None, "auto", "embedded") or not Path(spec).expanduser().exists():
+            continue
+        path = Path(spec).expanduser().resolve()
+        if out == path or path in out.parents:
+            raise UserError(f"output {out} is inside the {label} {path}: choose a folder outside it")
+        if out in path.parents:
+            raise UserError(f"the {label} {path} is inside output {out}: choose another output")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {out} is an existing file: set output to a folder")
+    if out.is_dir() and any(out.iterdir()) and not _is_run_folder(out):
+        raise UserError(f"{out} exists and is not a fine-tuning run folder of mla-convert, so it is neither resumed "
+                        "nor deleted (not even with overwrite=true): remove it yourself or choose another output")
+
+
+def check_output(cfg: FinetuneConfig) -> Path:
+    """The run folder, resolved, once it is safe to write (and with overwrite=true, to delete): call before launching."""
+    out = Path(cfg.output).expanduser().resolve()
+    _check_output(cfg, out)
+    return out
+
+
+def _is_run_folder(out: Path) -> bool:
+    """A folder this trainer wrote: a finished run, complete checkpoints, or the metrics of a started run."""
+    return ((out / FINAL_DIR / "provenance.json").is_file() or bool(complete_checkpoints(out))
+            or (out / METRICS_FILE).is_file())
 
 
 def _prepare_output(cfg: FinetuneConfig, out: Path, is_main: bool) -> None:
-    """Main process only: refuse or clear an output that a resume cannot use."""
+    """Main process only: refuse or clear an output that a resume cannot use. overwrite=true deletes only a run
+    folder this trainer wrote, never a foreign one."""
     if not out.exists() or not any(out.iterdir()):
         out.mkdir(parents=True, exist_ok=True)
         return
-    finished = (out / FINAL_DIR / "provenance.json").is_file()
-    resumable = bool(complete_checkpoints(out)) or (out / METRICS_FILE).is_file()
+    _check_output(cfg, out)  # again, right before a delete
     if cfg.overwrite:
         shutil.rmtree(out)
         out.mkdir(parents=True)
-    elif finished:
+    elif (out / FINAL_DIR / "provenance.json").is_file():
         raise UserError(f"{out} holds a finished run ({out / FINAL_DIR}): pass overwrite=true or another output")
-    elif not resumable:
-        raise UserError(f"{out} exists and is not a fine-tuning run folder: pass overwrite=true or another output")
     elif not cfg.resume and complete_checkpoints(out):
         raise UserError(f"{out} holds checkpoints: pass resume=true to continue, or overwrite=true to start over")
 
@@ -500,8 +523,7 @@ def run(cfg: FinetuneConfig) -> Path:
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
     set_seed(cfg.seed)
 
-    out = Path(cfg.output).expanduser().resolve()
-    _check_output(cfg, out)
+    out = check_output(cfg)
     if is_main:
         _prepare_output(cfg, out, is_main)
     accelerator.wait_for_everyone()
