@@ -7,35 +7,13 @@ from layer to layer ([N, T, D] float32).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
+from mla_convert.data import load_text  # noqa: F401  (one loader for every text: calibration, training, eval)
 from mla_convert.errors import UserError
 
 log = logging.getLogger(__name__)
-
-
-def load_text(spec: str) -> str:
-    """A local text file (.txt/.raw/.tokens), a jsonl file with a "text" field, or `datasets` name[:config[:split]]."""
-    path = Path(spec).expanduser()
-    if path.is_file():
-        if path.suffix == ".jsonl":
-            import json
-
-            return "\n\n".join(json.loads(line).get("text", "") for line in path.read_text().splitlines() if line.strip())
-        return path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix or spec.startswith((".", "/", "~")):
-        raise UserError(f"calibration/eval text {spec} does not exist")
-    parts = spec.split(":")
-    name, config, split = parts[0], (parts[1] if len(parts) > 1 else None), (parts[2] if len(parts) > 2 else None)
-    try:
-        import datasets
-
-        ds = datasets.load_dataset(name, config, split=split or "validation")
-    except Exception as e:  # offline, unknown name, ...
-        raise UserError(f"cannot load dataset {spec} ({type(e).__name__}); pass a local text file instead") from None
-    return "\n\n".join(ds["text"])
 
 
 def token_windows(tokenizer, text: str, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:

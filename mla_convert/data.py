@@ -26,6 +26,8 @@ MIN_OVERLAP_LINE_CHARS = 64
 def load_text(spec: str) -> str:
     """The text named by `spec` (a local file or `datasets` name[:config[:split]]), as one string."""
     path = Path(spec).expanduser()
+    if path.is_dir():
+        raise UserError(f"text {spec} is a folder: pass a text file (.txt/.raw/.tokens/.jsonl) or a datasets name")
     if path.is_file():
         if path.suffix == ".jsonl":
             docs = []
