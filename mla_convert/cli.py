@@ -178,6 +178,12 @@ def _convert(
             typer.echo(note)
         for note in deepseek_layout_notes(source.config, plan.ranks, plan.rope_dim):
             typer.echo(f"warning: {note}", err=True)
+    if target != "deepseek":  # the native checkpoint serves through the vLLM plugin if its layout fits
+        from mla_convert.serving.layout import serving_notes
+
+        plan = convert(source, native_out, options, family, dry_run=True)
+        for note in serving_notes(plan.ranks, plan.rope_dim):
+            typer.echo(f"warning: {note}", err=True)
     plan = convert(source, native_out, options, family, overwrite=overwrite, dry_run=dry_run, progress=not quiet)
     typer.echo(plan.describe())
     if dry_run:

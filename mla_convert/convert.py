@@ -191,15 +191,20 @@ def max_rank(config) -> int:
 
 
 def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> int:
-    """d_r when --rope-dims is not given: a third of the cache budget (at most head_dim), head_dim/2 with --rank.
+    """d_r when --rope-dims is not given: a third of the cache budget, at most head_dim and at most 64 (the rope key
+    width of vLLM's MLA kernels, `SERVED_ROPE_MAX`: a wider key cannot be served there); head_dim/2 (same cap) with
+    --rank.
 
     Measured on SmolLM2-135M at 50% of its cache (benchmarks/quality.md, 2-window sweep): d_r 64 of 192 beat 32 and 96;
     the RoPE pairs lose more than the rank until the latent gets small, so the rope key takes a large share."""
-    if options.kv_budget is None:
-        return head_dim // 2
-    budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
+    from mla_convert.serving.layout import SERVED_ROPE_MAX
+
     step = 2 if options.rope_merge else 2 * groups  # without merging every kv head keeps the same number of pairs
-    return int(min(head_dim, max(step, step * round(budget / 3 / step))))
+    cap = min(head_dim, max(step, SERVED_ROPE_MAX // step * step))
+    if options.kv_budget is None:
+        return min(head_dim // 2, cap)
+    budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
+    return int(min(cap, max(step, step * round(budget / 3 / step))))
 
 
 def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:

@@ -166,3 +166,20 @@ with set_current_vllm_config(VllmConfig()):
     assert fixed < 1e-5 and in_place < 1e-5 and key < 1e-5
     if raw < 1e-5:
         pytest.fail("vLLM's CPU rotary kernel is now exact on [T, H, d]: remove vllm_plugin._fix_cpu_rotary_3d")
+
+
+def test_default_rope_key_fits_the_engines(tmp_path):
+    """A large budget keeps the default rope key at 64 dims (what vLLM's MLA kernels take); an explicit wider one
+    converts but is warned about before any work."""
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+    from mla_convert.convert import ConvertOptions, default_rope_dims
+
+    assert default_rope_dims(ConvertOptions(kv_budget=0.5), groups=8, head_dim=128) == 64  # a third would be 340
+    assert default_rope_dims(ConvertOptions(kv_budget=0.25), groups=3, head_dim=64) == 32  # SmolLM2 at 25%: a third
+    assert default_rope_dims(ConvertOptions(rank=512), groups=8, head_dim=256) == 64
+    src = tiny_source("llama-mha", tmp_path / "src", hidden_size=256, head_dim=64)  # rope key up to 4 x 64 dims
+    result = CliRunner().invoke(app, ["llama", str(src), "--rank", "64", "--rope-dims", "80", "--calib-data", "none",
+                                      "--dry-run"])
+    assert "will not serve in vLLM" in result.output and "--rope-dims 64" in result.output

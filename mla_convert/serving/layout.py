@@ -28,6 +28,8 @@ from mla_convert.errors import UserError
 # (kv_lora_rank, qk_rope_head_dim) splits vLLM's MLA backends take (head sizes 320 and 576; FlashMLA and the CPU
 # kernel only 576).
 VLLM_LAYOUTS = {"cpu": ((512, 64),), "cuda": ((256, 64), (512, 64))}
+SERVED_ROPE_MAX = max(r for layouts in VLLM_LAYOUTS.values() for _, r in layouts)  # 64
+SERVED_LATENT_MAX = max(c for layouts in VLLM_LAYOUTS.values() for c, _ in layouts)  # 512
 PAD_PAIR = 0  # source frequency index given to padded rope pairs (their rows are zero: any index is exact)
 
 
@@ -52,6 +54,15 @@ def served_layout(ranks: list[int], rope: int, layouts: tuple[tuple[int, int], .
         f"{need} + rope key {rope}: convert with --rank {max(a for a, _ in layouts)} or less and --rope-dims "
         f"{max(b for _, b in layouts)} or less"
     )
+
+
+def serving_notes(ranks: list[int], rope: int) -> list[str]:
+    """Warnings for a conversion plan that vLLM's MLA kernels cannot serve (the plugin pads anything smaller)."""
+    if max(ranks) <= SERVED_LATENT_MAX and rope <= SERVED_ROPE_MAX:
+        return []
+    return [f"latent {max(ranks)} + rope key {rope}: vLLM's MLA kernels take at most {SERVED_LATENT_MAX} + "
+            f"{SERVED_ROPE_MAX}, so this model will not serve in vLLM (transformers only); pass --rope-dims "
+            f"{SERVED_ROPE_MAX} or less and a --rank / --kv-budget within {SERVED_LATENT_MAX} to serve it"]
 
 
 def served_config(config, layout: ServedLayout) -> dict:
