@@ -119,7 +119,19 @@ class MLAAttention(nn.Module):
         k_nope, value = kv.transpose(1, 2).split([d_n, self.v_head_dim], dim=-1)  # [B, G, S, d_n], [B, G, S, d_v]
         key = torch.cat((k_nope, k_rope.expand(-1, self.num_kv_groups, -1, -1)), dim=-1)  # [B, G, S, d_n+d_r]
         query = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, d_n+d_r]
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        implementation = self.config._attn_implementation
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        d_qk, d_v = d_n + d_r, self.v_head_dim
+        if implementation == "sdpa" and d_qk != d_v:
+            # sdpa's fused kernels (CPU flash, CUDA flash/cuDNN) need one head dim for query, key and value; with
+            # d_n + d_r != d_v it falls back to the math kernel, which materialises every [T, S] score matrix
+            # (4-5x slower per layer on CPU at 1-2K tokens, benchmarks/prefill.md). Zero columns make the widths
+            # equal without changing the result: zeros in the value give zero output columns (sliced off below),
+            # zeros in query and key add nothing to a score.
+            if d_qk < d_v:
+                query, key = nn.functional.pad(query, (0, d_v - d_qk)), nn.functional.pad(key, (0, d_v - d_qk))
+            else:
+                value = nn.functional.pad(value, (0, d_qk - d_v))  # [B, G, S, d_n+d_r]
         out, _ = attention(
             self,
             query,
@@ -129,8 +141,8 @@ class MLAAttention(nn.Module):
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
             **kwargs,
-        )  # [B, T, H, d_v]
-        return out.transpose(1, 2)
+        )  # [B, T, H, d_v] (or padded width)
+        return out[..., :d_v].transpose(1, 2)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`W_uk` [G, d_n, d_c] and `W_uv` [G, d_v, d_c], views of `kv_b_proj.weight`."""

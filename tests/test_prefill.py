@@ -1,0 +1,77 @@
+"""The expanded attention (prefill, eval, training) keeps sdpa's fused kernel and gives the eager result.
+
+With query/key width d_n + d_r different from the value width d_v, sdpa falls back to its math kernel; the model
+zero-pads the narrower side to one width and slices the output (modeling_mla.MLAAttention._expanded).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mla_convert.modeling import MLAConfig, MLAForCausalLM
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def tiny_mla(implementation: str, **shape) -> MLAForCausalLM:
+    torch.manual_seed(0)
+    config = MLAConfig(**TINY, **shape)
+    model = MLAForCausalLM(config).eval()
+    model.config._attn_implementation = implementation
+    return model
+
+
+SHAPES = {
+    "value narrower": dict(kv_lora_rank=12, qk_rope_head_dim=8),  # q/k 16 + 8, v 16
+    "value wider": dict(kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6),  # q/k 6 + 4, v 16
+    "equal": dict(kv_lora_rank=12, qk_rope_head_dim=8, qk_nope_head_dim=8),  # q/k 8 + 8, v 16
+}
+
+
+def op_names(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sdpa_equals_eager_forward_and_gradients(shape):
+    ids = torch.randint(3, 300, (2, 37), generator=torch.Generator().manual_seed(1))
+    results = []
+    for implementation in ("eager", "sdpa"):
+        model = tiny_mla(implementation, **SHAPES[shape])
+        out = model(ids, use_cache=False).logits
+        out.square().mean().backward()
+        results.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (eager, eager_grads), (sdpa, sdpa_grads) = results
+    torch.testing.assert_close(sdpa, eager, rtol=1e-5, atol=1e-5)
+    assert eager_grads.keys() == sdpa_grads.keys()
+    for name in eager_grads:
+        torch.testing.assert_close(sdpa_grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_expanded_attention_runs_the_fused_cpu_kernel(shape):
+    model = tiny_mla("sdpa", **SHAPES[shape])
+    ids = torch.randint(3, 300, (1, 40))
+    with torch.no_grad():
+        names = op_names(lambda: model(ids, use_cache=False))
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+    assert "aten::_scaled_dot_product_attention_math" not in names
+
+
+def test_padded_prefill_then_absorbed_decode_matches_one_forward():
+    """Prefill in the padded expanded form, decode over the latent cache: the logits of one full forward."""
+    model = tiny_mla("sdpa", **SHAPES["value narrower"])
+    ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :12], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t in range(12, 20):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
