@@ -311,8 +311,14 @@ def _usage_section(kind: str, ref: str, config: dict) -> list[str]:
         f'tokenizer = AutoTokenizer.from_pretrained("{ref}")',
         "```", "",
         "The KV cache holds the latent and the shared RoPE key per layer and token; decoding uses absorbed weights.",
-        "For engines with MLA kernels (vLLM, SGLang), export it with `mla-convert export` to the stock DeepSeek-V3 "
-        "format.", "",
+        "",
+        "Serve it with vLLM: install mla-convert beside vLLM (`pip install 'mla-convert[vllm]'`); its vLLM plugin runs "
+        "this checkpoint through vLLM's own MLA attention and paged latent cache, exactly:", "",
+        "```bash",
+        f"vllm serve {ref}",
+        "```", "",
+        "Engines without the plugin (SGLang, ...) need the stock DeepSeek-V3 format, which holds only conversions "
+        "made with `--target deepseek` (see mla-convert's docs/serving.md).", "",
     ]
 
 
