@@ -69,3 +69,82 @@ def test_sharded_writer_splits_and_indexes(tmp_path):
     for n in names:
         loaded.update(load_file(tmp_path / n))
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+# ---------------------------------------------------------------------------------------------- static cache
+
+
+def _tiny_mla():
+    from mla_convert.modeling import MLAConfig, MLAForCausalLM
+
+    torch.manual_seed(0)
+    config = MLAConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, kv_lora_rank=[12, 10],
+                       qk_rope_head_dim=8, max_position_embeddings=256, attention_bias=True)
+    return MLAForCausalLM(config).eval()
+
+
+def _decode(model, cache, ids, mask, steps=4):
+    """Prefill `ids` (left-padded per `mask`), then greedy steps over `cache`: stacked logits of every step."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1]]
+    for _ in range(steps):
+        nxt = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(nxt, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits), out.past_key_values
+
+
+def test_static_cache_holds_latent_and_rope_key_and_decodes_as_the_dynamic_one():
+    """A preallocated StaticCache (capacity 32 rows) holds d_c + d_r per token per layer, nothing per head, and a
+    left-padded batch decodes to the DynamicCache's logits (the decode step reads only the written rows on CPU)."""
+    from transformers import DynamicCache, StaticCache
+
+    model = _tiny_mla()
+    ids = torch.randint(3, 300, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        want, _ = _decode(model, DynamicCache(config=model.config), ids, mask)
+        got, cache = _decode(model, StaticCache(config=model.config, max_cache_len=32), ids, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for layer, d_c in zip(cache.layers, model.config.kv_lora_rank):
+        assert tuple(layer.keys.shape) == (3, 1, 32, d_c)  # latent c
+        assert tuple(layer.values.shape) == (3, 1, 32, model.config.qk_rope_head_dim)  # rotated rope key
+        assert int(layer.cumulative_length) == 9 + 4
+
+
+def test_generate_with_static_cache_equals_dynamic():
+    model = _tiny_mla()
+    ids = torch.randint(3, 300, (2, 7), generator=torch.Generator().manual_seed(2))
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    static = model.generate(ids, cache_implementation="static", **options)
+    dynamic = model.generate(ids, **options)
+    assert torch.equal(static, dynamic)
+
+
+def test_static_cache_decode_step_compiles_without_graph_breaks():
+    """The decode step over a static cache is one graph (fullgraph=True): no host reads of the cache length, so it
+    can be captured (CUDA graphs need the same; the `eager` backend checks the tracing without a compiler)."""
+    from transformers import StaticCache
+
+    model = _tiny_mla()
+    ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(3))
+    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            out = model(ids, past_key_values=cache, use_cache=True)
+
+        def step(token, position, cache):
+            return model(token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+        compiled = torch.compile(step, fullgraph=True, backend="eager")
+        token = out.logits[:, -1:].argmax(-1)
+        for t in range(6, 9):
+            position = torch.full((2, 1), t)
+            got, want = compiled(token, position, caches[0]), step(token, position, caches[1])
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            token = got[:, -1:].argmax(-1)

@@ -65,17 +65,48 @@ def make_inputs(name, bsz, heads, seq_len, d_c, d_r, dtype, lengths, seed=0, dev
     return q_latent.to(**to), q_rope.to(**to), latent.to(**to), k_rope.to(**to), lengths.to(**to), scale
 
 
-def loop_reference(q_latent, q_rope, latent, k_rope, lengths, scale):
+def loop_reference(q_latent, q_rope, latent, k_rope, lengths, scale, valid=None):
     """The decode step written out one sequence at a time, float64."""
     out = torch.empty(q_latent.shape, dtype=torch.float64)
+    lengths = lengths.expand(q_latent.shape[0])
     for b in range(q_latent.shape[0]):
-        n = int(lengths[b])
-        scores = q_latent[b].double() @ latent[b, :n].double().T + q_rope[b].double() @ k_rope[b, :n].double().T
-        out[b] = torch.softmax(scores * scale, dim=-1) @ latent[b, :n].double()
+        rows = torch.arange(int(lengths[b]))
+        if valid is not None:
+            rows = rows[valid.expand(q_latent.shape[0], -1)[b, rows]]
+        c, kr = latent[b, rows].double(), k_rope[b, rows].double()
+        scores = q_latent[b].double() @ c.T + q_rope[b].double() @ kr.T
+        out[b] = torch.softmax(scores * scale, dim=-1) @ c
     return out
 
 
+def masked_inputs(name):
+    """Cases with a `valid` mask (padding) and one length for the batch (a static cache's counter, stride 0)."""
+    gen = torch.Generator().manual_seed(3)
+    bsz, heads, seq_len, d_c, d_r = 3, 9, 300, 64, 32
+    q_latent, q_rope = torch.randn(bsz, heads, d_c, generator=gen), torch.randn(bsz, heads, d_r, generator=gen)
+    latent, k_rope = torch.randn(bsz, seq_len, d_c, generator=gen), torch.randn(bsz, seq_len, d_r, generator=gen)
+    lengths = torch.tensor(280).expand(bsz)  # int64, stride 0; rows 280.. are a static cache's unwritten rows
+    valid = torch.ones(bsz, seq_len + 4, dtype=torch.bool)  # wider than the cache, as a mask may be
+    valid[1, :150] = False  # left padding: whole splits of sequence 1 see only masked rows
+    valid[2] = torch.rand(seq_len + 4, generator=gen) > 0.3
+    valid[2, 279] = True
+    if name == "valid_broadcast":
+        valid = valid[1:2]  # [1, S]: one mask for the batch
+    scale = 1.0 / math.sqrt(d_c + d_r)
+    return (q_latent, q_rope, latent, k_rope, lengths, scale), dict(valid=valid)
+
+
+MASKED = [("valid_padding", 4), ("valid_broadcast", 3), ("valid_one_split", 1)]
+
+
 # ---------------------------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("name", [m[0] for m in MASKED])
+def test_reference_with_valid_mask_matches_loop(name):
+    inputs, extra = masked_inputs(name)
+    want = loop_reference(*inputs, **extra)
+    torch.testing.assert_close(mla_decode_reference(*inputs, **extra).double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -156,19 +187,33 @@ TINY_MLA = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden
                 max_position_embeddings=128, attention_bias=True)
 
 
-def _model_decode_logits(kernel: str):
-    """Prefill 5 tokens of a tiny random MLA model, then 3 greedy decode steps; stacked decode logits."""
+def _model_decode_logits(kernel: str, cache: str = "dynamic"):
+    """Prefill 5 tokens of a tiny random MLA model, then 3 greedy decode steps; stacked decode logits.
+
+    cache "static": a preallocated StaticCache of 16 rows and a left-padded batch (sequence 0 starts with 2 pad
+    tokens), as `generate` runs it: the kernel then reads the cache's counter on the device and the padding mask."""
+    from transformers import StaticCache
+
     from mla_convert.modeling import MLAConfig, MLAForCausalLM
 
     torch.manual_seed(0)
     model = MLAForCausalLM(MLAConfig(**TINY_MLA, mla_decode_kernel=kernel)).eval()
     ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    past = None
+    if cache == "static":
+        mask[0, :2] = 0
+        past = StaticCache(config=model.config, max_cache_len=16)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = model(ids, use_cache=True)
+        out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
         steps = []
         for _ in range(3):
             nxt = out.logits[:, -1:].argmax(-1)
-            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+            mask = torch.cat((mask, torch.ones(2, 1, dtype=torch.long)), dim=1)
+            positions = positions[:, -1:] + 1
+            out = model(nxt, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
+                        use_cache=True)
             steps.append(out.logits[:, -1])
     return torch.stack(steps)
 
@@ -205,8 +250,8 @@ def _worker(in_path: str, out_path: str) -> None:
 
     payload = torch.load(in_path)
     results = {}
-    for name, (inputs, num_splits) in payload.items():
-        results[name] = mla_decode(*inputs, backend="triton", num_splits=num_splits)
+    for name, (inputs, num_splits, extra) in payload.items():
+        results[name] = mla_decode(*inputs, backend="triton", num_splits=num_splits, **extra)
 
     calls = []
     original = triton_mla.mla_decode_triton
@@ -218,6 +263,8 @@ def _worker(in_path: str, out_path: str) -> None:
     triton_mla.mla_decode_triton = counting
     results["model_triton"] = _model_decode_logits("triton")
     results["model_kernel_calls"] = torch.tensor(len(calls))
+    results["model_triton_static"] = _model_decode_logits("triton", cache="static")
+    results["model_kernel_calls_static"] = torch.tensor(len(calls))
     triton_mla.mla_decode_triton = original
     torch.save(results, out_path)
 
@@ -228,7 +275,9 @@ def interpreted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("triton_interpret")
     payload = {}
     for name, bsz, heads, seq_len, d_c, d_r, dtype, num_splits, lengths in CASES:
-        payload[name] = (make_inputs(name, bsz, heads, seq_len, d_c, d_r, dtype, lengths), num_splits)
+        payload[name] = (make_inputs(name, bsz, heads, seq_len, d_c, d_r, dtype, lengths), num_splits, {})
+    for name, num_splits in MASKED:
+        payload[name] = (*masked_inputs(name)[:1], num_splits, masked_inputs(name)[1])
     torch.save(payload, folder / "in.pt")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, __file__, "worker", str(folder / "in.pt"), str(folder / "out.pt")],
@@ -241,17 +290,33 @@ def interpreted(tmp_path_factory):
 def test_interpreted_kernel_matches_reference(interpreted, case):
     payload, results = interpreted
     name, dtype = case[0], DTYPES[case[6]]
-    inputs, _ = payload[name]
+    inputs, _, _ = payload[name]
     got = results[name]
     want = mla_decode_reference(*inputs)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("name", [m[0] for m in MASKED])
+def test_interpreted_kernel_with_valid_mask_and_one_length_matches_reference(interpreted, name):
+    payload, results = interpreted
+    inputs, _, extra = payload[name]
+    torch.testing.assert_close(results[name], mla_decode_reference(*inputs, **extra), atol=2e-5, rtol=2e-5)
+
+
 def test_model_decode_with_interpreted_kernel_matches_torch_path(interpreted):
     _, results = interpreted
     assert int(results["model_kernel_calls"]) == 3 * TINY_MLA["num_hidden_layers"]  # every decode step, every layer
     torch.testing.assert_close(results["model_triton"], _model_decode_logits("torch"), atol=1e-4, rtol=1e-4)
+
+
+def test_static_cache_padded_decode_with_interpreted_kernel_matches_torch_path(interpreted):
+    """A preallocated cache, a left-padded batch: the kernel (counter read on the device, padding from the mask)
+    gives the torch path's logits (the torch path with a static cache against the dynamic one: test_cache.py)."""
+    _, results = interpreted
+    assert int(results["model_kernel_calls_static"]) == 2 * 3 * TINY_MLA["num_hidden_layers"]
+    torch_static = _model_decode_logits("torch", cache="static")
+    torch.testing.assert_close(results["model_triton_static"], torch_static, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

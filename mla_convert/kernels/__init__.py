@@ -7,7 +7,9 @@ Contract shared by every entry point (one decode step, one query token per seque
     latent   [B, S, d_c]   cached latent c
     k_rope   [B, S, d_r]   cached, already rotated rope key
     lengths  [B] int       valid cache rows per sequence, 1 <= lengths[b] <= S; rows past it are ignored
+                           (0-d, or a stride-0 view: one count for the batch, as a static cache keeps it)
     scale    float         softmax scale
+    valid    [B|1, >=S] bool or None: rows a sequence attends to (False: padding); None: every row below its length
     -> [B, H, d_c]         sum_j softmax_j(scale * (q_latent . c_j + q_rope . k_r_j)) c_j, in latent's dtype
 
 The Triton kernel lives in `triton_mla` and is imported only when it runs, so importing this package never
@@ -28,16 +30,19 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale):
+def mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale, valid=None):
     """One decode step over the latent cache, in plain torch (float32 math, latent's dtype out). See the module doc."""
+    seq_len = latent.shape[1]
     scores = torch.einsum("bhc,bsc->bhs", q_latent.float(), latent.float())  # [B, H, S]
     scores = scores + torch.einsum("bhr,bsr->bhs", q_rope.float(), k_rope.float())
-    valid = torch.arange(latent.shape[1], device=latent.device)[None, :] < lengths[:, None]  # [B, S]
+    lengths = lengths.to(latent.device).expand(q_latent.shape[0])
+    rows = torch.arange(seq_len, device=latent.device)[None, :] < lengths[:, None]  # [B, S]
+    valid = rows if valid is None else rows & valid[..., :seq_len].to(latent.device, torch.bool)
     scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
     return torch.einsum("bhs,bsc->bhc", torch.softmax(scores, dim=-1), latent.float()).to(latent.dtype)
 
 
-def mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale, *, backend: str = "auto",
+def mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale, *, valid=None, backend: str = "auto",
                num_splits: int | None = None):
     """One decode step over the latent cache (contract in the module doc).
 
@@ -50,10 +55,10 @@ def mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale, *, backend: str
         raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
     use_triton = backend == "triton" or (backend == "auto" and latent.is_cuda and triton_available())
     if not use_triton:
-        return mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale)
+        return mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale, valid)
     from mla_convert.kernels.triton_mla import mla_decode_triton
 
-    return mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_splits=num_splits)
+    return mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_splits=num_splits, valid=valid)
 
 
 __all__ = ["mla_decode", "mla_decode_reference", "triton_available"]

@@ -38,18 +38,18 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kernel(
-    QL, QR, C, KR, LEN, O, LSE,  # pointers
+    QL, QR, C, KR, LEN, VALID, O, LSE,  # pointers
     stride_qlb, stride_qlh, stride_qrb, stride_qrh,
-    stride_cb, stride_cs, stride_krb, stride_krs,
+    stride_cb, stride_cs, stride_krb, stride_krs, stride_len, stride_vb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     H, D_C, D_R, split_len, scale_log2,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_ROPE: tl.constexpr, IEEE: tl.constexpr,
+    HAS_ROPE: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
-    length = tl.load(LEN + b)
+    length = tl.load(LEN + b * stride_len)  # stride 0: one length for the whole batch (a static cache's counter)
     start = sp * split_len
     end = tl.minimum(start + split_len, length)
 
@@ -72,6 +72,8 @@ def _split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
+        if HAS_VALID:  # padding: rows inside the length that a sequence must not attend to
+            mask_n &= tl.load(VALID + b * stride_vb + offs_n, mask=mask_n, other=0) != 0
         c = tl.load(C + b * stride_cb + offs_n[:, None] * stride_cs + offs_c[None, :],
                     mask=mask_n[:, None] & mask_c[None, :], other=0.0)  # [BLOCK_N, BLOCK_C]
         if IEEE:
@@ -86,9 +88,11 @@ def _split_kernel(
             else:
                 s += tl.dot(qr, tl.trans(kr))
         s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds at least one valid row
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # -inf only while every row so far was masked (padding): subtract 0 then, so exp2 gives 0, not nan.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_sub)
+        p = tl.exp2(s - m_sub[:, None])  # [BLOCK_H, BLOCK_N]
         l = l * alpha + tl.sum(p, axis=1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
@@ -189,13 +193,17 @@ def launch_config(batch: int, heads: int, seq_len: int, d_c: int, d_r: int, sm_c
 
 
 def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_splits: int | None = None,
-                      tune: dict | None = None):
-    """Same contract as `mla_convert.kernels.mla_decode_reference`; `num_splits` overrides the split heuristic and
-    `tune` passes keyword knobs to `launch_config` (block_n, programs_per_sm, min_split_rows, max_splits, num_warps,
-    num_stages; for benchmarks).
+                      tune: dict | None = None, *, valid=None):
+    """Same contract as `mla_convert.kernels.mla_decode_reference` (with `valid`); `num_splits` overrides the split
+    heuristic and `tune` passes keyword knobs to `launch_config` (block_n, programs_per_sm, min_split_rows,
+    max_splits, num_warps, num_stages; for benchmarks).
 
-    Inputs may be strided views as long as the last dim is contiguous. CUDA tensors run compiled; CPU tensors (or
-    TRITON_INTERPRET=1) run in the interpreter.
+    Inputs may be strided views as long as the last dim is contiguous; `lengths` may be any integer dtype, a
+    stride-0 view (one count for the batch, e.g. a static cache's counter expanded) or 0-d; `valid` [B|1, >=S] bool
+    may have batch stride 0. Nothing is copied to or from the host and nothing waits on the device, so the call can be
+    captured in a CUDA graph: the grid depends only on the shapes (S is the cache's capacity; splits past a
+    sequence's length exit at once). CUDA tensors run compiled; CPU tensors (or TRITON_INTERPRET=1) run in the
+    interpreter.
     """
     bsz, heads, d_c = q_latent.shape
     seq_len, d_r = latent.shape[1], k_rope.shape[-1]
@@ -206,7 +214,16 @@ def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_spli
                         "imported, to run it on CPU in the interpreter); use backend='torch' on this device")
     q_latent, q_rope, latent, k_rope = (t if t.stride(-1) == 1 else t.contiguous()
                                         for t in (q_latent, q_rope, latent, k_rope))
-    lengths = lengths.to(device=device, dtype=torch.int32).contiguous()
+    if lengths.device != device or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        lengths = lengths.to(device=device, dtype=torch.int32)
+    if lengths.dim() == 0:
+        lengths = lengths.expand(bsz)
+    if valid is not None:
+        valid = valid.to(device=device, dtype=torch.bool) if valid.device != device or valid.dtype != torch.bool \
+            else valid
+        if valid.stride(-1) != 1:
+            valid = valid.contiguous()
+        valid = valid.expand(bsz, valid.shape[-1]).view(torch.uint8)  # [B, >=S], batch stride 0 where broadcast
     out = torch.empty((bsz, heads, d_c), dtype=latent.dtype, device=device)
     if bsz == 0 or heads == 0:
         return out
@@ -225,13 +242,14 @@ def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_spli
         k_rope = latent  # never read; any valid pointer
         q_rope = q_latent
     _split_kernel[(bsz, cfg["head_blocks"], splits)](
-        q_latent, q_rope, latent, k_rope, lengths, o_part, lse,
+        q_latent, q_rope, latent, k_rope, lengths, lengths if valid is None else valid, o_part, lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         latent.stride(0), latent.stride(1), k_rope.stride(0), k_rope.stride(1),
+        lengths.stride(0), 0 if valid is None else valid.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         heads, d_c, d_r, cfg["split_len"], float(scale) * LOG2E,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_C=cfg["BLOCK_C"], BLOCK_R=cfg["BLOCK_R"],
-        HAS_ROPE=has_rope, IEEE=latent.dtype == torch.float32,
+        HAS_ROPE=has_rope, HAS_VALID=valid is not None, IEEE=latent.dtype == torch.float32,
         **({} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}),
     )
     if splits > 1:

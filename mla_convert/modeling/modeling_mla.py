@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -76,9 +76,12 @@ class MLAAttention(nn.Module):
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [B, T, d_r]
 
     def use_absorbed(self, q_len: int, past_key_values: Cache | None) -> bool:
+        """"auto": the absorbed form for one new token with a cache (decode). Decided from shapes only: asking a
+        static cache its length would wait on the device and break a captured step (a one-token prompt takes the
+        absorbed form over its one cached row, which is exact too)."""
         mode = self.config.mla_attention_mode
         if mode == "auto":
-            return q_len == 1 and past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0
+            return q_len == 1 and past_key_values is not None
         return mode == "absorbed"
 
     def forward(
@@ -102,11 +105,22 @@ class MLAAttention(nn.Module):
             cos, sin = self._rope_cos_sin(position_embeddings)
             q_rope = rotate(q_rope, cos, sin)
             k_rope = rotate(k_rope, cos, sin)
+        filled = None  # a static cache's count of written rows (0-d tensor on the cache's device), else None
         if past_key_values is not None:
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)  # [B, 1, S, d_c], [B, 1, S, d_r]
+            layer = past_key_values.layers[self.layer_idx]
+            if isinstance(layer, StaticLayer) and not layer.is_sliding:
+                # The buffers hold the cache's capacity; rows at or past `filled` are unwritten. Where reading the
+                # count costs no wait (CPU), or in prefill (not captured), attend to the written rows only.
+                filled = layer.cumulative_length
+                if not torch.compiler.is_compiling() and (not absorbed or filled.device.type == "cpu"):
+                    rows = int(filled)
+                    latent, k_rope, filled = latent[:, :, :rows], k_rope[:, :, :rows], None
+                    if attention_mask is not None:
+                        attention_mask = attention_mask[..., :rows]
 
         if absorbed:
-            out = self._absorbed(q_nope, q_rope, latent, k_rope, attention_mask)
+            out = self._absorbed(q_nope, q_rope, latent, k_rope, attention_mask, filled)
         else:
             out = self._expanded(q_nope, q_rope, latent, k_rope, attention_mask, **kwargs)
         out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.v_head_dim)
@@ -149,7 +163,7 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_kv_groups, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
-    def _absorbed(self, q_nope, q_rope, latent, k_rope, attention_mask):
+    def _absorbed(self, q_nope, q_rope, latent, k_rope, attention_mask, filled=None):
         bsz, _, q_len, _ = q_nope.shape
         groups, per_group = self.num_kv_groups, self.num_key_value_groups
         w_uk, w_uv = self.absorbed_weights()
@@ -159,11 +173,18 @@ class MLAAttention(nn.Module):
         if self._use_kernel(q_len, attention_mask):
             from mla_convert.kernels import mla_decode
 
-            lengths = torch.full((bsz,), latent.shape[2], dtype=torch.int32, device=latent.device)
+            if filled is None:
+                lengths = torch.full((bsz,), latent.shape[2], dtype=torch.int32, device=latent.device)
+            else:
+                lengths = filled.expand(bsz)  # the static cache's counter, read on the device
+            valid = None
+            if attention_mask is not None:  # bool [B|1, 1, 1, S']: padding, and a static cache's unwritten rows
+                valid = attention_mask[:, 0, 0, : latent.shape[2]]  # [B|1, S]
             # "triton" forces the kernel even off CUDA (Triton's interpreter, for tests); "auto" is CUDA-only here.
             backend = "triton" if self.config.mla_decode_kernel == "triton" else "auto"
             out_latent = mla_decode(
-                q_latent[:, :, 0], q_rope[:, :, 0], latent[:, 0], k_rope[:, 0], lengths, self.scaling, backend=backend
+                q_latent[:, :, 0], q_rope[:, :, 0], latent[:, 0], k_rope[:, 0], lengths, self.scaling, valid=valid,
+                backend=backend,
             ).unsqueeze(2)  # [B, H, 1, d_c]
         else:
             out_latent = latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, self.scaling)
@@ -176,8 +197,10 @@ class MLAAttention(nn.Module):
 
     def _use_kernel(self, q_len: int, attention_mask: torch.Tensor | None) -> bool:
         choice = self.config.mla_decode_kernel
-        if choice == "torch" or q_len != 1 or attention_mask is not None:
+        if choice == "torch" or q_len != 1:
             return False
+        if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.shape[1] != 1):
+            return False  # additive (eager) masks take the torch path
         if choice == "triton":
             return True
         from mla_convert.kernels import triton_available
