@@ -85,7 +85,7 @@ class Source:
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.folder)
+        return AutoTokenizer.from_pretrained(self.folder, trust_remote_code=False)
 
     def copy_aux_files(self, out: Path) -> list[str]:
         """Copy tokenizer files and generation_config.json unchanged; returns the names copied."""
@@ -188,7 +188,8 @@ class GGUFSource(Source):
 
         self.path = path
         try:
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                         trust_remote_code=False)
             config = model.config
         except Exception as e:  # transformers raises many types for unreadable GGUF files
             raise UserError(f"cannot read GGUF file {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
@@ -213,7 +214,7 @@ class GGUFSource(Source):
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name, trust_remote_code=False)
 
     def copy_aux_files(self, out: Path) -> list[str]:
         self.tokenizer().save_pretrained(out)
@@ -260,7 +261,7 @@ def open_source(model: str | None, revision: str | None = None) -> Source:
     from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates config fields with it
 
     try:
-        config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError, StrictDataclassError) as e:
         raise UserError(f"cannot read {folder / 'config.json'} ({str(e).splitlines()[0][:200]}): fix the file") from None
     return SafetensorsSource(config, origin, folder, revision)

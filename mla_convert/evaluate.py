@@ -33,7 +33,7 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
     path = default_model_path() if spec is None else Path(spec).expanduser()
     if not path.exists():
         raise UserError(f"{path} does not exist: pass a model folder or a .gguf file")
-    kwargs = {"dtype": DTYPES[dtype]}
+    kwargs = {"dtype": DTYPES[dtype], "trust_remote_code": False}
     if path.suffix == ".gguf":
         folder, kwargs["gguf_file"] = path.parent, path.name
     else:
@@ -42,7 +42,8 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
             raise UserError(f"{folder} has no config.json: pass a model folder or a .gguf file")
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(folder, **({"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}))
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False,
+                                                  **({"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}))
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     return model.to(device).eval(), tokenizer, str(path)
