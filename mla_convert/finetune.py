@@ -296,7 +296,7 @@ def load_student(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"cannot load the student {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
                         "pass a model folder (e.g. the output of mla-convert llama)") from None
@@ -328,7 +328,7 @@ def load_teacher(spec: str, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load the teacher {spec} ({type(e).__name__}): pass a local folder or .gguf") from None
     model.eval()
@@ -394,6 +394,104 @@ def complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
         if m and (folder / STATE_FILE).is_file():
             found.append((int(m.group(1)), folder))
     return sorted(found)
+
+
+# trainer/ of a step_N checkpoint, written without pickle (accelerate's save_state pickles the scheduler and the RNG
+# states, and its load_state unpickles them with weights_only=False: a checkpoint folder could run code on resume):
+#   optimizer.safetensors   the optimizer's per-parameter tensors (AdamW moments, steps), from the main process
+#   trainer.json            optimizer layout and param groups, scheduler and GradScaler state (plain numbers)
+#   rng_<rank>.safetensors  each process's torch (and CUDA) RNG state; python and numpy RNG in its metadata
+OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINER_JSON = "trainer.json"
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng_{rank}.safetensors"
+
+
+def optimizer_to_files(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state dict -> (tensors for safetensors, a JSON-able layout that names them)."""
+    tensors: dict[str, torch.Tensor] = {}
+    state = []
+    for key, values in state_dict["state"].items():
+        entry = {}
+        for name, value in values.items():
+            if torch.is_tensor(value):
+                tensors[f"{key}/{name}"] = value.detach().cpu().contiguous()
+                entry[name] = {"tensor": f"{key}/{name}"}
+            else:
+                entry[name] = {"value": value}
+        state.append({"key": key, "values": entry})
+    return tensors, {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def optimizer_from_files(tensors: dict[str, torch.Tensor], layout: dict) -> dict:
+    """The inverse of `optimizer_to_files` (JSON lists back to the tuples torch's param groups hold)."""
+    state = {}
+    for item in layout["state"]:
+        state[item["key"]] = {name: tensors[v["tensor"]] if "tensor" in v else v["value"]
+                              for name, v in item["values"].items()}
+    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
+              for g in layout["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def save_trainer_state(folder: Path, optimizer_state: dict | None, scheduler, scaler, rank: int) -> None:
+    """Write trainer/ (see OPTIMIZER_FILE): `optimizer_state` and the rest from the main process (rank 0), the RNG
+    state from every process."""
+    import random
+
+    import numpy as np
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        tensors, layout = optimizer_to_files(optimizer_state)
+        save_file(tensors, str(folder / OPTIMIZER_FILE))
+        record = {"optimizer": layout, "scheduler": scheduler.state_dict(),
+                  "scaler": scaler.state_dict() if scaler is not None else None}
+        (folder / TRAINER_JSON).write_text(json.dumps(record) + "\n")
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    rng["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    meta = {"python": json.dumps(random.getstate()), "numpy": json.dumps([kind, int(pos), int(has_gauss), float(cached)])}
+    save_file(rng, str(folder / _rng_file(rank)), metadata=meta)
+
+
+def load_trainer_state(folder: Path, rank: int) -> tuple[dict, dict, dict | None]:
+    """Read trainer/ written by `save_trainer_state` and restore this process's RNG state; returns (optimizer state
+    dict, scheduler state, GradScaler state). Nothing is unpickled."""
+    import random
+
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not (folder / TRAINER_JSON).is_file():
+        pickled = sorted(p.name for p in folder.glob("*") if p.suffix in (".pkl", ".bin", ".pt"))
+        why = f" (it holds {', '.join(pickled[:3])}: pickle files, which are not loaded)" if pickled else ""
+        raise UserError(f"{folder} has no {TRAINER_JSON}{why}: it was written by an older mla-convert or is "
+                        "incomplete; start over with overwrite=true")
+    try:
+        record = json.loads((folder / TRAINER_JSON).read_text())
+        optimizer = optimizer_from_files(load_file(str(folder / OPTIMIZER_FILE)), record["optimizer"])
+        with safe_open(str(folder / _rng_file(rank)), framework="pt") as f:
+            meta = f.metadata()
+            rng = {k: f.get_tensor(k) for k in f.keys()}
+        torch.set_rng_state(rng["torch"])
+        cuda = [rng[f"cuda_{i}"] for i in range(len(rng)) if f"cuda_{i}" in rng]
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+        python = json.loads(meta["python"])
+        random.setstate((python[0], tuple(python[1]), python[2]))
+        kind, pos, has_gauss, cached = json.loads(meta["numpy"])
+        np.random.set_state((kind, rng["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise UserError(f"{folder} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}): "
+                        "resume from an earlier step_N (delete this one) or start over with overwrite=true") from None
+    return optimizer, record["scheduler"], record.get("scaler")
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -539,7 +637,7 @@ def run(cfg: FinetuneConfig) -> Path:
                             "restore them or pass overwrite=true to start over")
         log.info("resuming from %s", resume_dir)
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=False)
     train_seqs, eval_windows = prepare_data(cfg, tokenizer)  # [N, T], [W, T_eval]
     tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
     if cfg.max_steps is not None:
@@ -573,18 +671,35 @@ def run(cfg: FinetuneConfig) -> Path:
     model, optimizer = accelerator.prepare(model, optimizer)
     # FSDP replaces the parameters with sharded ones (and points the optimizer at them): clip and checksum those
     params = [p for p in model.parameters() if p.requires_grad]
-    accelerator.register_for_checkpointing(scheduler)  # stepped by us once per optimizer step, saved with the state
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp and cfg.eval_windows % world:
         raise UserError(f"under FSDP every process must run the same forwards: make eval_windows ({cfg.eval_windows}) "
                         f"a multiple of the {world} processes")
-    if not fsdp:
-        # The weights live in step_N/ as a model folder; keep them out of trainer/ (no second copy) and load
-        # them with from_pretrained above instead of load_state.
-        accelerator.register_save_state_pre_hook(lambda models, weights, _dir: weights.clear())
-        accelerator.register_load_state_pre_hook(lambda models, _dir: models.clear())
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+    def optimizer_state() -> dict:
+        """The optimizer's full state (under FSDP gathered from the shards: a collective, call on every process)."""
+        if fsdp:
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_optimizer_state_dict(model, optimizer.optimizer, options=full)
+        return optimizer.state_dict()
+
     if resume_dir:
-        accelerator.load_state(str(resume_dir / TRAINER_DIR))
+        # The weights come from step_N/ itself (from_pretrained above); optimizer, schedule, RNG from trainer/.
+        optim_state, scheduler_state, scaler_state = load_trainer_state(resume_dir / TRAINER_DIR, rank)
+        if fsdp:
+            set_optimizer_state_dict(model, optimizer.optimizer, optim_state,
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            optimizer.load_state_dict(optim_state)
+        scheduler.load_state_dict(scheduler_state)
+        if scaler_state and accelerator.scaler is not None:
+            accelerator.scaler.load_state_dict(scaler_state)
 
     metrics = Metrics(out / METRICS_FILE, is_main, resume_step)
     log.info("training %s: %d/%d parameters (%s), %d steps of %d tokens, %d process(es), mixed precision %s",
@@ -614,7 +729,9 @@ def run(cfg: FinetuneConfig) -> Path:
         if is_main:
             accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict)
             tokenizer.save_pretrained(folder)
-        accelerator.save_state(str(folder / TRAINER_DIR))
+        optim_state = optimizer_state() if fsdp or is_main else None  # FSDP: every process joins the gather
+        save_trainer_state(folder / TRAINER_DIR, optim_state if is_main else None, scheduler, accelerator.scaler, rank)
+        del optim_state
         accelerator.wait_for_everyone()
         if is_main:
             record = {"step": step, "total_steps": total_steps, "tokens": step * tokens_per_step,

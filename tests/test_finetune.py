@@ -188,3 +188,38 @@ def test_two_processes_loss_falls_ranks_agree_and_resume_repeats_losses(tiny_run
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert _train_losses(resumed) == pytest.approx(losses, rel=1e-6, abs=1e-7)
     assert (resumed / "final" / "model.safetensors").is_file()
+
+
+def test_resume_reads_no_pickle_and_repeats_losses(tiny_run):
+    """trainer/ holds safetensors and JSON only; a resume from it repeats the uninterrupted losses; a trainer/ that
+    holds pickle files (as accelerate's save_state writes them) is refused, never unpickled."""
+    import shutil
+
+    from accelerate.state import AcceleratorState
+
+    def train(out: Path) -> Path:
+        cfg = finetune.load_config(tiny_run["recipe"], [
+            f"output={out}", "max_steps=4", "save_every=2", "keep_last_n=0", "eval_every=0", "kd_weight=0",
+        ])
+        try:
+            return finetune.run(cfg)
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+
+    straight = tiny_run["root"] / "single"
+    train(straight)
+    trainer = straight / "step_2" / finetune.TRAINER_DIR
+    assert sorted(p.name for p in trainer.iterdir()) == ["optimizer.safetensors", "rng_0.safetensors", "trainer.json"]
+
+    resumed = tiny_run["root"] / "single-resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "final")  # as if killed after step 3: the run restarts from step_2
+    train(resumed)
+    assert _train_losses(resumed) == pytest.approx(_train_losses(straight), rel=1e-6, abs=1e-7)
+
+    shutil.rmtree(resumed / "final")
+    for f in (resumed / "step_2" / finetune.TRAINER_DIR).iterdir():
+        f.unlink()
+    (resumed / "step_2" / finetune.TRAINER_DIR / "custom_checkpoint_0.pkl").write_bytes(b"not to be unpickled")
+    with pytest.raises(UserError, match="pickle files, which are not loaded"):
+        train(resumed)
