@@ -377,9 +377,40 @@ def prefilled_cache(model, batch, context, device, dtype):
     return cache
 
 
-def cache_tensor_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
+@torch.no_grad()
+def prefilled_static_cache(model, batch, context, device, dtype):
+    """A preallocated StaticCache of `context + 1` rows per layer, the first `context` random and counted as
+    written: a step writes row `context`, and `rewind` sets the counters back so every step sees the same context."""
+    from transformers import StaticCache
+
+    cfg = model.config
+    cache = StaticCache(config=cfg, max_cache_len=context + 1)
+    for i, layer in enumerate(cache.layers):
+        if cfg.model_type == "mla":
+            shapes = ((batch, 1, 1, cfg.kv_lora_rank[i]), (batch, 1, 1, cfg.qk_rope_head_dim))
+        else:
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            shapes = ((batch, cfg.num_key_value_heads, 1, head_dim),) * 2
+        layer.lazy_initialization(torch.empty(*shapes[0], device=device, dtype=dtype),
+                                  torch.empty(*shapes[1], device=device, dtype=dtype))
+        layer.keys.normal_()
+        layer.values.normal_()
+        layer.cumulative_length.fill_(context)
+    return cache
+
+
+def rewind(cache, context: int):
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(context)  # in place: a captured step keeps its addresses
+
+
+def cache_tensor_bytes(cache, context: int | None = None) -> int:
+    """Bytes of the cache tensors; for a static cache, of its first `context` rows (what the sequence holds)."""
+    total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+                if t is not None)
+    if context is not None:
+        total = total * context // cache.layers[0].keys.shape[2]
+    return total
 
 
 def count_kernel_calls(fn) -> int:
@@ -408,6 +439,14 @@ def bench_models(source, mla, args, device, dtype, log):
              ("MLA A_CC_ME", mla, {"mla_attention_mode": "auto", "mla_decode_kernel": "torch"})]
     if device.type == "cuda":
         forms.append(("MLA triton", mla, {"mla_attention_mode": "auto", "mla_decode_kernel": "auto"}))
+    # Preallocated caches (transformers' StaticCache: the MLA model's holds latent + rope key), and on CUDA the same
+    # step captured in a CUDA graph (no host work per step): names ending in "static" / "graph".
+    if not args.skip_static:
+        forms.append(("source static", source, {}))
+        forms.append(("MLA static", mla, {"mla_attention_mode": "auto", "mla_decode_kernel": "auto"}))
+        if device.type == "cuda":
+            forms.append(("source graph", source, {}))
+            forms.append(("MLA graph", mla, {"mla_attention_mode": "auto", "mla_decode_kernel": "auto"}))
     rows = []
     for batch in args.model_batches:
         for context in args.model_contexts:
@@ -417,14 +456,36 @@ def bench_models(source, mla, args, device, dtype, log):
                 for key, value in options.items():
                     setattr(model.config, key, value)
                 tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-                cache = prefilled_cache(model, batch, context, device, dtype)
-                row["kv_bytes"][name] = cache_tensor_bytes(cache)
+                static = name.endswith(("static", "graph"))
+                if static:
+                    cache = prefilled_static_cache(model, batch, context, device, dtype)
+                    row["kv_bytes"][name] = cache_tensor_bytes(cache, context)
+                    positions = torch.full((batch, 1), context, dtype=torch.long, device=device)
 
-                def step():
-                    model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    cache.crop(-1)  # drop the appended row: every timed step sees the same context
+                    def step():
+                        model(tokens, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        rewind(cache, context)
 
-                calls = count_kernel_calls(step) if name == "MLA triton" else None
+                    if name.endswith("graph"):
+                        try:
+                            step = captured(step, device)
+                        except Exception as e:  # noqa: BLE001  (reported, the other forms still run)
+                            log(f"model  B={batch} ctx={context} {name}: capture failed: {type(e).__name__}: {e}")
+                            row.setdefault("capture_errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                            row["tok_s"][name] = float("nan")
+                            for key, value in saved.items():
+                                setattr(model.config, key, value)
+                            continue
+                else:
+                    cache = prefilled_cache(model, batch, context, device, dtype)
+                    row["kv_bytes"][name] = cache_tensor_bytes(cache)
+
+                    def step():
+                        model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        cache.crop(-1)  # drop the appended row: every timed step sees the same context
+
+                calls = count_kernel_calls(step) if name in ("MLA triton", "MLA static") and device.type == "cuda" \
+                    else None
                 if calls is not None:
                     row["triton_calls_per_step"] = calls  # the kernel ran in every layer (checked, not assumed)
                 t0 = now()
@@ -441,6 +502,21 @@ def bench_models(source, mla, args, device, dtype, log):
             log(f"model  B={batch:<3d} ctx={context:<6d} " +
                 "  ".join(f"{k} {v:9.1f} tok/s" for k, v in row["tok_s"].items()))
     return rows
+
+
+def captured(step, device):
+    """`step` captured in a CUDA graph (warm-up on a side stream first): returns the graph's replay."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def graph_seconds(calls, device, reps: int = 20) -> float:
@@ -731,18 +807,31 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
             "",
             "One decode step of the whole model (all layers, lm_head) with transformers' `DynamicCache` pre-filled "
             "to `context` tokens (each step appends one row, which DynamicCache does by concatenation, then the "
-            "cache is cropped back). Tokens/s = batch / step time; in brackets the ratio to the source model.",
+            "cache is cropped back). *static*: the same step over a preallocated `StaticCache` of context + 1 rows "
+            "(the MLA model's holds latent + rope key; the step writes one row in place, and on CPU reads only the "
+            "written rows; the counters are set back after each step). *graph* (CUDA): the static step captured in "
+            "a CUDA graph and replayed, no host work per step. Tokens/s = batch / step time; in brackets the ratio "
+            "to the source model run the same way (DynamicCache, static or graph).",
             "",
             "| batch | context | " + " | ".join(mnames) + " | cache source | cache MLA |",
             "|---:|---:|" + "---:|" * len(mnames) + "---:|---:|",
         ]
+        def baseline(name):  # each MLA form against the source run the same way
+            for kind in ("static", "graph"):
+                if name.endswith(kind):
+                    return f"source {kind}"
+            return "source"
+
         for row in model_rows:
-            src = row["tok_s"]["source"]
-            cells = [f"{row['tok_s'][n]:.1f}" + ("" if n == "source" else f" ({row['tok_s'][n] / src:.2f}x)")
+            cells = [f"{row['tok_s'][n]:.1f}" + ("" if n.startswith("source") else
+                                                 f" ({row['tok_s'][n] / row['tok_s'][baseline(n)]:.2f}x)")
                      for n in mnames]
             lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) +
                          f" | {fmt_bytes(row['kv_bytes']['source'])} | {fmt_bytes(row['kv_bytes']['MLA A_CC_ME'])} |")
         lines.append("")
+        errors = {k: v for row in model_rows for k, v in row.get("capture_errors", {}).items()}
+        for name, error in errors.items():
+            lines += [f"{name}: CUDA-graph capture failed ({error}); its column reads nan.", ""]
     if kernel_rows:
         lines += kernel_section(kernel_rows, meta)
     if model_rows and "triton_calls_per_step" in model_rows[0]:
@@ -924,6 +1013,8 @@ def main(argv=None):
     p.add_argument("--skip-layer", action="store_true", help="no per-layer sweep")
     p.add_argument("--no-graph", action="store_true", help="CUDA: no CUDA-graph timing of the per-layer step")
     p.add_argument("--skip-model", action="store_true", help="no whole-model sweep")
+    p.add_argument("--skip-static", action="store_true",
+                   help="whole model: no preallocated-cache (StaticCache) forms, and on CUDA no CUDA-graph forms")
     p.add_argument("--skip-kernel", action="store_true", help="no attention-core table (CUDA)")
     p.add_argument("--kernel-sweep", metavar="JSON", help="CUDA: also time the Triton kernel's launch knobs over a "
                                                           "few shapes and write them here")

@@ -108,7 +108,8 @@ class MLAAttention(nn.Module):
         filled = None  # a static cache's count of written rows (0-d tensor on the cache's device), else None
         if past_key_values is not None:
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)  # [B, 1, S, d_c], [B, 1, S, d_r]
-            layer = past_key_values.layers[self.layer_idx]
+            layers = getattr(past_key_values, "layers", None)  # None: a duck-typed cache (benchmarks)
+            layer = layers[self.layer_idx] if layers is not None else None
             if isinstance(layer, StaticLayer) and not layer.is_sliding:
                 # The buffers hold the cache's capacity; rows at or past `filled` are unwritten. Where reading the
                 # count costs no wait (CPU), or in prefill (not captured), attend to the written rows only.
@@ -118,6 +119,8 @@ class MLAAttention(nn.Module):
                     latent, k_rope, filled = latent[:, :, :rows], k_rope[:, :, :rows], None
                     if attention_mask is not None:
                         attention_mask = attention_mask[..., :rows]
+                        if absorbed and attention_mask.dtype == torch.bool and bool(attention_mask.all()):
+                            attention_mask = None  # no padding: the unmasked fast path (a CPU check, no wait)
 
         if absorbed:
             out = self._absorbed(q_nope, q_rope, latent, k_rope, attention_mask, filled)
