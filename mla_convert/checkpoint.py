@@ -79,7 +79,12 @@ class Source:
     def tokenizer(self):
         """The source's tokenizer, loaded once."""
         if getattr(self, "_tokenizer", None) is None:
-            self._tokenizer = self._load_tokenizer()
+            try:
+                self._tokenizer = self._load_tokenizer()
+            except (OSError, ValueError, KeyError, TypeError) as e:  # missing or broken tokenizer files
+                raise UserError(f"cannot load the tokenizer of {self.origin} ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:160] if str(e) else ''}): the folder needs its tokenizer "
+                                "files (tokenizer.json / tokenizer_config.json)") from None
         return self._tokenizer
 
     def _load_tokenizer(self):

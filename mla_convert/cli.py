@@ -15,7 +15,38 @@ import typer
 
 from mla_convert.errors import UserError
 
+class _OneLineErrors(typer.core.TyperGroup):
+    """Usage errors (a missing argument, a value of the wrong type, an unknown command or option) as one
+    `error:` line naming the command's --help, exit status 2, like every other user error."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:  # typer 0.2x parses with its own copy of click: catch that copy's exceptions
+            from typer._click import exceptions as click
+        except ImportError:
+            from click import exceptions as click
+
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.NoArgsIsHelpError as e:  # bare `mla-convert`: the help, as before
+            e.show()
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "mla-convert"
+            typer.echo(f"error: {e.format_message()} (see `{where} --help`)", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            typer.echo(f"error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -117,6 +148,19 @@ def _convert(
     from mla_convert.checkpoint import open_source
     from mla_convert.convert import ConvertOptions, convert
 
+    if revision is not None and model is not None and Path(model).expanduser().exists():
+        raise UserError(f"--revision selects a Hub revision, but {model} is a local path: drop --revision")
+    if device != "cpu":
+        raise UserError(f"--device {device}: conversion runs on the CPU (one layer at a time); drop --device "
+                        "(eval, generate and finetune use a GPU)")
+    if calib_data.lower() != "none":
+        from mla_convert.data import check_text_spec, looks_like_test_split
+
+        check_text_spec(calib_data)  # before the (possibly slow) source load
+        if looks_like_test_split(calib_data):
+            typer.echo(f"warning: --calib-data {calib_data} looks like a test split: calibrate on other text than "
+                       "you evaluate on (e.g. wiki.valid.tokens), or a later perplexity on it flatters the result",
+                       err=True)
     if format not in ("native", "deepseek"):
         raise UserError(f"--format must be native or deepseek, got {format}")
     target = target or format
@@ -273,7 +317,8 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "(on token inputs) and values (on attended inputs) are both fit (0: only the value up-projection is refit)."
         ),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
-        device: str = typer.Option("cpu", "--device", help="Device for calibration and factorization."),
+        device: str = typer.Option("cpu", "--device", hidden=True, help="Conversion runs on the CPU; only cpu is "
+                                   "accepted (kept so that existing command lines still parse)."),
         dtype: Optional[str] = typer.Option(
             None, "--dtype", help="Output dtype: float32, bfloat16 or float16. Default: the source's."
         ),
@@ -323,7 +368,7 @@ def eval_command(
     seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per window."),
     windows: int = typer.Option(16, "--windows", help="Number of non-overlapping windows from the start."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    device: str = typer.Option("cpu", "--device"),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON to this file."),
     record: bool = typer.Option(
         False, "--record", help="Add the perplexity to the model folder's provenance.json and card."
@@ -338,9 +383,15 @@ def eval_command(
     import torch
 
     from mla_convert import evaluate
-    from mla_convert.calibration import load_text
+    from mla_convert.data import load_text
 
+    evaluate.check_device(device)
+    if json_out is not None and json_out.is_dir():
+        raise UserError(f"--json {json_out} is a folder: give a file name, e.g. {json_out / 'eval.json'}")
     text = load_text(data)
+    warning = evaluate.calibration_overlap(model, data, text)
+    if warning:
+        typer.echo(f"warning: {warning}", err=True)
     with torch.inference_mode():
         net, tokenizer, label = evaluate.load_model(model, dtype, device)
         result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
@@ -351,6 +402,7 @@ def eval_command(
         f"KV cache {result['kv_cache_bytes_per_token']} bytes/token ({dtype})"
     )
     if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=2) + "\n")
     if record and model is not None and Path(model).is_dir():
         from mla_convert import provenance
@@ -404,8 +456,7 @@ def generate_command(
 
     from mla_convert import evaluate
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device} but this torch has no CUDA device: use --device cpu")
+    evaluate.check_device(device)
 
     class _Clock(BaseStreamer):
         """Time stamps of generate's pushes: the prompt first, then one push per new token."""

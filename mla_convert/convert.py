@@ -211,6 +211,12 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     """Validate the options against the source config and compute the plan (nothing heavy, nothing written)."""
     config = source.config
     layers, hidden, heads, groups, head_dim = _dims(config)
+    if options.rank is not None and options.kv_budget is not None:
+        raise UserError("give --rank (latent dims) or --kv-budget (cache per token per layer), not both")
+    if options.kv_budget is not None and not (math.isfinite(options.kv_budget) and options.kv_budget > 0):
+        raise UserError(f"--kv-budget must be a positive number (elements, or a fraction <= 1), got {options.kv_budget}")
+    if options.kv_balance is not None and not math.isfinite(options.kv_balance):
+        raise UserError(f"--kv-balance must be a positive number, got {options.kv_balance}")
     d_r = default_rope_dims(options, groups, head_dim) if options.rope_dims is None else options.rope_dims
     if d_r < 0 or d_r % 2 or d_r > groups * head_dim:
         raise UserError(
@@ -528,13 +534,14 @@ def convert(
     inv_freq, attention_scaling = rope.source_frequencies(config)
     torch.manual_seed(options.seed)
     inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
+    # the calibration text and tokenizer are read before anything is staged: their errors come first
+    runner = _calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
     with staged_output(out, overwrite, inputs) as stage:
         writer = ShardedWriter(stage, DTYPES[plan.dtype])
         layer_prefix = family.layer_prefix.split("{")[0]
         for name in source.keys():
             if not name.startswith(layer_prefix) and "rotary_emb" not in name:
                 writer.add(name, source.get(name))
-        runner = _calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
         if options.needs_statistics() and runner is None:
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
         rope_pairs: list[list[int]] = [[0] * (plan.rope_dim // 2) for _ in range(plan.layers)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -23,11 +24,26 @@ log = logging.getLogger(__name__)
 MIN_OVERLAP_LINE_CHARS = 64
 
 
-def load_text(spec: str) -> str:
-    """The text named by `spec` (a local file or `datasets` name[:config[:split]]), as one string."""
+def check_text_spec(spec: str) -> None:
+    """Fail fast, reading nothing, on a text spec that names a local folder or a local file that does not exist."""
     path = Path(spec).expanduser()
     if path.is_dir():
         raise UserError(f"text {spec} is a folder: pass a text file (.txt/.raw/.tokens/.jsonl) or a datasets name")
+    if not path.is_file() and (path.suffix or spec.startswith((".", "/", "~"))):
+        raise UserError(f"text file {spec} does not exist: check the path (relative paths start at the current folder)")
+
+
+def looks_like_test_split(spec: str) -> bool:
+    """Whether a text spec names a test split: a file name with the word "test" (wiki.test.raw) or a datasets
+    name[:config[:split]] whose split is test."""
+    name = Path(spec).name.lower()
+    return bool(re.search(r"(^|[^a-z])test([^a-z]|$)", name)) or spec.lower().endswith(":test")
+
+
+def load_text(spec: str) -> str:
+    """The text named by `spec` (a local file or `datasets` name[:config[:split]]), as one string."""
+    check_text_spec(spec)
+    path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix == ".jsonl":
             docs = []
@@ -40,8 +56,6 @@ def load_text(spec: str) -> str:
                     raise UserError(f"{path}:{n} is not a JSON object with a \"text\" field: fix that line") from None
             return "\n\n".join(docs)
         return path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix or spec.startswith((".", "/", "~")):
-        raise UserError(f"text file {spec} does not exist: check the path (relative paths start at the current folder)")
     parts = spec.split(":")
     name = parts[0]
     config = parts[1] if len(parts) > 1 and parts[1] else None

@@ -18,6 +18,25 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_device(device: str) -> str:
+    """`device` if this torch can use it (cpu, cuda, cuda:N, mps), else a UserError that names the fix."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device} is not a device: use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device} but this torch has no CUDA device: use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise UserError(f"--device {device} but only {torch.cuda.device_count()} CUDA device(s) exist: "
+                            "use cuda:0 .. cuda:N-1")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {device} but MPS is not available: use --device cpu")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device {device} is not supported: use cpu, cuda or cuda:N")
+    return device
+
+
 def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer, label) for MODEL: None (embedded default), a .gguf file, or a model folder.
 
@@ -30,6 +49,7 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    check_device(device)
     path = default_model_path() if spec is None else Path(spec).expanduser()
     if not path.exists():
         raise UserError(f"{path} does not exist: pass a model folder or a .gguf file")
@@ -64,6 +84,8 @@ def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, windows: int = 16,
 
     if seq_len < 2:
         raise UserError("--seq-len must be at least 2")
+    if windows < 1:
+        raise UserError(f"--windows must be at least 1, got {windows}")
     available = ids.numel() // seq_len
     if available == 0:
         raise UserError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {seq_len}")
@@ -93,3 +115,28 @@ def kv_cache_bytes_per_token(model, tokens: int = 8) -> int:
             if t is not None:
                 total += t.numel() * t.element_size()
     return total // tokens
+
+
+def calibration_overlap(model: str | None, spec: str, text: str) -> str | None:
+    """A warning when the evaluation text `spec` (loaded: `text`) is, or shares lines with, the calibration text
+    recorded in the model folder's provenance (a perplexity on it flatters the conversion); None otherwise."""
+    from mla_convert import data, provenance
+
+    if model is None or not Path(model).is_dir():
+        return None
+    record = provenance.load(model) or {}
+    while record and record.get("kind") != "convert":  # finetune / export: the conversion is further up
+        record = record.get("parent") or {}
+    calib = (record.get("options") or {}).get("calib_data")
+    if not calib:
+        return None
+    calib_path, eval_path = Path(calib).expanduser(), Path(spec).expanduser()
+    if calib == spec or (calib_path.is_file() and eval_path.is_file() and calib_path.resolve() == eval_path.resolve()):
+        return (f"{spec} is the text {model} was calibrated on: the perplexity flatters the conversion; "
+                "evaluate on held-out text (e.g. wiki.test.raw when calibrating on wiki.valid.tokens)")
+    if calib_path.is_file():
+        shared = data.overlapping_lines(calib_path.read_text(encoding="utf-8", errors="replace"), text)
+        if shared:
+            return (f"{spec} shares {shared} lines with the calibration text {calib}: the perplexity flatters the "
+                    "conversion; evaluate on held-out text")
+    return None

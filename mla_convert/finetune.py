@@ -125,6 +125,18 @@ class FinetuneConfig:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"max_steps must be at least 1, got {self.max_steps}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"threads must be at least 1, got {self.threads}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise UserError(f"lr must be a positive number, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        for name in ("warmup", "weight_decay", "max_grad_norm"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise UserError(f"{name} must be a number >= 0, got {value}")
         if self.teacher is not None and str(self.teacher).lower() in ("none", "null", ""):
             self.teacher = None
         if self.kd_weight > 0 and self.teacher is None:
@@ -135,6 +147,34 @@ class FinetuneConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def typed(cls, section: dict) -> dict:
+        """`section` with each value checked against (and where harmless converted to) its field's type: a UserError
+        names the setting, so a wrong type never reaches the trainer as a traceback."""
+        names = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a text"}
+        out = dict(section)
+        for f in dataclasses.fields(cls):
+            if f.name not in section:
+                continue
+            value, kinds = section[f.name], str(f.type).replace(" ", "").split("|")
+            if value is None:
+                if "None" in kinds:
+                    continue
+                raise UserError(f"{f.name} needs a value ({names[kinds[0]]})")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if "bool" in kinds and isinstance(value, bool):
+                continue
+            if "int" in kinds and number and float(value).is_integer():
+                out[f.name] = int(value)
+            elif "float" in kinds and number:
+                out[f.name] = float(value)
+            elif "str" in kinds and (isinstance(value, str) or number):
+                out[f.name] = str(value)
+            else:
+                wanted = " or ".join(names[k] for k in kinds if k in names)
+                raise UserError(f"{f.name} must be {wanted}, got {value!r}")
+        return out
 
 
 # ------------------------------------------------------------------------------------------------- recipes
@@ -228,7 +268,7 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] | None = 
     missing = [k for k in ("model", "output", "data") if section.get(k) in (None, "")]
     if missing:
         raise UserError(f"set {', '.join(missing)} in the recipe's finetune section or as key=value")
-    return FinetuneConfig(**section)
+    return FinetuneConfig(**FinetuneConfig.typed(section))
 
 
 # ---------------------------------------------------------------------------------------------- data order
@@ -260,7 +300,7 @@ def prepare_data(cfg: FinetuneConfig, tokenizer) -> tuple[torch.Tensor, torch.Te
     """(train sequences [N, seq_len], eval windows [W, eval_seq_len]); never sharing text with each other."""
     from mla_convert import data
 
-    if not cfg.allow_test_split and re.search(r"(^|[^a-z])test([^a-z]|$)", Path(cfg.data).name.lower()):
+    if not cfg.allow_test_split and data.looks_like_test_split(cfg.data):
         raise UserError(f"training text {cfg.data} looks like a test split: train on other text "
                         "(or set allow_test_split=true if it really is not evaluation text)")
     text = data.load_text(cfg.data)
@@ -523,7 +563,19 @@ def _check_output(cfg: FinetuneConfig, out: Path) -> None:
 
 
 def check_output(cfg: FinetuneConfig) -> Path:
-    """The run folder, resolved, once it is safe to write (and with overwrite=true, to delete): call before launching."""
+    """The run folder, resolved, once it is safe to write (and with overwrite=true, to delete), and the local inputs
+    exist: call before launching."""
+    from mla_convert import data
+
+    student = Path(cfg.model).expanduser()
+    if not student.exists() and (cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") != 1):
+        raise UserError(f"the student {cfg.model} does not exist: set model to a converted model folder "
+                        "(the output of mla-convert llama) or a hub id like org/name")
+    if student.exists() and not (student / "config.json").is_file():
+        raise UserError(f"the student {cfg.model} has no config.json: set model to a converted model folder")
+    for spec in (cfg.data, cfg.eval_data):
+        if spec is not None:
+            data.check_text_spec(spec)
     out = Path(cfg.output).expanduser().resolve()
     _check_output(cfg, out)
     return out
@@ -637,7 +689,11 @@ def run(cfg: FinetuneConfig) -> Path:
                             "restore them or pass overwrite=true to start over")
         log.info("resuming from %s", resume_dir)
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot load the tokenizer of the student {cfg.model} ({type(e).__name__}): pass a model "
+                        "folder with its tokenizer (e.g. the output of mla-convert llama)") from None
     train_seqs, eval_windows = prepare_data(cfg, tokenizer)  # [N, T], [W, T_eval]
     tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
     if cfg.max_steps is not None:

@@ -63,7 +63,13 @@ def load(folder: str | os.PathLike) -> dict | None:
     path = Path(folder) / FILENAME
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        from mla_convert.errors import UserError
+
+        raise UserError(f"{path} is unreadable ({type(e).__name__}): re-run the step that wrote {Path(folder)}") from None
+    return record if isinstance(record, dict) else None
 
 
 def save(folder: str | os.PathLike, record: dict) -> None:
