@@ -65,9 +65,20 @@ def set_attention(model, name: str):
 # ---------------------------------------------------------------------------------------------- timing
 
 
+_DEVICE = torch.device("cpu")
+_DTYPE = torch.float32
+
+
+def sync():
+    if _DEVICE.type == "cuda":
+        torch.cuda.synchronize(_DEVICE)
+
+
 def timed(fn) -> float:
+    sync()
     start = _clock()
     fn()
+    sync()
     return _clock() - start
 
 
@@ -99,7 +110,7 @@ def attention_rows(src_cfg, mla_cfg, lengths, train_lengths, rounds, log):
         g = torch.Generator().manual_seed(length)
 
         def rand(*shape, grad=False):
-            return torch.randn(*shape, generator=g).requires_grad_(grad)
+            return torch.randn(*shape, generator=g).to(_DEVICE, _DTYPE).requires_grad_(grad)
 
         for backward in (False, True) if length in train_lengths else (False,):
             q_s, k_s, v_s = rand(1, heads, length, d_h, grad=backward), rand(1, groups, length, d_h, grad=backward), \
@@ -166,7 +177,7 @@ def model_rows(source, mla, args, log):
 
     jobs = []
     for length in args.lengths:
-        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(_DEVICE)
 
         def forward(model, impl, ids=ids):
             def fn():
@@ -185,7 +196,7 @@ def model_rows(source, mla, args, log):
 
         jobs.append(("eval window", length, eval_window, args.rounds))
     for length in args.train_lengths:
-        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(2 * length))
+        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(2 * length)).to(_DEVICE)
 
         def train_step(model, impl, ids=ids):
             def fn():
@@ -214,10 +225,10 @@ def model_rows(source, mla, args, log):
 # ---------------------------------------------------------------------------------------------- report
 
 
-def load_model(spec):
+def load_model(spec, dtype="float32"):
     from mla_convert.evaluate import load_model as load
 
-    model, _, label = load(spec)
+    model, _, label = load(spec, dtype=dtype, device=str(_DEVICE))
     set_attention(model, "sdpa")
     return model, label
 
@@ -259,8 +270,8 @@ def write_report(path: Path, meta, attn, rows, plot_path):
         meta["command"],
         "```",
         "",
-        f"- Device: cpu ({meta['cpu']}, {meta['cores']} cores); float32; torch {meta['torch']}, threads "
-        f"{meta['threads']}.",
+        f"- Device: {meta['gpu'] or 'cpu'} (host {meta['cpu']}, {meta['cores']} cores); {meta['dtype']}; torch "
+        f"{meta['torch']}, threads {meta['threads']}.",
         f"- Source: `{meta['source']}`. MLA: `{meta['model']}` ({meta['mla_shape']}).",
         f"- Times are medians over {meta['rounds']} interleaved rounds ({meta['train_rounds']} for the train step), "
         + ("in CPU time of the benchmark's one thread (`--clock cpu`: time the scheduler gave to other jobs is left "
@@ -336,7 +347,7 @@ def plot(rows, attn, path: Path, meta):
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("time MLA / source")
-    ax.set_title(f"SmolLM2-135M, CPU, {meta['threads']} thread, float32")
+    ax.set_title(f"SmolLM2-135M, {meta['gpu'] or 'CPU, %d thread' % meta['threads']}, {meta['dtype']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -358,6 +369,8 @@ def main(argv=None):
     p.add_argument("--unpadded", action="store_true", help="also time the MLA model with the old unpadded attention")
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (weights and activations)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--clock", choices=sorted(_CLOCK), default="wall",
                    help="cpu: CPU time of this thread (needs --threads 1), for shared machines")
@@ -370,16 +383,19 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and torch.get_num_threads() != 1:
         p.error("--clock cpu times one thread: use it with --threads 1")
-    global _clock
+    global _clock, _DEVICE, _DTYPE
     _clock = _CLOCK[args.clock]
+    _DEVICE, _DTYPE = torch.device(args.device), getattr(torch, args.dtype)
+    if args.clock == "cpu" and _DEVICE.type != "cpu":
+        p.error("--clock cpu times one CPU thread: use the wall clock on a GPU")
     start, load_start = time.time(), os.getloadavg()[0]
 
     def log(msg):
         print(f"[{time.time() - start:7.1f}s] {msg}", flush=True)
 
     register_unpadded()
-    source, source_label = load_model(args.source)
-    mla, mla_label = load_model(args.model)
+    source, source_label = load_model(args.source, args.dtype)
+    mla, mla_label = load_model(args.model, args.dtype)
     c = mla.config
     mla_shape = (f"d_c {c.kv_lora_rank[0]}, d_r {c.qk_rope_head_dim}, d_n {c.qk_nope_head_dim}, d_v {c.v_head_dim}; "
                  f"cache {c.kv_lora_rank[0] + c.qk_rope_head_dim} values per token per layer vs the source's "
@@ -393,7 +409,8 @@ def main(argv=None):
                 source=source_label if args.source else "embedded SmolLM2-135M (load_model(None))",
                 model=args.model, mla_shape=mla_shape, rounds=args.rounds, train_rounds=args.train_rounds,
                 clock=args.clock, minutes=(time.time() - start) / 60, load_start=load_start,
-                load_end=os.getloadavg()[0], device="cpu")
+                load_end=os.getloadavg()[0], device=args.device, dtype=args.dtype,
+                gpu=torch.cuda.get_device_name(_DEVICE) if _DEVICE.type == "cuda" else None)
     out = Path(args.out)
     plot_path = Path(args.plot) if args.plot else None
     if plot_path:
