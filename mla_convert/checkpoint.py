@@ -76,6 +76,10 @@ class Source:
     def nbytes(self) -> int:
         raise NotImplementedError
 
+    def files(self) -> list[Path]:
+        """The files the tensors and config are read from (what a resumed conversion must find unchanged)."""
+        return []
+
     def tokenizer(self):
         """The source's tokenizer, loaded once."""
         if getattr(self, "_tokenizer", None) is None:
@@ -180,6 +184,9 @@ class SafetensorsSource(Source):
     def nbytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in set(self.weight_map.values()))
 
+    def files(self) -> list[Path]:
+        return [self.folder / "config.json"] + [self.folder / f for f in sorted(set(self.weight_map.values()))]
+
     def close(self) -> None:
         self._open = None
         self._open_name = None
@@ -215,6 +222,9 @@ class GGUFSource(Source):
 
     def nbytes(self) -> int:
         return self.path.stat().st_size
+
+    def files(self) -> list[Path]:
+        return [self.path]
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -328,19 +338,75 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), mark
     return out
 
 
+RESUME_DIR = ".resume"  # inside a resumable staging folder: the run's fingerprint, its lock and the work kept
+
+
+def resume_dir(stage: Path) -> Path:
+    """Where a resumable step keeps its finished work inside `stage` (removed before the folder moves into place)."""
+    return Path(stage) / RESUME_DIR
+
+
+def _claim_resumable_stage(out: Path, fingerprint: dict):
+    """The staging folder `.NAME.incomplete` beside `out`, locked for this process; its kept work is wiped unless it
+    was written under the same `fingerprint`. Returns (stage, open lock file)."""
+    import fcntl
+
+    stage = out.parent / f".{out.name}.incomplete"
+    keep = resume_dir(stage)
+    keep.mkdir(parents=True, exist_ok=True)
+    lock = open(keep / "lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise UserError(f"another mla-convert is writing {out} (staging folder {stage}): wait for it to finish "
+                        "or stop it, then re-run") from None
+    state = keep / "fingerprint.json"
+    try:
+        same = json.loads(state.read_text()) == json.loads(json.dumps(fingerprint))
+    except (OSError, ValueError):
+        same = False
+    if not same:  # other source, options or version: nothing kept can be reused
+        for child in list(stage.iterdir()) + list(keep.iterdir()):
+            if child.name not in (RESUME_DIR, "lock"):
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        tmp = state.with_name(state.name + ".tmp")
+        tmp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, state)
+    return stage, lock
+
+
 @contextlib.contextmanager
-def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = ()):
+def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fingerprint: dict | None = None):
     """Yield a hidden staging folder beside `out`; move it into place only if the block completes.
-    `out` is checked by `check_output` first: an existing folder is replaced only if mla-convert wrote it."""
+    `out` is checked by `check_output` first: an existing folder is replaced only if mla-convert wrote it.
+
+    Without `fingerprint` the staging folder is private to this call and removed on any failure. With one (a
+    JSON-able record of everything the result depends on) it is `.NAME.incomplete`, locked while in use, and work the
+    block keeps in `resume_dir(stage)` survives a failure or a kill: the next call with the same fingerprint gets the
+    same folder back with that work in it (and with another fingerprint, an emptied one)."""
     out = check_output(out, overwrite, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+    lock = None
+    if fingerprint is None:
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+    else:
+        stage, lock = _claim_resumable_stage(out, fingerprint)
     try:
         yield stage
+        check_output(out, overwrite, inputs)  # again: the folder may have changed during a long conversion
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        kept = lock is not None and any(p.name not in ("lock", "fingerprint.json") for p in resume_dir(stage).iterdir())
+        if kept:
+            log.warning("the finished part stays in %s: run the same command again to resume", stage)
+        else:
+            shutil.rmtree(stage, ignore_errors=True)
+        if lock is not None:
+            lock.close()
         raise
-    check_output(out, overwrite, inputs)  # again: the folder may have changed during a long conversion
+    if lock is not None:
+        shutil.rmtree(resume_dir(stage))
+        lock.close()
     os.chmod(stage, 0o755)  # mkdtemp made it private
     for f in stage.iterdir():
         if f.is_file():

@@ -8,15 +8,17 @@ state flow, one decoder layer at a time:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mla_convert import lowrank, provenance, rope
-from mla_convert.checkpoint import ShardedWriter, Source, staged_output
+from mla_convert.checkpoint import ShardedWriter, Source, resume_dir, staged_output
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for
 
@@ -536,12 +538,11 @@ def convert(
     inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
     # the calibration text and tokenizer are read before anything is staged: their errors come first
     runner = _calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
-    with staged_output(out, overwrite, inputs) as stage:
-        writer = ShardedWriter(stage, DTYPES[plan.dtype])
-        layer_prefix = family.layer_prefix.split("{")[0]
-        for name in source.keys():
-            if not name.startswith(layer_prefix) and "rotary_emb" not in name:
-                writer.add(name, source.get(name))
+    with staged_output(out, overwrite, inputs, fingerprint=_fingerprint(source, options, plan)) as stage:
+        kept = resume_dir(stage)  # one file per converted layer: what a killed run keeps for the next one
+        done = {i for i in range(plan.layers) if (kept / _layer_file(i)).is_file()}
+        if done:
+            log.warning("resuming in %s: %d of %d layers were converted already", stage, len(done), plan.layers)
         if options.needs_statistics() and runner is None:
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
         rope_pairs: list[list[int]] = [[0] * (plan.rope_dim // 2) for _ in range(plan.layers)]
@@ -584,19 +585,41 @@ def convert(
         bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
         for i in bar:
             bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
+            prefix = family.layer_prefix.format(i=i)
+            if i in done:  # converted by an earlier run: only carry the calibration activations past it
+                stats.pop(i, None)
+                kept_tensors, rope_pairs[i] = _read_layer(kept / _layer_file(i))
+                if runner is not None:
+                    layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
+                    if options.calib_propagate == "converted":
+                        mla_tensors = {n[len(f"{prefix}self_attn.") :]: t for n, t in kept_tensors.items()
+                                       if n.startswith(f"{prefix}self_attn.")}
+                        runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
+                    else:
+                        cls = family.decoder_layer_class(config.model_type)
+                        runner.advance(_module_from(lambda: cls(config, i), layer_tensors))
+                continue
             prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i, stats.pop(i, None))
             mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
-            for name, tensor in layer_tensors.items():
-                if not name.startswith("self_attn."):
-                    writer.add(prefix + name, tensor)
-            for name, tensor in mla_tensors.items():
-                writer.add(f"{prefix}self_attn.{name}", tensor)
+            out_tensors = {prefix + n: t for n, t in layer_tensors.items() if not n.startswith("self_attn.")}
+            out_tensors.update({f"{prefix}self_attn.{n}": t for n, t in mla_tensors.items()})
+            _write_layer(kept / _layer_file(i), out_tensors, rope_pairs[i])
             if runner is not None:
                 if options.calib_propagate == "converted":
                     runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
                 else:
                     runner.advance(source_layer)
-            del layer_tensors, attn, mla_tensors, source_layer
+            del layer_tensors, attn, mla_tensors, source_layer, out_tensors
+        runner = None
+        # the shards: the source's other tensors, then each layer's as kept (a resumed run writes the same bytes)
+        writer = ShardedWriter(stage, DTYPES[plan.dtype])
+        layer_prefix = family.layer_prefix.split("{")[0]
+        for name in source.keys():
+            if not name.startswith(layer_prefix) and "rotary_emb" not in name:
+                writer.add(name, source.get(name))
+        for i in range(plan.layers):
+            for name, tensor in _read_layer(kept / _layer_file(i))[0].items():
+                writer.add(name, tensor)
         writer.finalize()
         out_config = mla_config(config, plan, family, rope_pairs, plan.dtype)
         out_config.save_pretrained(stage)
@@ -622,6 +645,50 @@ def convert(
         _write_card(stage)
     log.info("wrote %s", out)
     return plan
+
+
+def _layer_file(i: int) -> str:
+    return f"layer-{i:05d}.safetensors"
+
+
+def _write_layer(path: Path, tensors: dict[str, torch.Tensor], rope_pairs: list[int]) -> None:
+    """One converted layer's output tensors (float32, in writing order) and its RoPE pairs, renamed into place last."""
+    from safetensors.torch import save_file
+
+    tensors = {n: t.detach().to(torch.float32).contiguous().clone() for n, t in tensors.items()}  # no shared storage
+    meta = {"order": json.dumps(list(tensors)), "rope_pairs": json.dumps([int(p) for p in rope_pairs])}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def _read_layer(path: Path) -> tuple[dict[str, torch.Tensor], list[int]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in json.loads(meta["order"])}
+    return tensors, json.loads(meta["rope_pairs"])
+
+
+def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
+    """Everything a converted layer depends on: a run resumes only the work of a run with the same fingerprint."""
+    from mla_convert import __version__
+
+    def stat(path: Path) -> list:
+        st = path.stat()
+        return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+    calib = Path(options.calib_data).expanduser() if options.calib_data else None
+    return {
+        "mla_convert": __version__,
+        "torch": torch.__version__,
+        "source": source.origin,
+        "source_files": [stat(p) for p in source.files()],
+        "calibration_file": stat(calib) if calib is not None and calib.is_file() else None,
+        "options": dataclasses.asdict(options),
+        "plan": {"ranks": plan.ranks, "rope_dim": plan.rope_dim, "dtype": plan.dtype},
+    }
 
 
 def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
