@@ -540,6 +540,9 @@ def convert(
     runner = _calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
     with staged_output(out, overwrite, inputs, fingerprint=_fingerprint(source, options, plan)) as stage:
         kept = resume_dir(stage)  # one file per converted layer: what a killed run keeps for the next one
+        # kept in the output dtype (the cast the shards would make anyway), in float32 when the converted layers
+        # carry the calibration activations on (they ran in float32)
+        kept_dtype = torch.float32 if options.calib_propagate == "converted" else DTYPES[plan.dtype]
         done = {i for i in range(plan.layers) if (kept / _layer_file(i)).is_file()}
         if done:
             log.warning("resuming in %s: %d of %d layers were converted already", stage, len(done), plan.layers)
@@ -588,11 +591,12 @@ def convert(
             prefix = family.layer_prefix.format(i=i)
             if i in done:  # converted by an earlier run: only carry the calibration activations past it
                 stats.pop(i, None)
-                kept_tensors, rope_pairs[i] = _read_layer(kept / _layer_file(i))
+                rope_pairs[i] = _read_layer(kept / _layer_file(i), tensors=False)[1]
                 if runner is not None:
                     layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
                     if options.calib_propagate == "converted":
-                        mla_tensors = {n[len(f"{prefix}self_attn.") :]: t for n, t in kept_tensors.items()
+                        mla_tensors = {n[len(f"{prefix}self_attn.") :]: t
+                                       for n, t in _read_layer(kept / _layer_file(i))[0].items()
                                        if n.startswith(f"{prefix}self_attn.")}
                         runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
                     else:
@@ -603,7 +607,7 @@ def convert(
             mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
             out_tensors = {prefix + n: t for n, t in layer_tensors.items() if not n.startswith("self_attn.")}
             out_tensors.update({f"{prefix}self_attn.{n}": t for n, t in mla_tensors.items()})
-            _write_layer(kept / _layer_file(i), out_tensors, rope_pairs[i])
+            _write_layer(kept / _layer_file(i), out_tensors, rope_pairs[i], kept_dtype)
             if runner is not None:
                 if options.calib_propagate == "converted":
                     runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
@@ -651,24 +655,26 @@ def _layer_file(i: int) -> str:
     return f"layer-{i:05d}.safetensors"
 
 
-def _write_layer(path: Path, tensors: dict[str, torch.Tensor], rope_pairs: list[int]) -> None:
-    """One converted layer's output tensors (float32, in writing order) and its RoPE pairs, renamed into place last."""
+def _write_layer(path: Path, tensors: dict[str, torch.Tensor], rope_pairs: list[int], dtype: torch.dtype) -> None:
+    """One converted layer's output tensors (as `dtype`, in writing order) and its RoPE pairs, renamed into place
+    last."""
     from safetensors.torch import save_file
 
-    tensors = {n: t.detach().to(torch.float32).contiguous().clone() for n, t in tensors.items()}  # no shared storage
+    tensors = {n: t.detach().to(dtype).contiguous().clone() for n, t in tensors.items()}  # clone: no shared storage
     meta = {"order": json.dumps(list(tensors)), "rope_pairs": json.dumps([int(p) for p in rope_pairs])}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)
 
 
-def _read_layer(path: Path) -> tuple[dict[str, torch.Tensor], list[int]]:
+def _read_layer(path: Path, tensors: bool = True) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """(the layer's tensors in writing order, or {} without `tensors`; its RoPE pairs) from `_write_layer`'s file."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-        tensors = {name: f.get_tensor(name) for name in json.loads(meta["order"])}
-    return tensors, json.loads(meta["rope_pairs"])
+        out = {name: f.get_tensor(name) for name in json.loads(meta["order"])} if tensors else {}
+    return out, json.loads(meta["rope_pairs"])
 
 
 def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:

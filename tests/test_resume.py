@@ -20,8 +20,8 @@ KILLER = """
 import os, signal, sys
 import mla_convert.convert as c
 after, write = int(os.environ["KILL_AFTER_LAYER"]), c._write_layer
-def killing_write(path, tensors, pairs):
-    write(path, tensors, pairs)
+def killing_write(path, *args):
+    write(path, *args)
     if path.name == c._layer_file(after):
         os.kill(os.getpid(), signal.SIGKILL)
 c._write_layer = killing_write
