@@ -15,6 +15,7 @@ import typer
 
 from mla_convert.errors import UserError
 
+
 class _OneLineErrors(typer.core.TyperGroup):
     """Usage errors (a missing argument, a value of the wrong type, an unknown command or option) as one
     `error:` line naming the command's --help, exit status 2, like every other user error."""
