@@ -7,10 +7,13 @@ Per layer (shapes at the point of use; H query heads, G kv groups, d_c latent, d
     kv_b_proj  [G*(d_n+d_v), d_c] per kv group: nope key and value from the latent
     o_proj     [D, H*d_v]
 
-Prefill and training expand the latent to per-group K/V and run the usual attention (sdpa/eager). Decode uses the
-absorbed form (A_CC_ME in the design notes): the query's nope part is multiplied into `W_uk`, scores are taken
-against the latent and the rope key apart and added, and values are read from the latent then mapped by `W_uv`.
-The cache (`DynamicCache`) holds per layer `keys = c [B, 1, S, d_c]` and `values = k_r [B, 1, S, d_r]`.
+Prefill and training expand the latent to per-group K/V and run the usual attention (sdpa/eager; for sdpa the value
+is zero-padded to the query/key width so the fused kernel runs). Decode uses the absorbed form (A_CC_ME in the design
+notes): the query's nope part is multiplied into `W_uk`, scores are taken against the latent and the rope key apart
+and added, and values are read from the latent then mapped by `W_uv`.
+The cache (`DynamicCache`, or a preallocated `StaticCache`: `generate(..., cache_implementation="static")`) holds per
+layer `keys = c [B, 1, S, d_c]` and `values = k_r [B, 1, S, d_r]`. Over a static cache the decode step reads no
+length on the host (the Triton kernel takes the cache's counter on the device), so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -69,11 +72,11 @@ class MLAAttention(nn.Module):
     def _rope_cos_sin(self, position_embeddings):
         cos, sin = position_embeddings  # [B, T, d_h] in rotate_half layout: frequency i at dims i and i + d_h/2
         index = self._rope_index.get(cos.device)
-        if index is None:
-            index = self._rope_index[cos.device] = torch.tensor(self.rope_pairs, dtype=torch.long, device=cos.device)
-        cos = cos[..., index]
-        sin = sin[..., index]
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [B, T, d_r]
+        if index is None:  # each kept pair's two dims: [p_0 .. p_k, p_0 + d_h/2 .. p_k + d_h/2] (one gather, no cat)
+            half = cos.shape[-1] // 2
+            dims = self.rope_pairs + [p + half for p in self.rope_pairs]
+            index = self._rope_index[cos.device] = torch.tensor(dims, dtype=torch.long, device=cos.device)
+        return cos[..., index], sin[..., index]  # [B, T, d_r]
 
     def use_absorbed(self, q_len: int, past_key_values: Cache | None) -> bool:
         """"auto": the absorbed form for one new token with a cache (decode). Decided from shapes only: asking a
