@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -50,6 +51,10 @@ def score_in_vllm(folder: str | os.PathLike, windows: list[list[int]] = (), prom
             raise RuntimeError(f"vLLM failed on {folder} (exit {proc.returncode}):\n" + "\n".join(text.splitlines()[-25:]))
         out = json.loads(res.read_text())
         out["log"] = text
+        # vLLM's own line, e.g. "CPU KV cache size: 31,056 tokens": the tokens its allocated blocks hold
+        sizes = re.findall(r"KV cache size: ([\d,]+) tokens", text)
+        if sizes:
+            out["kv_cache"]["log_tokens"] = int(sizes[-1].replace(",", ""))
         return out
 
 
