@@ -79,7 +79,11 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--report-only", action="store_true", help="rewrite serving.md from benchmarks/serving.json")
     args = ap.parse_args()
+    if args.report_only:
+        write_report(json.loads((ROOT / "benchmarks" / "serving.json").read_text()), ROOT / "benchmarks" / "serving.md")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     calib = str(DATA / "wiki.valid.tokens")
     src = source_folder(args.out)
@@ -120,13 +124,39 @@ def main() -> None:
         if (old["windows"], old["seq_len"]) == (args.windows, args.seq_len):
             done = {r["label"]: r for r in old["rows"]}
 
+    def save() -> dict:
+        result = {"rows": rows, "commands": commands, "windows": args.windows, "seq_len": args.seq_len,
+                  "decode": decode, "vllm_version": result_meta.get("vllm_version"),
+                  "torch_threads": torch.get_num_threads()}
+        text = json.dumps(result, indent=1).replace(str(ROOT) + "/", "").replace(str(ROOT.parent / "shared"), "../shared")
+        (bench / "serving.json").write_text(text)
+        return json.loads(text)
+
     def measure_once(label, folder, budget, route):
-        row = done.get(label) or measure(label, folder, budget, route)
-        rows.append(row)
+        rows.append(done.get(label) or measure(label, folder, budget, route))
         save()
 
-    def save():
-        result = save()
+    measure_once("source SmolLM2-135M-Instruct (Llama, GQA)", src, None, "vLLM LlamaForCausalLM")
+    for budget in args.budgets:
+        folder = args.out / f"native-{int(budget * 1000)}"
+        cmd = ["mla-convert", "llama", "--kv-budget", str(budget), "--calib-data", calib, "-o", str(folder)]
+        if not (folder / "config.json").exists():
+            run(CLI + cmd[1:])
+        commands.append(" ".join(cmd))
+        measure_once(f"mla-convert default, {budget:.0%} cache", folder, budget, "vLLM + mla-convert plugin")
+        if args.deepseek and budget == args.budgets[0]:  # one budget shows what the route costs
+            ds_native, ds = args.out / f"ds-{int(budget * 1000)}-native", args.out / f"ds-{int(budget * 1000)}"
+            conv = ["mla-convert", "llama", "--kv-budget", str(budget), "--target", "deepseek", "--rope-dims", "32",
+                    "--calib-data", calib, "-o", str(ds_native)]
+            exp = ["mla-convert", "export", str(ds_native), "--format", "deepseek", "--pad-latent", "flashmla",
+                   "--dtype", "bfloat16", "-o", str(ds)]
+            if not (ds / "config.json").exists():
+                if not (ds_native / "config.json").exists():
+                    run(CLI + conv[1:])
+                run(CLI + exp[1:])
+            commands += [" ".join(conv), " ".join(exp)]
+            measure_once(f"--target deepseek export, {budget:.0%} cache", ds, budget, "vLLM DeepseekV3ForCausalLM")
+    result = save()
     write_report(result, bench / "serving.md")
 
 
