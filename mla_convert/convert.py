@@ -543,6 +543,7 @@ def convert(
         # kept in the output dtype (the cast the shards would make anyway), in float32 when the converted layers
         # carry the calibration activations on (they ran in float32)
         kept_dtype = torch.float32 if options.calib_propagate == "converted" else DTYPES[plan.dtype]
+        skip_through = -1  # layers up to this one need no calibration forward: their output activations are kept
         done = {i for i in range(plan.layers) if (kept / _layer_file(i)).is_file()}
         if done:
             log.warning("resuming in %s: %d of %d layers were converted already", stage, len(done), plan.layers)
@@ -592,7 +593,11 @@ def convert(
             if i in done:  # converted by an earlier run: only carry the calibration activations past it
                 stats.pop(i, None)
                 rope_pairs[i] = _read_layer(kept / _layer_file(i), tensors=False)[1]
-                if runner is not None:
+                if runner is not None and i == 0:
+                    past = _read_activations(kept)  # the hidden states after the last layer a run finished, if kept
+                    if past is not None and all(j in done for j in range(past[0] + 1)):
+                        skip_through, runner.hidden = past
+                if runner is not None and i > skip_through:
                     layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
                     if options.calib_propagate == "converted":
                         mla_tensors = {n[len(f"{prefix}self_attn.") :]: t
@@ -613,6 +618,8 @@ def convert(
                     runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
                 else:
                     runner.advance(source_layer)
+                if i < plan.layers - 1:
+                    _write_activations(kept, i, runner.hidden)
             del layer_tensors, attn, mla_tensors, source_layer, out_tensors
         runner = None
         # the shards: the source's other tensors, then each layer's as kept (a resumed run writes the same bytes)
@@ -675,6 +682,28 @@ def _read_layer(path: Path, tensors: bool = True) -> tuple[dict[str, torch.Tenso
         meta = f.metadata()
         out = {name: f.get_tensor(name) for name in json.loads(meta["order"])} if tensors else {}
     return out, json.loads(meta["rope_pairs"])
+
+
+ACTIVATIONS_FILE = "activations.safetensors"
+
+
+def _write_activations(folder: Path, layer: int, hidden: torch.Tensor) -> None:
+    """The calibration hidden states after `layer` [N, T, D] (float32), replacing the previous layer's: a resumed run
+    starts from them instead of running every finished layer again."""
+    from safetensors.torch import save_file
+
+    tmp = folder / (ACTIVATIONS_FILE + ".tmp")
+    save_file({"hidden": hidden.contiguous()}, str(tmp), metadata={"after_layer": str(layer)})
+    os.replace(tmp, folder / ACTIVATIONS_FILE)
+
+
+def _read_activations(folder: Path) -> tuple[int, torch.Tensor] | None:
+    from safetensors import safe_open
+
+    if not (folder / ACTIVATIONS_FILE).is_file():
+        return None
+    with safe_open(str(folder / ACTIVATIONS_FILE), framework="pt") as f:
+        return int(f.metadata()["after_layer"]), f.get_tensor("hidden")
 
 
 def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:

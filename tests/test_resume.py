@@ -55,6 +55,7 @@ def test_killed_conversion_resumes_to_the_same_bytes(four_layers, calib_text, tm
     assert not resumed.exists()
     assert sorted(p.name for p in (stage / ".resume").glob("layer-*")) == ["layer-00000.safetensors",
                                                                             "layer-00001.safetensors"]
+    assert (stage / ".resume" / "activations.safetensors").is_file()  # after layer 0: the resume starts from them
 
     result = CliRunner().invoke(app, [*common, "-o", str(resumed)])
     assert result.exit_code == 0, result.output
