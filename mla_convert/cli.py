@@ -374,6 +374,10 @@ def eval_command(
     record: bool = typer.Option(
         False, "--record", help="Add the perplexity to the model folder's provenance.json and card."
     ),
+    engine: str = typer.Option(
+        "transformers", "--engine", help="transformers (default) or vllm: score the folder in vLLM, as it is served "
+        "(needs scripts/install-vllm.sh); the KV-cache bytes are then what vLLM allocates."
+    ),
     verbose: int = VerboseOpt,
     quiet: bool = QuietOpt,
 ) -> None:
@@ -393,14 +397,29 @@ def eval_command(
     warning = evaluate.calibration_overlap(model, data, text)
     if warning:
         typer.echo(f"warning: {warning}", err=True)
-    with torch.inference_mode():
-        net, tokenizer, label = evaluate.load_model(model, dtype, device)
-        result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
-        result["kv_cache_bytes_per_token"] = evaluate.kv_cache_bytes_per_token(net)
+    if engine == "vllm":
+        from transformers import AutoTokenizer
+
+        from mla_convert.serving.engine import vllm_perplexity
+
+        if model is None or not Path(model).is_dir() or not (Path(model) / "config.json").is_file():
+            raise UserError("--engine vllm needs a model folder with config.json (vLLM does not read the embedded "
+                            "GGUF default)")
+        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=False)
+        result = vllm_perplexity(model, evaluate.tokenize(tokenizer, text), seq_len, windows, dtype)
+        label = str(model)
+    elif engine == "transformers":
+        with torch.inference_mode():
+            net, tokenizer, label = evaluate.load_model(model, dtype, device)
+            result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
+            result["kv_cache_bytes_per_token"] = evaluate.kv_cache_bytes_per_token(net)
+    else:
+        raise UserError(f"--engine must be transformers or vllm, got {engine}")
     result.update(model=label, data=data, dtype=dtype)
     typer.echo(
         f"{label}: perplexity {result['perplexity']:.3f} over {result['windows']} x {seq_len} tokens ({data}); "
-        f"KV cache {result['kv_cache_bytes_per_token']} bytes/token ({dtype})"
+        f"KV cache {result['kv_cache_bytes_per_token']:g} bytes/token ({dtype}"
+        + (f", as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else ")")
     )
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -410,7 +429,7 @@ def eval_command(
 
         kind = (provenance.load(model) or {}).get("kind", "converted")
         key = {"convert": "converted", "finetune": "finetuned", "export": "exported"}.get(kind, kind)
-        protocol = f"{data}, {result['windows']} x {seq_len} windows, {dtype}"
+        protocol = f"{data}, {result['windows']} x {seq_len} windows, {dtype}" + (", vLLM" if engine == "vllm" else "")
         if provenance.add_measurements(model, perplexity={key: result["perplexity"], "protocol": protocol}):
             try:
                 from mla_convert.hub import write_model_card

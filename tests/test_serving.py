@@ -183,3 +183,44 @@ def test_default_rope_key_fits_the_engines(tmp_path):
     result = CliRunner().invoke(app, ["llama", str(src), "--rank", "64", "--rope-dims", "80", "--calib-data", "none",
                                       "--dry-run"])
     assert "will not serve in vLLM" in result.output and "--rope-dims 64" in result.output
+
+
+def _eval(*args, env=None):
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    result = CliRunner().invoke(app, ["eval", *map(str, args)], env=env)
+    return result.exit_code, result.output
+
+
+def test_eval_engine_bad_input(tmp_path, convert_tiny, sources, calib_text):
+    from conftest import assert_user_error
+
+    out = convert_tiny(sources["llama-gqa"], rank=24, rope_dims=8)
+    text = tmp_path / "eval.txt"
+    text.write_text(__import__("tiny").tiny_text(seed=5))
+    assert_user_error(*_eval(out, "--data", text, "--seq-len", 32, "--windows", 2, "--engine", "tgi"), "--engine")
+    missing = {"MLA_CONVERT_VLLM_PYTHON": str(tmp_path / "no-such-python")}
+    assert_user_error(*_eval(out, "--data", text, "--seq-len", 32, "--engine", "vllm", env=missing),
+                      "install-vllm.sh")
+    assert_user_error(*_eval("--data", text, "--engine", "vllm"), "model folder")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_eval_engine_vllm_equals_transformers(tmp_path, convert_tiny, sources):
+    """`mla-convert eval --engine vllm` scores the folder as it is served: the same perplexity as transformers, and
+    the KV-cache bytes vLLM allocates (the 512 + 64 layout of its CPU kernel)."""
+    import re
+
+    out = convert_tiny(sources["qwen2"], rank=24, rope_dims=8)
+    text = tmp_path / "eval.txt"
+    text.write_text(__import__("tiny").tiny_text(seed=5))
+    args = (out, "--data", text, "--seq-len", 48, "--windows", 3)
+    code_v, out_v = _eval(*args, "--engine", "vllm")
+    code_t, out_t = _eval(*args)
+    assert code_v == 0 and code_t == 0, out_v + out_t
+    ppl = [float(re.search(r"perplexity ([\d.]+)", o)[1]) for o in (out_v, out_t)]
+    assert abs(ppl[0] / ppl[1] - 1) < 1e-4
+    assert "KV cache 4608 bytes/token" in out_v  # 2 layers x 576 x 4 bytes

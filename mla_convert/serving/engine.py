@@ -88,3 +88,28 @@ def perplexity(logprobs: list[list[float]]) -> float:
 
 def max_logprob_difference(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for wa, wb in zip(a, b) for x, y in zip(wa, wb))
+
+
+def vllm_perplexity(folder: str | os.PathLike, ids: torch.Tensor, seq_len: int, windows: int, dtype: str) -> dict:
+    """`evaluate.perplexity`'s protocol (the first `windows` non-overlapping windows of `seq_len` tokens of `ids`,
+    each scored on its own) run in vLLM; adds vLLM's own KV-cache bytes per token (all layers, as allocated)."""
+    from mla_convert.errors import UserError
+
+    available = len(ids) // seq_len
+    if available == 0:
+        raise UserError(f"the text holds {len(ids)} tokens, fewer than one window of {seq_len}: lower --seq-len")
+    windows = min(windows, available)
+    chunks = [ids[w * seq_len : (w + 1) * seq_len].tolist() for w in range(windows)]
+    if vllm_python() is None:
+        raise UserError("--engine vllm needs vLLM's environment: run scripts/install-vllm.sh (or set "
+                        "MLA_CONVERT_VLLM_PYTHON to the python of an environment with vLLM and mla-convert)")
+    try:
+        res = score_in_vllm(folder, chunks, dtype=dtype, max_model_len=seq_len + 16)
+    except RuntimeError as e:
+        last = [line for line in str(e).splitlines() if line.strip()][-1]
+        raise UserError(f"vLLM could not run {folder}: {last[:300]}") from None
+    nll = -sum(x for w in res["logprobs"] for x in w) / sum(len(w) for w in res["logprobs"])
+    return {"perplexity": math.exp(nll), "nll": nll, "tokens": sum(len(w) for w in res["logprobs"]),
+            "windows": windows, "seq_len": seq_len, "engine": f"vllm {res['vllm_version']}",
+            "attention_backend": res["attention_backend"],
+            "kv_cache_bytes_per_token": res["kv_cache"].get("bytes_per_token")}
