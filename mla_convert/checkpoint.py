@@ -362,11 +362,15 @@ def _claim_resumable_stage(out: Path, fingerprint: dict):
         raise UserError(f"another mla-convert is writing {out} (staging folder {stage}): wait for it to finish "
                         "or stop it, then re-run") from None
     state = keep / "fingerprint.json"
+    wanted = json.loads(json.dumps(fingerprint))  # as it reads back from JSON (tuples become lists)
     try:
-        same = json.loads(state.read_text()) == json.loads(json.dumps(fingerprint))
+        kept = json.loads(state.read_text())
     except (OSError, ValueError):
-        same = False
-    if not same:  # other source, options or version: nothing kept can be reused
+        kept = None
+    if kept != wanted:  # other source, options, threads or version: nothing kept can be reused
+        if isinstance(kept, dict) and any(p.name.endswith(".safetensors") for p in keep.iterdir()):
+            changed = sorted(k for k in set(kept) | set(wanted) if kept.get(k) != wanted.get(k))
+            log.warning("starting over in %s: its kept work was done with another %s", stage, ", ".join(changed))
         for child in list(stage.iterdir()) + list(keep.iterdir()):
             if child.name not in (RESUME_DIR, "lock"):
                 shutil.rmtree(child) if child.is_dir() else child.unlink()

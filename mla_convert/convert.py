@@ -718,6 +718,7 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
     return {
         "mla_convert": __version__,
         "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),  # the thread count changes the order of float sums, so the bytes
         "source": source.origin,
         "source_files": [stat(p) for p in source.files()],
         "calibration_file": stat(calib) if calib is not None and calib.is_file() else None,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from mla_convert.cli import app
@@ -38,7 +39,9 @@ def four_layers(tmp_path_factory) -> Path:
 
 
 def killed_run(args: list[str], after: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KILL_AFTER_LAYER": str(after), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # the same thread count as this process: the fingerprint holds it (it changes the order of float sums)
+    env = {**os.environ, "KILL_AFTER_LAYER": str(after), "OMP_NUM_THREADS": str(torch.get_num_threads()),
+           "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-c", KILLER, *args], env=env, capture_output=True, text=True, timeout=300)
 
 
