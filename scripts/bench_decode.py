@@ -14,7 +14,9 @@ Two measurements, every ratio taken within the same run:
    The cache is a fixed buffer of context+1 rows; each step overwrites the last row, so every timed step sees the same
    context (as a serving engine's preallocated cache would).
 2. The whole model, tokens per second, with transformers' DynamicCache pre-filled to the context length with random
-   values (no prefill is timed: decode cost does not depend on the values).
+   values (no prefill is timed: decode cost does not depend on the values); then the same over a preallocated
+   StaticCache ("static", what `generate(..., cache_implementation="static")` uses) and, on CUDA, that static step
+   captured in a CUDA graph ("graph"), each against the source model run the same way (`--skip-static`: neither).
 
 On CUDA it also times the attention core alone at the same shapes (the Triton kernel, the model's torch absorbed path,
 the float32 reference, the source's GQA sdpa), as GPU time per call from CUDA-graph replays over rotating input sets,
@@ -32,6 +34,9 @@ benchmarks/decode_gpu.md (H100):
         --model-contexts 1k,8k,32k --model-batches 1,8,32 --model-budget 1.5 \
         --kernel-baseline benchmarks/decode_gpu.before.json \
         --out benchmarks/decode_gpu.md --json benchmarks/decode_gpu.json --plot benchmarks/decode_gpu.png
+The whole-model table alone, with the static-cache forms (benchmarks/decode_static.md, CPU):
+    OMP_NUM_THREADS=1 nice python scripts/bench_decode.py --threads 1 --clock cpu --skip-layer \
+        --model-contexts 1k,8k --model-batches 1,8 --out benchmarks/decode_static.md --json benchmarks/decode_static.json
 The Triton kernel's launch-knob sweep (benchmarks/decode_gpu.sweep.json, which chose the kernel's defaults):
     python scripts/bench_decode.py --skip-layer --skip-model --skip-kernel --kernel-sweep benchmarks/decode_gpu.sweep.json \
         --out /tmp/decode_gpu.sweep.md

@@ -19,7 +19,10 @@ The numbers in benchmarks/prefill.md (a 2-core CPU shared with other jobs, hence
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/bench_prefill.py --threads 1 --clock cpu \
         --model out/bench-serving/native-250 --unpadded \
         --out benchmarks/prefill.md --json benchmarks/prefill.json --plot benchmarks/prefill.png
-`--source` defaults to the embedded SmolLM2-135M (`mla_convert.evaluate.load_model(None)`).
+`--source` defaults to the embedded SmolLM2-135M (`mla_convert.evaluate.load_model(None)`). On a GPU (not yet run):
+    python scripts/bench_prefill.py --device cuda --dtype bfloat16 --model out/bench-serving/native-250 --unpadded \
+        --lengths 1024,2048,8192 --out benchmarks/prefill_gpu.md --json benchmarks/prefill_gpu.json \
+        --plot benchmarks/prefill_gpu.png
 """
 
 from __future__ import annotations
