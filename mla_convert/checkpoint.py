@@ -309,6 +309,23 @@ def written_by_us(folder: Path) -> bool:
     return isinstance(record, dict) and "mla_convert_version" in record and "kind" in record
 
 
+def check_location(out: Path, inputs: list[tuple[str, Path]], example: str) -> Path:
+    """`out` resolved, unless it is the current directory or holds it, or is, holds or lies inside one of the
+    (label, path) inputs: then a UserError (`example` shows a good choice, e.g. "-o out/NAME")."""
+    given = out
+    out = Path(out).expanduser().resolve()
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise UserError(f"output {given} is the current directory or contains it: choose a new folder, e.g. {example}")
+    for label, src in inputs:
+        src = Path(src).expanduser().resolve()
+        if out == src or src in out.parents:
+            raise UserError(f"output {given} is inside the {label} {src}: choose a folder outside it")
+        if out in src.parents:
+            raise UserError(f"output {given} contains the {label} {src}: choose a folder that does not hold it")
+    return out
+
+
 def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), marker=written_by_us) -> Path:
     """Refuse an output folder that a write (or --overwrite) must not touch; returns it resolved.
 
@@ -317,16 +334,7 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), mark
     `overwrite`: a non-empty folder that `marker` does not recognise as one this tool wrote (so --overwrite never
     deletes a user's own files)."""
     given = out
-    out = Path(out).expanduser().resolve()
-    cwd = Path.cwd().resolve()
-    if out == cwd or out in cwd.parents:
-        raise UserError(f"output {given} is the current directory or contains it: choose a new folder, e.g. -o out/NAME")
-    for src in inputs:
-        src = Path(src).expanduser().resolve()
-        if out == src or src in out.parents:
-            raise UserError(f"output {given} is inside the input {src}: choose a folder outside it")
-        if out in src.parents:
-            raise UserError(f"output {given} contains the input {src}: choose a folder that does not hold it")
+    out = check_location(out, [("input", src) for src in inputs], "-o out/NAME")
     if out.exists() and not out.is_dir():
         raise UserError(f"output {given} is an existing file: choose a folder name")
     if out.is_dir() and any(out.iterdir()):

@@ -542,19 +542,12 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 def _check_output(cfg: FinetuneConfig, out: Path) -> None:
     """Refuse an output folder that is the current directory (or holds it), or that is, holds or lies inside an input."""
-    cwd = Path.cwd().resolve()
-    if out == cwd or out in cwd.parents:
-        raise UserError(f"output {out} is the current directory or contains it: set output to a new folder, "
-                        "e.g. output=runs/NAME")
-    for label, spec in (("student", cfg.model), ("training text", cfg.data), ("eval_data", cfg.eval_data),
-                        ("teacher", cfg.teacher)):
-        if spec in (None, "auto", "embedded") or not Path(spec).expanduser().exists():
-            continue
-        path = Path(spec).expanduser().resolve()
-        if out == path or path in out.parents:
-            raise UserError(f"output {out} is inside the {label} {path}: choose a folder outside it")
-        if out in path.parents:
-            raise UserError(f"the {label} {path} is inside output {out}: choose another output")
+    from mla_convert.checkpoint import check_location
+
+    inputs = [(label, Path(spec)) for label, spec in (("student", cfg.model), ("training text", cfg.data),
+                                                       ("eval_data", cfg.eval_data), ("teacher", cfg.teacher))
+              if spec not in (None, "auto", "embedded") and Path(spec).expanduser().exists()]
+    check_location(out, inputs, "output=runs/NAME")
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is an existing file: set output to a folder")
     if out.is_dir() and any(out.iterdir()) and not _is_run_folder(out):
