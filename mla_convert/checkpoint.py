@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -343,7 +344,24 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), mark
         if not marker(out):
             raise UserError(f"{given} is not a folder mla-convert wrote (no provenance.json of ours), so --overwrite "
                             "will not delete it: remove it yourself or choose another -o")
+        if marker is written_by_us:
+            foreign = foreign_files(out)
+            if foreign:
+                shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+                raise UserError(f"{given} holds files mla-convert did not write ({shown}), so --overwrite will not "
+                                "delete it: move them out or choose another -o")
     return out
+
+
+# What a convert or export output folder holds besides the AUX_FILES it copies: nothing else is ours to delete.
+OWN_FILES = ("config.json", "generation_config.json", "provenance.json", "README.md", "model.safetensors.index.json")
+_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """Entries of an output folder that mla-convert does not write there (a user's notes, another tool's files)."""
+    return sorted(p.name for p in Path(folder).iterdir()
+                  if not (p.is_file() and (p.name in OWN_FILES or p.name in AUX_FILES or _SHARD.fullmatch(p.name))))
 
 
 RESUME_DIR = ".resume"  # inside a resumable staging folder: the run's fingerprint, its lock and the work kept

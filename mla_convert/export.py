@@ -654,7 +654,7 @@ def verify_export(native_folder: Path, export_folder: Path, options: ExportOptio
 
     import mla_convert.modeling  # noqa: F401  (registers model_type mla)
 
-    native = AutoModelForCausalLM.from_pretrained(native_folder, dtype=torch.float32).eval()
+    native = AutoModelForCausalLM.from_pretrained(native_folder, dtype=torch.float32, trust_remote_code=False).eval()
     gen = torch.Generator().manual_seed(options.seed)
     ids = torch.randint(0, native.config.vocab_size, (options.verify_batch, options.verify_tokens), generator=gen)
     prompt = ids[:1, : max(1, options.verify_tokens // 4)]

@@ -50,7 +50,7 @@ TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "voc
 _SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_CACHE_RE = re.compile(r"(?:^|/)models--([A-Za-z0-9][\w.-]*?)--([\w.-]+)/snapshots/[^/]+/?$")
-_STAGING_RE = re.compile(r"^\.(.+)\.incomplete-[^/]+$")
+_STAGING_RE = re.compile(r"^\.(.+)\.incomplete(-[^/]+)?$")
 _STEP_TITLES = {"convert": "Conversion", "finetune": "Fine-tuning", "export": "Export"}
 _NO_TOKEN = "no Hugging Face token found: run `hf auth login` or set HF_TOKEN to a token with write access"
 
@@ -90,7 +90,8 @@ def _base_model(source: dict) -> str | None:
 
 def _display_folder(folder: Path) -> Path:
     """Where the folder will live: convert and export write the card inside their hidden staging folder
-    (`.NAME.incomplete-XXXX` beside the output, see checkpoint.staged_output) before moving it to NAME."""
+    (`.NAME.incomplete-XXXX`, or `.NAME.incomplete` for a resumable conversion, beside the output, see
+    checkpoint.staged_output) before moving it to NAME."""
     folder = folder.resolve()
     staged = _STAGING_RE.match(folder.name)
     return folder.parent / staged.group(1) if staged else folder

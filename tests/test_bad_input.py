@@ -189,10 +189,14 @@ def test_overwrite_replaces_a_folder_mla_convert_wrote(ws, tmp_path):
     args = ["llama", str(ws / "src"), "--rank", "8", *[a.replace("{ws}", str(ws)) for a in CALIB]]
     assert CliRunner().invoke(app, [*args, "-o", str(out)]).exit_code == 0
     first = json.loads((out / "provenance.json").read_text())["created"]
-    (out / "extra.txt").write_text("left by hand")
+    (out / "notes.txt").write_text("left by hand")  # a user's file inside our folder: never deleted
+    result = CliRunner().invoke(app, [*args, "--rope-dims", "4", "-o", str(out), "--overwrite"])
+    assert_user_error(result.exit_code, result.output, "notes.txt", "did not write")
+    assert (out / "notes.txt").read_text() == "left by hand"
+    (out / "notes.txt").unlink()
     result = CliRunner().invoke(app, [*args, "--rope-dims", "4", "-o", str(out), "--overwrite"])
     assert result.exit_code == 0, result.output
-    assert not (out / "extra.txt").exists() and json.loads((out / "config.json").read_text())["qk_rope_head_dim"] == 4
+    assert json.loads((out / "config.json").read_text())["qk_rope_head_dim"] == 4
     assert json.loads((out / "provenance.json").read_text())["created"] >= first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ours"]
 

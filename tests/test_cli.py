@@ -140,10 +140,13 @@ def test_output_inside_input_and_existing_output(sources, tmp_path, calib):
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     ours = tmp_path / "ours"
     assert run("llama", src, "--rank", 8, "-o", ours, *calib)[0] == 0
-    (ours / "stale.txt").write_text("left by an earlier run")
+    (ours / "notes.txt").write_text("a file of the user's in our folder")
+    assert_user_error(*run("llama", src, "--rank", 4, "-o", ours, "--overwrite", *calib), "did not write")
+    assert (ours / "notes.txt").exists()
+    (ours / "notes.txt").unlink()
     code, output = run("llama", src, "--rank", 4, "-o", ours, "--overwrite", *calib)
     assert code == 0, output
-    assert not (ours / "stale.txt").exists() and json.loads((ours / "config.json").read_text())["kv_lora_rank"][0] == 4
+    assert json.loads((ours / "config.json").read_text())["kv_lora_rank"][0] == 4
     assert not list(tmp_path.glob(".ours.*"))  # no staging or replaced folder left beside it
 
 
