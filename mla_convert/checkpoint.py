@@ -280,6 +280,15 @@ def open_source(model: str | None, revision: str | None = None) -> Source:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError, StrictDataclassError) as e:
         raise UserError(f"cannot read {folder / 'config.json'} ({str(e).splitlines()[0][:200]}): fix the file") from None
+    # transformers fills a missing field with its class default (e.g. 32 heads), which would convert the wrong shapes
+    from mla_convert.families import REQUIRED_KEYS
+
+    written = json.loads((folder / "config.json").read_text())
+    text_config = written.get("text_config") if isinstance(written.get("text_config"), dict) else {}
+    missing = [k for k in REQUIRED_KEYS if k not in written and k not in text_config]
+    if missing:
+        raise UserError(f"{folder / 'config.json'} is missing {', '.join(missing)}: fix or re-download the source's "
+                        "config.json")
     return SafetensorsSource(config, origin, folder, revision)
 
 

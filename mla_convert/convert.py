@@ -220,9 +220,10 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     if options.kv_balance is not None and not math.isfinite(options.kv_balance):
         raise UserError(f"--kv-balance must be a positive number, got {options.kv_balance}")
     d_r = default_rope_dims(options, groups, head_dim) if options.rope_dims is None else options.rope_dims
-    if d_r < 0 or d_r % 2 or d_r > groups * head_dim:
+    if d_r <= 0 or d_r % 2 or d_r > groups * head_dim:
         raise UserError(
-            f"--rope-dims must be even and at most {groups * head_dim} (kv heads x head_dim), got {d_r}"
+            f"--rope-dims must be even, at least 2 (without a rope key the model loses every position) and at most "
+            f"{groups * head_dim} (kv heads x head_dim), got {d_r}"
         )
     if not options.rope_merge and d_r % (2 * groups):
         raise UserError(

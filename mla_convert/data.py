@@ -55,7 +55,11 @@ def load_text(spec: str) -> str:
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise UserError(f"{path}:{n} is not a JSON object with a \"text\" field: fix that line") from None
             return "\n\n".join(docs)
-        return path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
+        # a binary file (weights, an archive) read as text would calibrate on noise: refuse it
+        if b"\0" in raw[:65536] or raw[:65536].decode("utf-8", errors="replace").count("\ufffd") > 0.01 * min(len(raw), 65536):
+            raise UserError(f"{path} is not UTF-8 text (binary data?): pass a plain text or .jsonl file")
+        return raw.decode("utf-8", errors="replace")
     parts = spec.split(":")
     name = parts[0]
     config = parts[1] if len(parts) > 1 and parts[1] else None

@@ -38,6 +38,11 @@ def ws(tmp_path_factory, sources, convert_tiny, calib_text) -> Path:
     (root / "file.txt").write_text("a file")
     (root / "bad.gguf").write_bytes(b"GGUF but nothing after")
     (root / "here").mkdir()
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 64)  # not text
+    shutil.copytree(sources["llama-gqa"], root / "noheads")
+    config = json.loads((root / "noheads" / "config.json").read_text())
+    del config["num_attention_heads"]  # transformers would fill in its default of 32
+    (root / "noheads" / "config.json").write_text(json.dumps(config))
     return root
 
 
@@ -67,6 +72,12 @@ CASES = {
                                 "--kv-budget must be a positive"),
     "convert --kv-budget 0": (["llama", "{ws}/src", "--kv-budget", "0", "-o", "{ws}/out", *CALIB],
                               "--kv-budget must be a positive"),
+    "convert --rope-dims 0": (["llama", "{ws}/src", "--rank", "8", "--rope-dims", "0", "--dry-run", *CALIB],
+                              "at least 2"),
+    "convert a config without num_attention_heads": (["llama", "{ws}/noheads", "--rank", "8", "-o", "{ws}/out",
+                                                      *CALIB], "missing num_attention_heads"),
+    "convert binary calibration file": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",
+                                         "{ws}/binary.txt"], "not UTF-8 text"),
     "convert --device cuda": (["llama", "{ws}/src", "--rank", "8", "--device", "cuda", "-o", "{ws}/out", *CALIB],
                               "conversion runs on the CPU"),
     "convert calibration text missing": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",
