@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from mla_convert.errors import UserError
 
@@ -64,8 +65,9 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False,
                                                   **({"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}))
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: a truncated or damaged shard
+        raise UserError(f"cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): re-copy or "
+                        "re-create the folder") from None
     return model.to(device).eval(), tokenizer, str(path)
 
 

@@ -43,6 +43,9 @@ def ws(tmp_path_factory, sources, convert_tiny, calib_text) -> Path:
     config = json.loads((root / "noheads" / "config.json").read_text())
     del config["num_attention_heads"]  # transformers would fill in its default of 32
     (root / "noheads" / "config.json").write_text(json.dumps(config))
+    shutil.copytree(root / "mla", root / "truncated")
+    shard = next((root / "truncated").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:4000])  # a copy that stopped half-way
     return root
 
 
@@ -78,6 +81,9 @@ CASES = {
                                                       *CALIB], "missing num_attention_heads"),
     "convert binary calibration file": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",
                                          "{ws}/binary.txt"], "not UTF-8 text"),
+    "eval a truncated model": (["eval", "{ws}/truncated", "--data", "{ws}/calib.txt", "--seq-len", "16"],
+                               "cannot load"),
+    "generate a truncated model": (["generate", "{ws}/truncated", "--prompt", "w1 w2", "-n", "2"], "cannot load"),
     "convert --device cuda": (["llama", "{ws}/src", "--rank", "8", "--device", "cuda", "-o", "{ws}/out", *CALIB],
                               "conversion runs on the CPU"),
     "convert calibration text missing": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",
