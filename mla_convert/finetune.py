@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -95,7 +96,7 @@ class FinetuneConfig:
     keep_last_n: int = 2  # step_N folders kept (older ones deleted once a newer one is complete); 0 keeps all
     log_every: int = 1
     resume: bool = True  # continue from the latest complete step_N in `output`
-    overwrite: bool = False  # delete an existing, finished or foreign `output` (danger)
+    overwrite: bool = False  # delete an existing run folder this trainer wrote (never one holding other files)
     allow_test_split: bool = False  # allow training text whose file name says "test" (a result on it is not one)
     threads: int | None = None  # torch threads per process on CPU; default: cores / local processes
     seed: int = 0
@@ -113,7 +114,7 @@ class FinetuneConfig:
             raise UserError(f"teacher_dtype must be auto or one of {', '.join(DTYPES)}, got {self.teacher_dtype!r}")
         if not 0.0 <= self.kd_weight <= 1.0:
             raise UserError(f"kd_weight must lie in [0, 1] (0: LM only, 1: distillation only), got {self.kd_weight}")
-        if self.kd_temperature <= 0:
+        if not self.kd_temperature > 0 or not math.isfinite(self.kd_temperature):
             raise UserError(f"kd_temperature must be positive, got {self.kd_temperature}")
         for name in ("seq_len", "batch_size", "grad_accum", "eval_windows", "log_every"):
             if getattr(self, name) < 1:
@@ -553,6 +554,11 @@ def _check_output(cfg: FinetuneConfig, out: Path) -> None:
     if out.is_dir() and any(out.iterdir()) and not _is_run_folder(out):
         raise UserError(f"{out} exists and is not a fine-tuning run folder of mla-convert, so it is neither resumed "
                         "nor deleted (not even with overwrite=true): remove it yourself or choose another output")
+    foreign = _foreign_entries(out) if out.is_dir() else []
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UserError(f"{out} holds files the trainer did not write ({shown}), so it is neither resumed nor "
+                        "deleted: move them out or choose another output")
 
 
 def check_output(cfg: FinetuneConfig) -> Path:
@@ -572,6 +578,12 @@ def check_output(cfg: FinetuneConfig) -> Path:
     out = Path(cfg.output).expanduser().resolve()
     _check_output(cfg, out)
     return out
+
+
+def _foreign_entries(out: Path) -> list[str]:
+    """Entries of a run folder that the trainer does not write there (a user's files: never ours to delete)."""
+    ours = {METRICS_FILE, PLOT_FILE, FINAL_DIR}
+    return sorted(p.name for p in out.iterdir() if p.name not in ours and not re.fullmatch(r"step_\d+", p.name))
 
 
 def _is_run_folder(out: Path) -> bool:
@@ -921,6 +933,13 @@ def run(cfg: FinetuneConfig) -> Path:
             log.info("no model card writer (mla_convert.hub.write_model_card) available; skipped the card")
         if len(set(checksums)) != 1:
             log.error("processes disagree on the trained weights: checksums %s", checksums)
+    accelerator.wait_for_everyone()
+    # Free the DDP wrapper while every process is still here: its Reducer holds the process group, and when it was
+    # freed only on return, after end_training and after a peer had exited, ~ProcessGroupGloo hung (seen in the
+    # 2-process test under load: rank 0 idle in the destructor, py-spy).
+    del model, optimizer, state_dict
+    accelerator.free_memory()
+    gc.collect()
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final

@@ -43,6 +43,9 @@ def ws(tmp_path_factory, sources, convert_tiny, calib_text) -> Path:
     config = json.loads((root / "noheads" / "config.json").read_text())
     del config["num_attention_heads"]  # transformers would fill in its default of 32
     (root / "noheads" / "config.json").write_text(json.dumps(config))
+    (root / "runlike").mkdir()  # looks like a run folder (metrics.jsonl) but holds a file of the user's
+    (root / "runlike" / "metrics.jsonl").write_text("")
+    (root / "runlike" / "train.py").write_text("print('my script')")
     shutil.copytree(root / "mla", root / "truncated")
     shard = next((root / "truncated").glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:4000])  # a copy that stopped half-way
@@ -159,6 +162,8 @@ CASES = {
                                                 "not a fine-tuning run folder"),
     "finetune output is a file": ([*FT, "output={ws}/file.txt"], "existing file"),
     "finetune output inside the student": ([*FT, "output={ws}/mla/run"], "inside the student"),
+    "finetune overwrite of a run folder holding a user's file": ([*FT, "output={ws}/runlike", "overwrite=true"],
+                                                                 "did not write"),
     "finetune output holds the current directory": ([*FT, "output={ws}", "overwrite=true"], "current directory"),
     "finetune zero processes": ([*FT, "output={ws}/run", "-n", "0"], "--num-processes"),
     # -------------------------------------------------------------------------------------------------- generate
