@@ -402,13 +402,16 @@ def _claim_resumable_stage(out: Path, fingerprint: dict):
         kept = json.loads(state.read_text())
     except (OSError, ValueError):
         kept = None
+    # Only the kept work in .resume/ may carry over: files a killed run was writing beside it go either way.
+    leftovers = [c for c in stage.iterdir() if c.name != RESUME_DIR]
     if kept != wanted:  # other source, options, threads or version: nothing kept can be reused
         if isinstance(kept, dict) and any(p.name.endswith(".safetensors") for p in keep.iterdir()):
             changed = sorted(k for k in set(kept) | set(wanted) if kept.get(k) != wanted.get(k))
             log.warning("starting over in %s: its kept work was done with another %s", stage, ", ".join(changed))
-        for child in list(stage.iterdir()) + list(keep.iterdir()):
-            if child.name not in (RESUME_DIR, "lock"):
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        leftovers += [c for c in keep.iterdir() if c.name != "lock"]
+    for child in leftovers:
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    if kept != wanted:
         tmp = state.with_name(state.name + ".tmp")
         tmp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, state)
@@ -443,9 +446,6 @@ def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fin
         if lock is not None:
             lock.close()
         raise
-    if lock is not None:
-        shutil.rmtree(resume_dir(stage))
-        lock.close()
     os.chmod(stage, 0o755)  # mkdtemp made it private
     for f in stage.iterdir():
         if f.is_file():
@@ -458,6 +458,11 @@ def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fin
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(stage, out)
+    if lock is not None:
+        # the kept work (and the lock file) go only now: the lock is held until the output is in place, so a second
+        # run of the same command cannot claim the staging folder while this one moves it
+        shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
+        lock.close()
 
 
 class ShardedWriter:

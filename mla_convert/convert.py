@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mla_convert import lowrank, provenance, rope
-from mla_convert.checkpoint import ShardedWriter, Source, resume_dir, staged_output
+from mla_convert.checkpoint import AUX_FILES, ShardedWriter, Source, resume_dir, staged_output
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for
 
@@ -709,6 +709,8 @@ def _read_activations(folder: Path) -> tuple[int, torch.Tensor] | None:
 
 def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
     """Everything a converted layer depends on: a run resumes only the work of a run with the same fingerprint."""
+    import transformers
+
     from mla_convert import __version__
 
     def stat(path: Path) -> list:
@@ -722,6 +724,9 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
         "torch_threads": torch.get_num_threads(),  # the thread count changes the order of float sums, so the bytes
         "source": source.origin,
         "source_files": [stat(p) for p in source.files()],
+        # the calibration tokens depend on the tokenizer, the calibration forward on transformers' decoder classes
+        "tokenizer_files": [stat(source.folder / n) for n in AUX_FILES if source.folder and (source.folder / n).is_file()],
+        "transformers": transformers.__version__,
         "calibration_file": stat(calib) if calib is not None and calib.is_file() else None,
         "options": dataclasses.asdict(options),
         "plan": {"ranks": plan.ranks, "rope_dim": plan.rope_dim, "dtype": plan.dtype},
