@@ -405,7 +405,13 @@ def eval_command(
         if model is None or not Path(model).is_dir() or not (Path(model) / "config.json").is_file():
             raise UserError("--engine vllm needs a model folder with config.json (vLLM does not read the embedded "
                             "GGUF default)")
-        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=False)
+        if device != "cpu":
+            raise UserError("--device applies to --engine transformers; vLLM runs on its own platform (drop --device)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=False)
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"cannot load the tokenizer of {model} ({type(e).__name__}): the folder needs its "
+                            "tokenizer files") from None
         result = vllm_perplexity(model, evaluate.tokenize(tokenizer, text), seq_len, windows, dtype)
         label = str(model)
     elif engine == "transformers":
@@ -418,7 +424,8 @@ def eval_command(
     result.update(model=label, data=data, dtype=dtype)
     typer.echo(
         f"{label}: perplexity {result['perplexity']:.3f} over {result['windows']} x {seq_len} tokens ({data}); "
-        f"KV cache {result['kv_cache_bytes_per_token']:g} bytes/token ({dtype}"
+        f"KV cache {format(kv, 'g') if (kv := result['kv_cache_bytes_per_token']) is not None else 'unknown'} "
+        f"bytes/token ({dtype}"
         + (f", as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else ")")
     )
     if json_out is not None:

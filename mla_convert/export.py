@@ -386,6 +386,8 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
     """Decide the exported shapes, the RoPE mapping and which biases survive, from the config and the biases alone."""
     if options.format not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {options.format}")
+    if options.drop_biases and options.keep_biases:
+        raise UserError("--keep-biases and --drop-biases contradict each other: pass one of them")
     if options.drop_biases and not options.allow_approx:
         raise UserError("--drop-biases changes the model: pass --allow-approx with it (the error is measured)")
     if options.allow_approx and not options.verify:

@@ -313,13 +313,26 @@ def _usage_section(kind: str, ref: str, config: dict) -> list[str]:
         "```", "",
         "The KV cache holds the latent and the shared RoPE key per layer and token; decoding uses absorbed weights.",
         "",
+        *_vllm_section(ref, config),
+        "Engines without the plugin (SGLang, ...) need the stock DeepSeek-V3 format, which holds only conversions "
+        "made with `--target deepseek` (see mla-convert's docs/serving.md).", "",
+    ]
+
+
+def _vllm_section(ref: str, config: dict) -> list[str]:
+    """How to serve a native checkpoint in vLLM, or why it cannot be (a layout beyond vLLM's MLA kernels)."""
+    from mla_convert.serving.layout import serving_notes
+
+    ranks = config.get("kv_lora_rank") or [0]
+    notes = serving_notes(ranks if isinstance(ranks, list) else [ranks], int(config.get("qk_rope_head_dim") or 0))
+    if notes:
+        return [f"Not servable in vLLM as converted: {notes[0]}.", ""]
+    return [
         "Serve it with vLLM: install mla-convert beside vLLM (`pip install 'mla-convert[vllm]'`); its vLLM plugin runs "
         "this checkpoint through vLLM's own MLA attention and paged latent cache, exactly:", "",
         "```bash",
         f"vllm serve {ref}",
         "```", "",
-        "Engines without the plugin (SGLang, ...) need the stock DeepSeek-V3 format, which holds only conversions "
-        "made with `--target deepseek` (see mla-convert's docs/serving.md).", "",
     ]
 
 

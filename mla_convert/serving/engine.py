@@ -87,7 +87,8 @@ def perplexity(logprobs: list[list[float]]) -> float:
 
 
 def max_logprob_difference(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for wa, wb in zip(a, b) for x, y in zip(wa, wb))
+    """Largest |a - b| over every token of every window; windows and tokens must match one to one."""
+    return max(abs(x - y) for wa, wb in zip(a, b, strict=True) for x, y in zip(wa, wb, strict=True))
 
 
 def vllm_perplexity(folder: str | os.PathLike, ids: torch.Tensor, seq_len: int, windows: int, dtype: str) -> dict:
@@ -95,6 +96,8 @@ def vllm_perplexity(folder: str | os.PathLike, ids: torch.Tensor, seq_len: int, 
     each scored on its own) run in vLLM; adds vLLM's own KV-cache bytes per token (all layers, as allocated)."""
     from mla_convert.errors import UserError
 
+    if windows < 1 or seq_len < 2:
+        raise UserError(f"--windows must be at least 1 and --seq-len at least 2, got {windows} and {seq_len}")
     available = len(ids) // seq_len
     if available == 0:
         raise UserError(f"the text holds {len(ids)} tokens, fewer than one window of {seq_len}: lower --seq-len")
@@ -108,8 +111,10 @@ def vllm_perplexity(folder: str | os.PathLike, ids: torch.Tensor, seq_len: int, 
     except RuntimeError as e:
         last = [line for line in str(e).splitlines() if line.strip()][-1]
         raise UserError(f"vLLM could not run {folder}: {last[:300]}") from None
-    nll = -sum(x for w in res["logprobs"] for x in w) / sum(len(w) for w in res["logprobs"])
-    return {"perplexity": math.exp(nll), "nll": nll, "tokens": sum(len(w) for w in res["logprobs"]),
+    except subprocess.TimeoutExpired:
+        raise UserError(f"vLLM did not finish scoring {folder} within the time limit: lower --windows") from None
+    ppl = perplexity(res["logprobs"])
+    return {"perplexity": ppl, "nll": math.log(ppl), "tokens": sum(len(w) for w in res["logprobs"]),
             "windows": windows, "seq_len": seq_len, "engine": f"vllm {res['vllm_version']}",
             "attention_backend": res["attention_backend"],
             "kv_cache_bytes_per_token": res["kv_cache"].get("bytes_per_token")}

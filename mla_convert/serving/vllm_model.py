@@ -130,6 +130,8 @@ class MLAServedModel(nn.Module):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         config = vllm_config.model_config.hf_config
+        if not vllm_config.model_config.use_mla:  # e.g. VLLM_MLA_DISABLE=1: vLLM would plan a per-head K/V cache
+            raise ValueError("mla-convert's native MLA model runs only on vLLM's MLA attention: unset VLLM_MLA_DISABLE")
         self.layout: ServedLayout = layout_for(config)
         served = type(config).from_dict({**config.to_dict(), **served_config(config, self.layout)})
         rotary = LlamaRotaryEmbedding(config)  # the source's frequencies, after its RoPE scaling
