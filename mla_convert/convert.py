@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -539,6 +540,7 @@ def convert(
     inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
     # the calibration text and tokenizer are read before anything is staged: their errors come first
     runner = _calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
+    check_room(Path(out), output_bytes(config, plan))  # before the staging folder and the calibration forwards
     with staged_output(out, overwrite, inputs, fingerprint=_fingerprint(source, options, plan)) as stage:
         kept = resume_dir(stage)  # one file per converted layer: what a killed run keeps for the next one
         # kept in the output dtype (the cast the shards would make anyway), in float32 when the converted layers
@@ -731,6 +733,32 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
         "options": dataclasses.asdict(options),
         "plan": {"ranks": plan.ranks, "rope_dim": plan.rope_dim, "dtype": plan.dtype},
     }
+
+
+def output_bytes(config, plan: Plan) -> int:
+    """Bytes of the converted checkpoint: every tensor the source keeps plus the new attention, in the output dtype."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    embeddings = config.vocab_size * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    mlp = 3 * hidden * config.intermediate_size + 2 * hidden  # gate, up, down; the two norms
+    return (embeddings + hidden + layers * mlp + plan.attn_params_after) * plan.bytes_per_element
+
+
+def check_room(out: Path, needed: int) -> None:
+    """Refuse, before any work, an output whose file system cannot take it or whose folder cannot be written.
+
+    Needs twice the checkpoint's size: the finished layers kept for a resume sit beside the shards being written."""
+    parent = Path(out).expanduser().resolve()
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write under {parent} (permission denied): choose an output folder you can write to")
+    free = shutil.disk_usage(parent).free
+    if free < 2 * needed:
+        def size(n: int) -> str:
+            return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+        raise UserError(f"{parent} has {size(free)} free, the conversion needs about {size(2 * needed)} (the "
+                        "checkpoint and the layers kept for a resume): free space or choose another output folder")
 
 
 def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:

@@ -259,3 +259,17 @@ def test_trust_remote_code_is_never_taken(ws, tmp_path):
                                       "--windows", "1"])
     assert result.exit_code == 0, result.output
     assert not sentinel.exists()
+
+
+def test_full_disk_is_refused_before_any_work(ws, monkeypatch):
+    """A file system without room for the checkpoint (and the layers kept for a resume): one line, nothing staged."""
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    before = snapshot(ws)
+    args = ["llama", str(ws / "src"), "--rank", "8", "-o", str(ws / "out"),
+            *[a.replace("{ws}", str(ws)) for a in CALIB]]
+    result = CliRunner().invoke(app, args)
+    assert_user_error(result.exit_code, result.output, "free", "choose another output folder")
+    assert snapshot(ws) == before
