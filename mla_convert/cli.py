@@ -258,12 +258,14 @@ def _make_convert_command(family: Optional[str], help_text: str):
         ),
         rope_dims: Optional[int] = typer.Option(
             None, "--rope-dims", help="Dims d_r of the shared RoPE key (even). Default: a third of --kv-budget "
-            "(at most head_dim), head_dim/2 with --rank."
+            "(at most head_dim and at most 64, the rope width vLLM's MLA kernels take), head_dim/2 (same caps) with "
+            "--rank."
         ),
         rope_strategy: Optional[str] = typer.Option(
             None, "--rope-strategy", help="Which frequency pairs keep RoPE: high, low, uniform, 2-norm or attention "
-            "(the pairs whose score would suffer most under the calibration attention). Default: see "
-            "benchmarks/quality.md; with --target deepseek uniform (high when uniform does not fit)."
+            "(the pairs whose score would suffer most under the calibration attention). Default: attention "
+            "(2-norm without calibration text; measured in benchmarks/quality.md); with --target deepseek uniform "
+            "(high when uniform does not fit)."
         ),
         rope_merge: bool = typer.Option(
             True, "--rope-merge/--no-rope-merge", help="Merge RoPE pairs across kv heads (PCA per frequency)."
@@ -275,7 +277,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         objective: Optional[str] = typer.Option(
             None, "--objective", help="What the low-rank factorization keeps: kv (K/V outputs), attention (keys by "
             "their query-key score error, values by their error after o_proj) or scores (keys by score error, values "
-            "by their own). Default: see benchmarks/quality.md."
+            "by their own). Default: kv (measured in benchmarks/quality.md)."
         ),
         kv_balance: Optional[float] = typer.Option(
             None, "--kv-balance", help="Scale the key block so its energy is this multiple of the value block's before "
@@ -283,7 +285,8 @@ def _make_convert_command(family: Optional[str], help_text: str):
         ),
         dropped_rope: Optional[str] = typer.Option(
             None, "--dropped-rope", help="Pairs that lose RoPE: unrotated (plain nope dims) or expected (the query "
-            "keeps the rotation expected under the head's calibration attention over distances)."
+            "keeps the rotation expected under the head's calibration attention over distances). Default: expected "
+            "(unrotated without calibration text)."
         ),
         calib_data: str = typer.Option(
             "wikitext:wikitext-2-raw-v1:validation",
