@@ -75,15 +75,9 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, windows: int = 16, progress: bool = True) -> dict:
-    """Perplexity over the first `windows` non-overlapping windows of `seq_len` tokens of `ids` [N].
-
-    Each window is scored on its own (no context carried across windows): nll averaged over windows*(seq_len-1)
-    predicted tokens. Returns {"perplexity", "nll", "tokens", "windows", "seq_len"}.
-    """
-    from tqdm.auto import tqdm
-
+def eval_windows(ids: torch.Tensor, seq_len: int, windows: int) -> torch.Tensor:
+    """The first `windows` non-overlapping windows of `seq_len` tokens of `ids` [N] -> [W, seq_len] (fewer, with a
+    warning, when the text is shorter); the evaluation protocol of every engine (`mla-convert eval --engine`)."""
     if seq_len < 2:
         raise UserError("--seq-len must be at least 2")
     if windows < 1:
@@ -94,10 +88,24 @@ def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, windows: int = 16,
     if windows > available:
         log.warning("the text holds %d windows of %d tokens; evaluating %d, not %d", available, seq_len, available, windows)
         windows = available
+    return ids[: windows * seq_len].view(windows, seq_len)
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, windows: int = 16, progress: bool = True) -> dict:
+    """Perplexity over the first `windows` non-overlapping windows of `seq_len` tokens of `ids` [N].
+
+    Each window is scored on its own (no context carried across windows): nll averaged over windows*(seq_len-1)
+    predicted tokens. Returns {"perplexity", "nll", "tokens", "windows", "seq_len"}.
+    """
+    from tqdm.auto import tqdm
+
+    chunks = eval_windows(ids, seq_len, windows)  # [W, T]
+    windows = chunks.shape[0]
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for w in tqdm(range(windows), desc="eval windows", disable=not progress, unit="window"):
-        chunk = ids[w * seq_len : (w + 1) * seq_len].unsqueeze(0).to(device)
+        chunk = chunks[w : w + 1].to(device)
         logits = model(input_ids=chunk, use_cache=False).logits[0, :-1].float()  # [T-1, V]
         total += torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
         count += seq_len - 1

@@ -61,7 +61,7 @@ def windows_of(folder: Path, count: int, seq_len: int) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = evaluate.tokenize(tokenizer, (DATA / "wiki.test.raw").read_text())
-    return [ids[w * seq_len : (w + 1) * seq_len].tolist() for w in range(count)]
+    return evaluate.eval_windows(ids, seq_len, count).tolist()
 
 
 def bytes_per_token(report: dict) -> float | None:

@@ -95,14 +95,10 @@ def vllm_perplexity(folder: str | os.PathLike, ids: torch.Tensor, seq_len: int, 
     """`evaluate.perplexity`'s protocol (the first `windows` non-overlapping windows of `seq_len` tokens of `ids`,
     each scored on its own) run in vLLM; adds vLLM's own KV-cache bytes per token (all layers, as allocated)."""
     from mla_convert.errors import UserError
+    from mla_convert.evaluate import eval_windows
 
-    if windows < 1 or seq_len < 2:
-        raise UserError(f"--windows must be at least 1 and --seq-len at least 2, got {windows} and {seq_len}")
-    available = len(ids) // seq_len
-    if available == 0:
-        raise UserError(f"the text holds {len(ids)} tokens, fewer than one window of {seq_len}: lower --seq-len")
-    windows = min(windows, available)
-    chunks = [ids[w * seq_len : (w + 1) * seq_len].tolist() for w in range(windows)]
+    chunks = eval_windows(ids, seq_len, windows).tolist()
+    windows = len(chunks)
     if vllm_python() is None:
         raise UserError("--engine vllm needs vLLM's environment: run scripts/install-vllm.sh (or set "
                         "MLA_CONVERT_VLLM_PYTHON to the python of an environment with vLLM and mla-convert)")
