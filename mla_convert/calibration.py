@@ -91,8 +91,11 @@ class LayerRunner:
         for sample in self.hidden:
             x = layer.input_layernorm(sample[None])
             received = torch.zeros(seq, dtype=torch.float64)  # attention each key receives, summed over queries/heads
-            q = attn.q_proj(x).view(1, seq, heads, head_dim).transpose(1, 2)  # [1, H, T, d_h]
-            k = attn.k_proj(x).view(1, seq, groups, head_dim).transpose(1, 2)  # [1, G, T, d_h]
+            q = attn.q_proj(x).view(1, seq, heads, head_dim)
+            k = attn.k_proj(x).view(1, seq, groups, head_dim)
+            if hasattr(attn, "q_norm"):  # per-head q/k norms before RoPE (Qwen3's attention has them)
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, H, T, d_h], [1, G, T, d_h]
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             q = q[0] * attn.scaling  # [H, T, d_h]
             k = k[0].repeat_interleave(heads // groups, dim=0)  # [H, T, d_h]

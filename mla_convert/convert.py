@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 RANK_ALLOCATIONS = ("uniform", "energy")
 INPUT_KINDS = ("token", "attended")  # --value-inputs, --key-inputs
 ATTENDED_EVERY = 4  # attended-input statistics on every 4th block of calibration queries (they cost a [T, T] x [T, D])
+QK_NORM_MODES = ("exact", "calibrated")
+QK_NORM_TEXT = {
+    "exact": "exact (the key is normalized per token from the latent and the pre-norm rope key: expanded attention "
+    "at every step, no absorbed decode, not servable in vLLM or as DeepSeek-V3)",
+    "calibrated": "calibrated (the key's per-token RMS replaced by its calibration RMS: plain MLA keys, absorbed "
+    "decode; the query keeps its exact norm)",
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config keys carried from the source into the MLA config unchanged.
 CARRIED_KEYS = (
@@ -64,6 +71,9 @@ class ConvertOptions:
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
     force: bool = False  # allow a cache that is not smaller than the source's
+    # sources with per-head q/k RMS norms (Qwen3): exact | calibrated (the key's per-token RMS replaced by its
+    # calibration RMS per layer and kv group, which makes the key linear: absorbed decode). Ignored for other sources.
+    qk_norm: str = "exact"
 
     def needs_statistics(self) -> bool:
         return (
@@ -74,6 +84,7 @@ class ConvertOptions:
             or self.value_inputs != "token"
             or self.key_inputs != "token"
             or self.dropped_rope == "expected"
+            or self.qk_norm == "calibrated"  # the keys' RMS (only sources with q/k norms read it)
         )
 
     def needs_attention_profile(self) -> bool:
@@ -101,21 +112,29 @@ class Plan:
     attn_params_after: int = 0
     shapes: dict = field(default_factory=dict)
     qkv_bias: bool = False
+    qk_norm: str | None = None  # None: the source has no per-head q/k norms; else ConvertOptions.qk_norm
+    norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
 
     def set_ranks(self, ranks: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
         self.ranks = list(ranks)
         heads, groups, head_dim, hidden, d_r = self.heads, self.groups, self.head_dim, self.hidden, self.rope_dim
         after = 0
+        q_rows = heads * head_dim if self.qk_norm else heads * (head_dim + d_r)  # with q/k norms: the source's query
         for layer, rank in enumerate(self.ranks):
             shapes = {
-                "q_proj": (heads * (head_dim + d_r), hidden),
+                "q_proj": (q_rows, hidden),
                 "kv_a_proj": (rank + d_r, hidden),
                 "kv_b_proj": (groups * 2 * head_dim, rank),
                 "o_proj": (hidden, heads * head_dim),
             }
+            if self.qk_norm:
+                shapes["q_head_proj"] = (heads * (head_dim + d_r), head_dim)
             after += sum(math.prod(s) for s in shapes.values())
-            after += self.qkv_bias * (heads * (head_dim + d_r) + rank + d_r + groups * 2 * head_dim)
+            after += self.qkv_bias * (q_rows + rank + d_r + groups * 2 * head_dim)
+            if self.qk_norm == "exact":  # k_norm, and the rope key's maps R and K
+                after += head_dim + 2 * groups * head_dim * d_r
+            after += head_dim if self.qk_norm else 0  # q_norm
             if layer == 0:
                 self.shapes = shapes
         self.attn_params_after = after
@@ -176,6 +195,7 @@ class Plan:
             f"KV cache per token (all layers, {self.dtype}): {self.kv_bytes_before} -> {self.kv_bytes_after} bytes "
             f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
             f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
+            *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
             f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.1f} GiB",
         ]
         return "\n".join(lines)
@@ -273,6 +293,12 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     if options.rank_allocation != "uniform" and options.calib_propagate == "converted":
         raise UserError("--rank-allocation energy needs every layer's statistics before converting any: use "
                         "--calib-propagate source (or --rank-allocation uniform)")
+    if options.qk_norm not in QK_NORM_MODES:
+        raise UserError(f"--qk-norm must be one of {', '.join(QK_NORM_MODES)}, got {options.qk_norm}")
+    qk_norm = options.qk_norm if family.has_qk_norm(config) else None
+    if qk_norm == "calibrated" and options.calib_data is None:
+        raise UserError("--qk-norm calibrated takes each key's RMS from calibration text: pass --calib-data "
+                        "(or use --qk-norm exact)")
     if options.calib_samples <= 0 or options.calib_seq_len <= 0:
         raise UserError("--calib-samples and --calib-seq-len must be positive")
     dtype = options.dtype or _source_dtype(config)
@@ -297,6 +323,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     per_layer_before = (2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias
     plan.attn_params_before = per_layer_before * layers
     plan.qkv_bias = bool(qkv_bias)
+    plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
     plan.set_ranks(ranks)
     if plan.ratio >= 1 and not options.force:
         raise UserError(
@@ -329,6 +356,7 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
         v_head_dim=plan.head_dim,
         rope_pairs=rope_pairs,
         softmax_scale=plan.head_dim**-0.5,
+        qk_norm=plan.qk_norm,
     )
     config.architectures = ["MLAForCausalLM"]
     config.dtype = dtype
@@ -385,8 +413,15 @@ def convert_attention(
         "kv_b_proj.weight": kv_b.reshape(groups * 2 * head_dim, rank),
         "o_proj.weight": tensors["o"],
     }
+    if plan.qk_norm:  # the source's query and norm; per head to the nope and rope parts
+        out["q_proj.weight"] = tensors["q"]
+        out["q_norm.weight"] = tensors["q_norm"]
+        out["q_head_proj.weight"] = maps["q_head"].reshape(heads * (head_dim + plan.rope_dim), head_dim)
+        if plan.qk_norm == "exact":
+            out.update({"k_norm.weight": tensors["k_norm"], "k_rope_up": maps["k_rope_up"],
+                        "k_rope_down": maps["k_rope_down"]})  # fmt: skip
     if "q_bias" in tensors or "k_bias" in tensors:
-        out["q_proj.bias"] = q_all[:, hidden]
+        out["q_proj.bias"] = tensors.get("q_bias", torch.zeros(heads * head_dim)) if plan.qk_norm else q_all[:, hidden]
         out["kv_a_proj.bias"] = torch.cat([torch.zeros(rank, dtype=torch.float64), k_rope[:, hidden]])
         out["kv_b_proj.bias"] = kv_b_bias.reshape(-1)
     if "o_bias" in tensors:
@@ -446,6 +481,16 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
         return torch.cat([tensors[name].double(), bias.double()[:, None]], dim=1)
 
     w_q, w_k, w_v = aug("q", heads * head_dim), aug("k", groups * head_dim), aug("v", groups * head_dim)
+    w_k_cached = w_k  # the key map the latent and the rope key carry
+    if plan.qk_norm:
+        # Per-head norms: score = RoPE(w_q . q)·RoPE(w_k . k) / (rms(q) rms(k)). The pairs are chosen on the weighted
+        # maps (1/rms is a per-token scale). "exact" caches the pre-norm key (the model normalizes it per token);
+        # "calibrated" replaces rms(k) by its calibration value per kv group, a linear key cached like any other.
+        w_q = w_q * tensors["q_norm"].double().repeat(heads)[:, None]
+        w_k = w_k * tensors["k_norm"].double().repeat(groups)[:, None]
+        if plan.qk_norm == "calibrated":
+            w_k = w_k_cached = w_k / key_rms(w_k_cached, cov, groups, head_dim, plan.norm_eps).repeat_interleave(
+                head_dim)[:, None]
     if cov is None:
         q_energy, k_cov = rope.pair_energies(w_q[:, :hidden], w_k[:, :hidden], None, heads, groups, head_dim)
     else:
@@ -455,12 +500,17 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
     rope_plan = rope.plan_rope(
         d_r, options.rope_strategy, options.rope_merge, heads, groups, head_dim, q_energy, k_cov, phase
     )
-    q_rope, k_rope, k_nope = rope.split_rope(rope_plan, w_q, w_k, heads, groups, head_dim)
-    # Dims that lose their rotation also lose the RoPE type's cos/sin scaling (s on q and on k): keep it on the query.
-    # A dropped pair's query takes the expected rotation under the head's attention (kept pairs meet no nope key).
-    w_q_nope = w_q if phase is None or options.dropped_rope != "expected" else rope.apply_phases(w_q, phase, heads, head_dim)
-    q_nope = w_q_nope.view(heads, head_dim, hidden + 1) * attention_scaling**2
-    q_all = torch.cat([q_nope, q_rope], dim=1).reshape(heads * (head_dim + d_r), hidden + 1)
+    q_all, k_rope, k_nope = _split_maps(rope_plan, w_q, w_k_cached, plan, options, phase, attention_scaling)
+    q_nope = q_all[:, :head_dim]  # [H, d_h, D+1]
+    q_all = q_all.reshape(heads * (head_dim + d_r), hidden + 1)
+    extra = {}
+    if plan.qk_norm:  # the same maps on the normalized query and key: identities in, per-head / per-key maps out
+        eye_q = torch.eye(head_dim, dtype=torch.float64).repeat(heads, 1)  # [H*d_h, d_h]
+        eye_k = torch.eye(groups * head_dim, dtype=torch.float64)
+        q_head, down, nope = _split_maps(rope_plan, eye_q, eye_k, plan, options, phase, attention_scaling)
+        # nope = I - R K and K R = I, so R = (I - nope) K^T (K K^T)^-1
+        up = torch.linalg.solve(down @ down.T, down @ (eye_k - nope).T).T
+        extra = {"q_head": q_head, "k_rope_down": down, "k_rope_up": up}
 
     fit_cov = cov if keyed is None else keyed
     x_cov = None if (fit_cov is None or options.method == "weight") else fit_cov[:hidden, :hidden]
@@ -472,7 +522,28 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
         eye = torch.eye(groups * head_dim, dtype=torch.float64)
         k_weight = scale * (eye if k_weight is None else k_weight)
     return {"q": q_all, "k_rope": k_rope, "k_nope": k_nope, "v": w_v, "rope_plan": rope_plan,
-            "objective": (x_cov, k_weight, v_weight)}  # fmt: skip
+            "objective": (x_cov, k_weight, v_weight), **extra}  # fmt: skip
+
+
+def _split_maps(rope_plan, w_q, w_k, plan: Plan, options: ConvertOptions, phase, attention_scaling: float):
+    """A rope plan applied to query and key maps w_q [H*d_h, D'], w_k [G*d_h, D''] -> (the query per head: nope part,
+    then rope part [H, d_h+d_r, D'], the shared rope key [d_r, D''], the nope key [G*d_h, D''])."""
+    heads, groups, head_dim = plan.heads, plan.groups, plan.head_dim
+    q_rope, k_rope, k_nope = rope.split_rope(rope_plan, w_q, w_k, heads, groups, head_dim)
+    # Dims that lose their rotation also lose the RoPE type's cos/sin scaling (s on q and on k): keep it on the query.
+    # A dropped pair's query takes the expected rotation under the head's attention (kept pairs meet no nope key).
+    w_q_nope = w_q if phase is None or options.dropped_rope != "expected" else rope.apply_phases(w_q, phase, heads, head_dim)
+    q_nope = w_q_nope.view(heads, head_dim, -1) * attention_scaling**2
+    return torch.cat([q_nope, q_rope], dim=1), k_rope, k_nope
+
+
+def key_rms(w_k: torch.Tensor, cov: torch.Tensor | None, groups: int, head_dim: int, eps: float) -> torch.Tensor:
+    """Each kv group's key RMS over the calibration tokens, sqrt(E[mean_d k_d^2] + eps), from the augmented input
+    second moment (w_k [G*d_h, D+1] with the bias as last column, cov [D+1, D+1]) -> [G] float64."""
+    if cov is None:
+        raise UserError("--qk-norm calibrated needs calibration statistics: pass --calib-data (or --qk-norm exact)")
+    energy = ((w_k @ cov.double()) * w_k).sum(-1)  # E[k_d^2] per key dim, [G*d_h]
+    return (energy.view(groups, head_dim).mean(-1) + eps).sqrt()
 
 
 def _row_weights(options: ConvertOptions, q_nope: torch.Tensor, w_o: torch.Tensor, cov, plan: Plan):
@@ -559,7 +630,7 @@ def convert(
             (cov, phase, attended, keyed)): `known` statistics, or those taken at the runner's current hidden states."""
             prefix = family.layer_prefix.format(i=i)
             layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
-            attn = _attention_tensors(layer_tensors, family, i, prefix)
+            attn = _attention_tensors(layer_tensors, family, i, prefix, plan.qk_norm)
             if known is not None:
                 return prefix, layer_tensors, attn, None, known
             source_layer = cov = phase = attended = keyed = None
@@ -811,7 +882,8 @@ def _write_card(folder: Path) -> None:
     write_model_card(folder)
 
 
-def _attention_tensors(layer_tensors: dict, family: Family, layer: int, prefix: str) -> dict[str, torch.Tensor]:
+def _attention_tensors(layer_tensors: dict, family: Family, layer: int, prefix: str, plan_qk_norm: str | None = None
+                       ) -> dict[str, torch.Tensor]:
     out = {}
     for proj in ("q", "k", "v", "o"):
         local = getattr(family, proj)
@@ -822,6 +894,12 @@ def _attention_tensors(layer_tensors: dict, family: Family, layer: int, prefix: 
         bias = layer_tensors.get(f"{local}.bias")
         if bias is not None:
             out[f"{proj}_bias"] = bias
+    if plan_qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            weight = layer_tensors.get(f"{getattr(family, norm)}.weight")
+            if weight is None:
+                raise UserError(f"tensor {prefix}{getattr(family, norm)}.weight is missing: is the checkpoint complete?")
+            out[norm] = weight
     return out
 
 

@@ -17,6 +17,13 @@ class Family:
     qkv_bias: bool | None  # True: q/k/v always have biases; None: follow `config.attention_bias`
     o_bias: bool | None  # as above, for o_proj
     decoder_layers: dict[str, str]  # model_type -> "module:Class" of its transformers decoder layer (calibration)
+    # model types whose q/k/v biases follow `config.attention_bias` whatever `qkv_bias` says (Qwen3 within Qwen)
+    declared_bias_types: tuple[str, ...] = ()
+    # model types that RMS-normalize every query and key head over head_dim (with a learned [head_dim] weight) before
+    # RoPE, and the tensors of those weights
+    qk_norm_types: tuple[str, ...] = ()
+    q_norm: str = "self_attn.q_norm"
+    k_norm: str = "self_attn.k_norm"
     layer_prefix: str = "model.layers.{i}."
     q: str = "self_attn.q_proj"
     k: str = "self_attn.k_proj"
@@ -26,9 +33,14 @@ class Family:
     def attention_biases(self, config) -> tuple[bool, bool]:
         """(q/k/v have biases, o_proj has a bias) for a source config of this family."""
         declared = bool(getattr(config, "attention_bias", False))
-        qkv = declared if self.qkv_bias is None else self.qkv_bias
+        follows = self.qkv_bias is None or getattr(config, "model_type", None) in self.declared_bias_types
+        qkv = declared if follows else self.qkv_bias
         o = declared if self.o_bias is None else self.o_bias
         return qkv, o
+
+    def has_qk_norm(self, config) -> bool:
+        """Whether a source config of this family normalizes each query and key head before RoPE."""
+        return getattr(config, "model_type", None) in self.qk_norm_types
 
     def tensor(self, layer: int, proj: str, kind: str = "weight") -> str:
         return f"{self.layer_prefix.format(i=layer)}{getattr(self, proj)}.{kind}"
@@ -53,17 +65,20 @@ FAMILIES = {
     ),
     "qwen": Family(
         name="qwen",
-        model_types=("qwen2",),
+        model_types=("qwen2", "qwen3"),
         qkv_bias=True,
         o_bias=False,
-        decoder_layers={"qwen2": "transformers.models.qwen2.modeling_qwen2:Qwen2DecoderLayer"},
+        decoder_layers={
+            "qwen2": "transformers.models.qwen2.modeling_qwen2:Qwen2DecoderLayer",
+            "qwen3": "transformers.models.qwen3.modeling_qwen3:Qwen3DecoderLayer",
+        },
+        declared_bias_types=("qwen3",),
+        qk_norm_types=("qwen3",),
     ),
 }
 
 # Known model types we refuse, with the reason the user sees.
 REFUSED = {
-    "qwen3": "Qwen3 normalizes q and k per head (q_norm/k_norm) before RoPE; that is non-linear on the key side, so "
-    "no exact low-rank latent exists. Convert a Llama, Mistral or Qwen2/2.5 model instead",
     "qwen3_moe": "Qwen3-MoE has per-head q/k norms before RoPE (and experts); not supported",
     "gemma": "Gemma scales embeddings and uses GeGLU/(1+w) norms; not supported yet",
     "gemma2": "Gemma-2 uses logit soft-capping and sliding windows; not supported",
@@ -85,7 +100,7 @@ def family_for(config, requested: str | None = None) -> Family:
     if found is None:
         raise UserError(
             f"model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_TYPES)} "
-            "(Llama, SmolLM, Mistral, Qwen2/2.5)"
+            "(Llama, SmolLM, Mistral, Qwen2/2.5, Qwen3)"
         )
     if requested is not None and requested != found.name:
         raise UserError(

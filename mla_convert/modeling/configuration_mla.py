@@ -7,6 +7,12 @@ values of the shared, already-rotated RoPE key; nothing per head.
 RoPE of the shared key uses rotate_half layout inside the `qk_rope_head_dim` dims: dim `j` pairs with
 `j + qk_rope_head_dim/2`, and pair `j` of layer `l` rotates with the source frequency index `rope_pairs[l][j]`
 (an index into the source model's `head_dim/2` inverse frequencies, whatever RoPE scaling produced them).
+
+`qk_norm` (sources that RMS-normalize each query and key head before RoPE, e.g. Qwen3): None for none; "exact": the
+query is the source's (`q_proj` -> `q_norm` -> `q_head_proj`), the cache holds the latent and the rope key *before*
+norm and rotation, and attention rebuilds each group's key, normalizes it (`k_norm`) and rotates it, in its expanded
+form only; "calibrated": the query as in "exact", the key's per-token RMS replaced at conversion by a calibration
+statistic (folded into the weights), so the key side is plain MLA (absorbed decode).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class MLAConfig(LlamaConfig):
     mla_attention_mode: str = "auto"
     # "auto": the Triton kernel on CUDA when triton is importable, the torch reference elsewhere.
     mla_decode_kernel: str = "auto"
+    qk_norm: str | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -57,6 +64,10 @@ class MLAConfig(LlamaConfig):
                 raise ValueError("each rope_pairs entry needs qk_rope_head_dim/2 source frequency indices")
         if self.mla_attention_mode not in ("auto", "expanded", "absorbed"):
             raise ValueError(f"mla_attention_mode must be auto, expanded or absorbed, got {self.mla_attention_mode}")
+        if self.qk_norm not in (None, "exact", "calibrated"):
+            raise ValueError(f"qk_norm must be null, exact or calibrated, got {self.qk_norm}")
+        if self.qk_norm and self.qk_nope_head_dim != self.head_dim:
+            raise ValueError("qk_norm needs qk_nope_head_dim == head_dim (the nope key is the source head's)")
         if self.mla_decode_kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"mla_decode_kernel must be auto, torch or triton, got {self.mla_decode_kernel}")
 

@@ -11,6 +11,11 @@ Prefill and training expand the latent to per-group K/V and run the usual attent
 is zero-padded to the query/key width so the fused kernel runs). Decode uses the absorbed form (A_CC_ME in the design
 notes): the query's nope part is multiplied into `W_uk`, scores are taken against the latent and the rope key apart
 and added, and values are read from the latent then mapped by `W_uv`.
+With per-head q/k norms (`config.qk_norm`, e.g. Qwen3) the query is the source's: `q_proj` [H*d_h, D] -> RMS norm
+per head (`q_norm`) -> `q_head_proj` [H*(d_n+d_r), d_h] per head. In "exact" mode the cached rope key is the
+pre-norm, unrotated one: attention rebuilds each group's source key k_g = k_nope_g + R_g k_r (`k_rope_up` R), applies
+`k_norm`, splits it again into nope part and rope key (`k_rope_down` K, K R = I) and rotates the rope key at the key
+positions; this runs in the expanded form only (every step, decode included).
 The cache (`DynamicCache`, or a preallocated `StaticCache`: `generate(..., cache_implementation="static")`) holds per
 layer `keys = c [B, 1, S, d_c]` and `values = k_r [B, 1, S, d_r]`. Over a static cache the decode step reads no
 length on the host (the Triton kernel takes the cache's counter on the device), so it can be captured in a CUDA graph.
@@ -59,7 +64,20 @@ class MLAAttention(nn.Module):
         self.is_causal = True
         hidden = config.hidden_size
         bias = config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=bias)
+        d_q = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:  # the source's query and its per-head norm, then per head to the nope and rope parts
+            head_dim = config.head_dim
+            self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
+            self.q_norm = LlamaRMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.q_head_proj = nn.Linear(head_dim, self.num_heads * d_q, bias=False)  # used per head: [H, d_q, d_h]
+        else:
+            self.q_proj = nn.Linear(hidden, self.num_heads * d_q, bias=bias)
+        if self.qk_norm == "exact":
+            self.k_norm = LlamaRMSNorm(config.head_dim, eps=config.rms_norm_eps)
+            keys = self.num_kv_groups * config.head_dim
+            self.register_buffer("k_rope_up", torch.zeros(keys, self.qk_rope_head_dim))  # R [G*d_h, d_r]
+            self.register_buffer("k_rope_down", torch.zeros(self.qk_rope_head_dim, keys))  # K [d_r, G*d_h]
         self.kv_a_proj = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_kv_groups * (self.qk_nope_head_dim + self.v_head_dim), bias=bias
@@ -83,6 +101,8 @@ class MLAAttention(nn.Module):
         static cache its length would wait on the device and break a captured step (a one-token prompt takes the
         absorbed form over its one cached row, which is exact too)."""
         mode = self.config.mla_attention_mode
+        if self.qk_norm == "exact":
+            return False  # the per-token key norm needs each group's key: expanded form only
         if mode == "auto":
             return q_len == 1 and past_key_values is not None
         return mode == "absorbed"
@@ -99,7 +119,13 @@ class MLAAttention(nn.Module):
         d_n, d_r, d_c = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         absorbed = self.use_absorbed(q_len, past_key_values)  # decided before the cache grows
 
-        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, d_n + d_r).transpose(1, 2)
+        key_position_embeddings = kwargs.pop("key_position_embeddings", None)
+        if self.qk_norm:
+            q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, -1)).transpose(1, 2)
+            head_map = self.q_head_proj.weight.view(self.num_heads, d_n + d_r, -1)  # [H, d_n+d_r, d_h]
+            q = torch.einsum("bhtd,hed->bhte", q, head_map)  # [B, H, T, d_n+d_r]
+        else:
+            q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, d_n + d_r).transpose(1, 2)
         q_nope, q_rope = q.split([d_n, d_r], dim=-1)  # [B, H, T, d_n], [B, H, T, d_r]
         latent, k_rope = self.kv_a_proj(hidden_states).split([d_c, d_r], dim=-1)  # [B, T, d_c], [B, T, d_r]
         latent = latent.unsqueeze(1)  # [B, 1, T, d_c]
@@ -107,7 +133,8 @@ class MLAAttention(nn.Module):
         if d_r:
             cos, sin = self._rope_cos_sin(position_embeddings)
             q_rope = rotate(q_rope, cos, sin)
-            k_rope = rotate(k_rope, cos, sin)
+            if self.qk_norm != "exact":  # exact qk norm: cached before norm and rotation (see _normalized_keys)
+                k_rope = rotate(k_rope, cos, sin)
         filled = None  # a static cache's count of written rows (0-d tensor on the cache's device), else None
         if past_key_values is not None:
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)  # [B, 1, S, d_c], [B, 1, S, d_r]
@@ -128,15 +155,19 @@ class MLAAttention(nn.Module):
         if absorbed:
             out = self._absorbed(q_nope, q_rope, latent, k_rope, attention_mask, filled)
         else:
-            out = self._expanded(q_nope, q_rope, latent, k_rope, attention_mask, **kwargs)
+            out = self._expanded(q_nope, q_rope, latent, k_rope, attention_mask, key_position_embeddings, **kwargs)
         out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.v_head_dim)
         return self.o_proj(out), None
 
-    def _expanded(self, q_nope, q_rope, latent, k_rope, attention_mask, **kwargs):
+    def _expanded(self, q_nope, q_rope, latent, k_rope, attention_mask, key_position_embeddings=None, **kwargs):
         bsz, _, kv_len, _ = latent.shape
         d_n, d_r = self.qk_nope_head_dim, self.qk_rope_head_dim
         kv = self.kv_b_proj(latent[:, 0]).view(bsz, kv_len, self.num_kv_groups, d_n + self.v_head_dim)
         k_nope, value = kv.transpose(1, 2).split([d_n, self.v_head_dim], dim=-1)  # [B, G, S, d_n], [B, G, S, d_v]
+        if self.qk_norm == "exact":
+            if key_position_embeddings is None:
+                raise ValueError("qk_norm exact needs the key positions' rotary embeddings (MLAModel passes them)")
+            k_nope, k_rope = self._normalized_keys(k_nope, k_rope, key_position_embeddings)
         key = torch.cat((k_nope, k_rope.expand(-1, self.num_kv_groups, -1, -1)), dim=-1)  # [B, G, S, d_n+d_r]
         query = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, d_n+d_r]
         implementation = self.config._attn_implementation
@@ -163,6 +194,19 @@ class MLAAttention(nn.Module):
             **kwargs,
         )  # [B, T, H, d_v] (or padded width)
         return out[..., :d_v].transpose(1, 2)
+
+    def _normalized_keys(self, k_nope, k_rope, key_position_embeddings):
+        """Exact per-head key norm: k_nope [B, G, S, d_h] and the cached pre-norm, unrotated rope key k_rope
+        [B, 1, S, d_r] -> the normalized key's nope part [B, G, S, d_h] and its rope key [B, 1, S, d_r], rotated at
+        the key positions (`key_position_embeddings`: cos/sin [B|1, S, d_h] of the source head dim)."""
+        groups, d_r = self.num_kv_groups, self.qk_rope_head_dim
+        up = self.k_rope_up.view(groups, -1, d_r)  # R_g [G, d_h, d_r]
+        key = k_nope + torch.einsum("bsr,gdr->bgsd", k_rope[:, 0], up)  # each group's source key, before its norm
+        key = self.k_norm(key)
+        rope = torch.einsum("bgsd,rgd->bsr", key, self.k_rope_down.view(d_r, groups, -1))  # K n: [B, S, d_r]
+        nope = key - torch.einsum("bsr,gdr->bgsd", rope, up)
+        cos, sin = self._rope_cos_sin(key_position_embeddings)
+        return nope, rotate(rope.unsqueeze(1), cos, sin)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`W_uk` [G, d_n, d_c] and `W_uv` [G, d_v, d_c], views of `kv_b_proj.weight`."""
@@ -324,6 +368,10 @@ class MLAModel(MLAPreTrainedModel):
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        if self.config.qk_norm == "exact":  # the keys are rotated at attention time: their positions, every step
+            kwargs["key_position_embeddings"] = self.rotary_emb(
+                hidden_states, position_ids=key_positions(position_ids, past_key_values)
+            )
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
@@ -334,6 +382,17 @@ class MLAModel(MLAPreTrainedModel):
                 **kwargs,
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+def key_positions(position_ids: torch.Tensor, past_key_values: Cache | None) -> torch.Tensor:
+    """Positions of every key a step attends to [B|1, S]: the step's own without a past; with one, the cached keys
+    are taken to precede the step's last token contiguously (as in generation, left padding included: padded rows
+    are masked, and RoPE scores depend on position differences only)."""
+    past = past_key_values.get_seq_length() if past_key_values is not None else 0
+    if past == 0:
+        return position_ids
+    total = past + position_ids.shape[1]
+    return position_ids[:, -1:] - (total - 1) + torch.arange(total, device=position_ids.device)
 
 
 class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
