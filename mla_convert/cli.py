@@ -142,6 +142,7 @@ def _convert(
     quiet: bool,
     target: Optional[str] = None,
     format: str = "native",
+    qk_norm: str = "exact",
 ) -> None:
     _setup_logging(verbose, quiet)
     if output is None and not dry_run:
@@ -195,6 +196,7 @@ def _convert(
         device=device,
         dtype=dtype,
         force=force,
+        qk_norm=qk_norm,
     )
     if output is not None and not dry_run:
         # refuse an output that must not be written or replaced before the (possibly slow) source load
@@ -204,9 +206,12 @@ def _convert(
         for out in dict.fromkeys((output, native_out)):
             check_output(out, overwrite, inputs)
     source = open_source(model, revision)
+    from mla_convert.families import family_for
+
+    if family_for(source.config, family).has_qk_norm(source.config) and (target == "deepseek" or qk_norm == "exact"):
+        _refuse_qk_norm_serving(target, qk_norm)
     if target == "deepseek":  # resolve and check exportable options before any heavy work
         from mla_convert.export import deepseek_convert_options, deepseek_layout_notes
-        from mla_convert.families import family_for
 
         explicit = {k for k, v in (("rope_strategy", rope_strategy), ("rope_dims", rope_dims)) if v is not None}
         options, notes = deepseek_convert_options(source.config, options, explicit)
@@ -245,6 +250,17 @@ def _convert(
 
         for problem in check_exportable(native_out):  # a converter change broke what was resolved above
             typer.echo(f"warning: the result will not export exactly to DeepSeek-V3: {problem}", err=True)
+
+
+def _refuse_qk_norm_serving(target: str, qk_norm: str) -> None:
+    """Sources with per-head q/k norms: a DeepSeek-V3 target is refused; a native exact one converts, with a note."""
+    if target == "deepseek":
+        raise UserError("this model normalizes each query and key head (q_norm/k_norm), which DeepSeek-V3's MLA "
+                        "cannot hold (per-token query and key scales): convert with --target native (transformers; "
+                        "--qk-norm calibrated for absorbed decode)")
+    typer.echo("note: --qk-norm exact keeps the per-token key norm: expanded attention at every step in transformers; "
+               "vLLM and the DeepSeek-V3 export refuse it (--qk-norm calibrated: absorbed decode, measured error)",
+               err=True)
 
 
 def _make_convert_command(family: Optional[str], help_text: str):
@@ -342,6 +358,12 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "write the native checkpoint to OUT-native and its verified DeepSeek-V3 export (for vLLM/SGLang, "
             "docs/serving.md) to OUT."
         ),
+        qk_norm: str = typer.Option(
+            "exact", "--qk-norm", help="Sources with per-head q/k RMS norms (Qwen3): exact (the key is normalized per "
+            "token at attention time: exact at full rank, expanded attention every step) or calibrated (the key's "
+            "RMS replaced by its calibration RMS per layer and kv group: plain MLA keys, absorbed decode, an "
+            "approximation; benchmarks/qwen3.md). Default: exact. Ignored for other sources."
+        ),
         verbose: int = VerboseOpt,
         quiet: bool = QuietOpt,
     ) -> None:
@@ -352,9 +374,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
     return friendly(command)
 
 
-app.command("convert")(_make_convert_command(None, "Convert a Llama, Mistral or Qwen2 model (family detected)."))
+app.command("convert")(_make_convert_command(None, "Convert a Llama, Mistral, Qwen2 or Qwen3 model (family detected)."))
 app.command("llama")(_make_convert_command("llama", "Convert a Llama-family model (Llama, SmolLM, Mistral)."))
-app.command("qwen")(_make_convert_command("qwen", "Convert a Qwen2 / Qwen2.5 model."))
+app.command("qwen")(_make_convert_command("qwen", "Convert a Qwen2 / Qwen2.5 / Qwen3 model (detected from config.json)."))
 
 
 # ---------------------------------------------------------------------------------------------------------- eval

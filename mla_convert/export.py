@@ -397,6 +397,9 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
                         f"got model_type {getattr(config, 'model_type', None)}")
     if getattr(config, "mlp_bias", False):
         raise UserError("the MLP has biases, which DeepSeek-V3's dense MLP cannot hold: this model is not exportable")
+    from mla_convert.serving.layout import check_servable
+
+    check_servable(config, "DeepSeek-V3's MLA")
     heads, groups = config.num_attention_heads, config.num_key_value_heads
     rope, nope, value = config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
     if rope == 0:

@@ -46,6 +46,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     two = tiny_source("llama-gqa", root / "two-shards", seed=7)
     shard_k_and_v_apart(two)
     out["two-shards"] = two
+    out["qwen3"] = tiny_source("qwen3", root / "qwen3", seed=5)  # GQA, head_dim 24 != 64/4, random q/k norm weights
     return out
 
 

@@ -44,7 +44,7 @@ def test_wrong_family_command(sources, tmp_path, calib):
 
 
 @pytest.mark.parametrize(
-    "model_type,needle", [("qwen3", "Qwen3"), ("gpt2", "not supported"), ("deepseek_v3", "already an MLA")]
+    "model_type,needle", [("qwen3_moe", "Qwen3-MoE"), ("gpt2", "not supported"), ("deepseek_v3", "already an MLA")]
 )
 def test_unknown_or_refused_family(sources, tmp_path, calib, model_type, needle):
     src = tmp_path / "src"

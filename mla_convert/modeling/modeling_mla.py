@@ -119,7 +119,10 @@ class MLAAttention(nn.Module):
         d_n, d_r, d_c = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         absorbed = self.use_absorbed(q_len, past_key_values)  # decided before the cache grows
 
+        # the rotary embeddings of every key's position (qk_norm exact); without a past, the step's own
         key_position_embeddings = kwargs.pop("key_position_embeddings", None)
+        if key_position_embeddings is None and past_key_values is None:
+            key_position_embeddings = position_embeddings
         if self.qk_norm:
             q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, -1)).transpose(1, 2)
             head_map = self.q_head_proj.weight.view(self.num_heads, d_n + d_r, -1)  # [H, d_n+d_r, d_h]

@@ -43,6 +43,14 @@ class ServedLayout:
         return self.latent + self.rope
 
 
+def check_servable(config, what: str = "vLLM's MLA kernels and the DeepSeek-V3 export") -> None:
+    """Refuse a native config with per-head q/k norms (Qwen3 sources): engines' MLA takes a linear query and key."""
+    mode = config.get("qk_norm") if isinstance(config, dict) else getattr(config, "qk_norm", None)
+    if mode:
+        raise UserError(f"this checkpoint normalizes each query and key head per token (qk_norm {mode}), which {what} "
+                        "cannot hold: run it in transformers (eval --engine transformers, generate)")
+
+
 def served_layout(ranks: list[int], rope: int, layouts: tuple[tuple[int, int], ...]) -> ServedLayout:
     """The smallest layout of `layouts` that holds every layer's latent and the rope key (zero-padded, exact)."""
     need = max(ranks)

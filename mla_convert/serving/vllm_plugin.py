@@ -28,8 +28,9 @@ def platform_layouts() -> tuple[tuple[int, int], ...]:
 
 def layout_for(config):
     """The ServedLayout vLLM runs a native config in on this platform."""
-    from mla_convert.serving.layout import served_layout
+    from mla_convert.serving.layout import check_servable, served_layout
 
+    check_servable(config, "vLLM's MLA kernels")
     return served_layout(list(config.kv_lora_rank), config.qk_rope_head_dim, platform_layouts())
 
 
