@@ -81,16 +81,21 @@ def test_merged_and_per_head_rope_both_exact(sources, convert_tiny):
             assert rel_err(src(ids).logits, mla.eval()(ids).logits) < REL_TOL
 
 
+def both_forms(mla, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits in the expanded form, logits in the absorbed form) of one forward."""
+    logits = []
+    with torch.no_grad():
+        for mode in ("expanded", "absorbed"):
+            mla.config.mla_attention_mode = mode
+            logits.append(mla(ids).logits)
+    mla.config.mla_attention_mode = "auto"
+    return logits[0], logits[1]
+
+
 def test_absorbed_equals_expanded_at_low_rank(sources, convert_tiny):
     """A lossy conversion still computes the same function in both decode forms."""
     mla = AutoModelForCausalLM.from_pretrained(convert_tiny(sources["qwen2"], rank=12, rope_dims=8)).eval()
-    ids = tokens()
-    with torch.no_grad():
-        mla.config.mla_attention_mode = "expanded"
-        expanded = mla(ids).logits
-        mla.config.mla_attention_mode = "absorbed"
-        absorbed = mla(ids).logits
-    mla.config.mla_attention_mode = "auto"
+    expanded, absorbed = both_forms(mla, tokens())
     assert rel_err(expanded, absorbed) < REL_TOL
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_user_error
-from test_exactness import REL_TOL, full_options, rel_err, tokens
+from test_exactness import REL_TOL, both_forms, full_options, rel_err, tokens
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -135,11 +135,7 @@ def test_calibrated_key_norm_is_absorbable_and_bounded(sources, convert_tiny, so
     ids = tokens()
     with torch.no_grad():
         reference = source(ids).logits
-        model.config.mla_attention_mode = "expanded"
-        expanded = model(ids).logits
-        model.config.mla_attention_mode = "absorbed"
-        absorbed = model(ids).logits
-        model.config.mla_attention_mode = "auto"
+    expanded, absorbed = both_forms(model, ids)
     assert rel_err(expanded, absorbed) < REL_TOL
     error = rel_err(reference, expanded)
     assert 1e-3 < error < 1.0, error  # an approximation (not exact), but finite and within the logits' range
