@@ -184,3 +184,16 @@ def test_dry_run_names_the_mode(sources, calib_text):
     code, output = run("convert", sources["qwen3"], "--kv-budget", 0.5, "--dry-run", "--calib-data", calib_text)
     assert code == 0, output
     assert "family qwen (qwen3)" in output and "per-head q/k norms: exact" in output
+
+
+def test_exact_mode_trains_its_weights_not_its_rope_key_maps(sources, convert_tiny):
+    """Training (expanded attention) reaches the query map and the key norm; R and K are buffers, saved, not trained."""
+    model = AutoModelForCausalLM.from_pretrained(convert_tiny(sources["qwen3"], kv_budget=0.5)).train()
+    ids = tokens(batch=2, length=16)
+    model(ids, labels=ids).loss.backward()
+    attention = model.model.layers[0].self_attn
+    for module in (attention.q_head_proj, attention.q_norm, attention.k_norm, attention.kv_b_proj):
+        assert module.weight.grad is not None and module.weight.grad.abs().sum() > 0
+    buffers = dict(attention.named_buffers())
+    assert set(buffers) == {"k_rope_up", "k_rope_down"} and not any(b.requires_grad for b in buffers.values())
+    assert "model.layers.0.self_attn.k_rope_up" in model.state_dict()
