@@ -441,12 +441,9 @@ def eval_command(
         key = {"convert": "converted", "finetune": "finetuned", "export": "exported"}.get(kind, kind)
         protocol = f"{data}, {result['windows']} x {seq_len} windows, {dtype}" + (", vLLM" if engine == "vllm" else "")
         if provenance.add_measurements(model, perplexity={key: result["perplexity"], "protocol": protocol}):
-            try:
-                from mla_convert.hub import write_model_card
+            from mla_convert.card import write_model_card
 
-                write_model_card(Path(model))
-            except ImportError:
-                pass
+            write_model_card(Path(model))
 
 
 # ------------------------------------------------------------------------------------------------------ generate

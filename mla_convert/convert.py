@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from mla_convert import lowrank, provenance, rope
+from mla_convert.card import write_model_card
 from mla_convert.checkpoint import AUX_FILES, ShardedWriter, Source, resume_dir, staged_output
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for
@@ -656,7 +657,7 @@ def convert(
             copied_files=copied,
         )
         provenance.save(stage, record)
-        _write_card(stage)
+        write_model_card(stage)
     log.info("wrote %s", out)
     return plan
 
@@ -801,14 +802,6 @@ def describe_method(options: ConvertOptions) -> str:
     if options.rank_allocation == "energy":
         fact += ", latent dims shared among layers by their spectra"
     return f"{rope_text}, {fact}"
-
-
-def _write_card(folder: Path) -> None:
-    try:
-        from mla_convert.hub import write_model_card
-    except ImportError:  # the card writer is optional at this layer
-        return
-    write_model_card(folder)
 
 
 def _attention_tensors(layer_tensors: dict, family: Family, layer: int, prefix: str) -> dict[str, torch.Tensor]:

@@ -708,6 +708,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     """Export the native MLA checkpoint folder `model` to a DeepSeek-V3 folder `out`; returns the export record
     (what provenance.json holds under "export", plus "measurements")."""
     from mla_convert import provenance
+    from mla_convert.card import write_model_card
     from mla_convert.checkpoint import SafetensorsSource, ShardedWriter, staged_output
     from mla_convert.modeling import MLAConfig
 
@@ -817,11 +818,6 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
             copied_files=copied,
             parent=parent,
         ))  # fmt: skip
-        try:
-            from mla_convert.hub import write_model_card
-        except ImportError:  # the card writer is optional at this layer
-            pass
-        else:
-            write_model_card(stage)
+        write_model_card(stage)
     record["measurements"] = measurements
     return record
