@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from mla_convert import provenance
+from mla_convert.dtypes import dtype_bytes
 from mla_convert.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -142,9 +143,6 @@ def _settings_section(steps: list[dict]) -> list[str]:
     return lines
 
 
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "float8_e4m3fn": 1}
-
-
 def _kv_rows(steps: list[dict], config: dict) -> tuple[list[tuple[str, object, object]], str]:
     """(label, elements per token per layer, bytes per token over all layers) for the source, a native MLA model an
     export started from, and this model; and the dtype the bytes are counted in (this model's cache dtype).
@@ -158,7 +156,7 @@ def _kv_rows(steps: list[dict], config: dict) -> tuple[list[tuple[str, object, o
     first, last = records[0], records[-1]
     dtype = str(last["kv_cache"].get("dtype") or first["kv_cache"].get("dtype") or "?")
     layers = config.get("num_hidden_layers")
-    size = _DTYPE_BYTES.get(dtype)
+    size = dtype_bytes(dtype)
 
     def nbytes(kv: dict, which: str):
         recorded = kv.get(f"bytes_per_token_{which}")

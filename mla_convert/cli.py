@@ -481,11 +481,7 @@ def generate_command(
     new = out.sequences[0, ids.shape[1] :]
     cache = out.past_key_values
     cached = cache.get_seq_length() if cache is not None else 0
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                total += t.numel() * t.element_size()
+    total = evaluate.cache_bytes(cache)
     typer.echo(tokenizer.decode(new, skip_special_tokens=True))
     typer.echo("---")
     line = (f"{label} ({net.config.model_type}, {dtype}, {device}): prompt {ids.shape[1]} tokens, generated "

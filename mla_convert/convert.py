@@ -21,6 +21,7 @@ import torch
 from mla_convert import lowrank, provenance, rope
 from mla_convert.card import write_model_card
 from mla_convert.checkpoint import AUX_FILES, ShardedWriter, Source, resume_dir, staged_output
+from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for
 
@@ -29,7 +30,6 @@ log = logging.getLogger(__name__)
 RANK_ALLOCATIONS = ("uniform", "energy")
 INPUT_KINDS = ("token", "attended")  # --value-inputs, --key-inputs
 ATTENDED_EVERY = 4  # attended-input statistics on every 4th block of calibration queries (they cost a [T, T] x [T, D])
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config keys carried from the source into the MLA config unchanged.
 CARRIED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -64,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mla_convert.modeling  # noqa: E402,F401  (registers model_type "mla")
+from mla_convert.evaluate import cache_bytes  # noqa: E402
 from mla_convert.modeling import MLAConfig, MLAForCausalLM  # noqa: E402
 from mla_convert.modeling.modeling_mla import MLAAttention, rotate  # noqa: E402
 
@@ -411,8 +412,7 @@ def rewind(cache, context: int):
 
 def cache_tensor_bytes(cache, context: int | None = None) -> int:
     """Bytes of the cache tensors; for a static cache, of its first `context` rows (what the sequence holds)."""
-    total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-                if t is not None)
+    total = cache_bytes(cache)
     if context is not None:
         total = total * context // cache.layers[0].keys.shape[2]
     return total

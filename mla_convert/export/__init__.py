@@ -53,7 +53,6 @@ from mla_convert.export.rope_fit import (
     deepseek_compatible_rope_pairs,
     deepseek_convert_options,
     fit_deepseek_rope,
-    source_inv_freq,
 )
 from mla_convert.export.verify import relative_error, verify_export
 
@@ -62,5 +61,5 @@ __all__ = [
     "PAD_CHOICES", "TARGET_STRATEGIES", "VLLM_MLA_HEAD_SIZES", "ExportOptions", "ExportPlan", "RopeFit",
     "check_exportable", "convert_to_target", "deepseek_compatible_rope_pairs", "deepseek_config", "deepseek_convert_options",
     "deepseek_layout_notes", "export", "export_layer", "fit_deepseek_rope", "identity_norm_scale", "make_plan",
-    "relative_error", "report_export", "resolve_target", "serving_notes", "source_inv_freq", "verify_export",
+    "relative_error", "report_export", "resolve_target", "serving_notes", "verify_export",
 ]  # fmt: skip

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.export.rope_fit import RopeFit, fit_deepseek_rope, source_inv_freq
+from mla_convert.export.rope_fit import RopeFit, fit_deepseek_rope
+from mla_convert.rope import source_frequencies
 
 FORMATS = ("deepseek",)
 # transformers builds kv_a_layernorm/q_a_layernorm as DeepseekV3RMSNorm(dim) with its default eps 1e-6; vLLM and
@@ -157,7 +158,7 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
         raise UserError("this model has no RoPE dims (qk_rope_head_dim 0); DeepSeek engines need a rope key: "
                         "convert with --rope-dims 8 or more")
     approximations, warnings = [], []
-    inv_freq, attention_scaling = source_inv_freq(config)
+    inv_freq, attention_scaling = source_frequencies(config)
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if rope_type in ("dynamic", "longrope"):
         warnings.append(f"rope_type {rope_type} changes frequencies with the sequence length; the export uses the "

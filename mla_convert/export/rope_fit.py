@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from mla_convert.errors import UserError
+from mla_convert.rope import source_frequencies
 
 FREQ_TOLERANCE = 1e-5  # relative: two inverse frequencies this close are the same frequency (float32 rounding)
 
@@ -35,14 +36,6 @@ class RopeFit:
     exact: bool
     max_freq_rel_error: float
     problems: list[str] = field(default_factory=list)
-
-
-def source_inv_freq(config) -> tuple[torch.Tensor, float]:
-    """The native model's source inverse frequencies [d_h/2] (float64) and the factor its RoPE type puts on cos/sin."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rotary = LlamaRotaryEmbedding(config)
-    return rotary.inv_freq.double(), float(rotary.attention_scaling)
 
 
 def fit_deepseek_rope(inv_freq: torch.Tensor, rope_pairs: list[list[int]], tolerance: float = FREQ_TOLERANCE) -> RopeFit:
@@ -156,7 +149,7 @@ def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str
         candidates = [options.rope_strategy]
     else:
         candidates = list(TARGET_STRATEGIES)
-    inv_freq, _ = source_inv_freq(config)
+    inv_freq, _ = source_frequencies(config)
     eye = torch.eye(groups, dtype=torch.float64).expand(head_dim // 2, groups, groups)
     problems = []
     for strategy in candidates:
@@ -184,7 +177,7 @@ def check_exportable(folder: str | os.PathLike) -> list[str]:
     from mla_convert.modeling import MLAConfig
 
     config = MLAConfig.from_pretrained(Path(folder))
-    inv_freq, _ = source_inv_freq(config)
+    inv_freq, _ = source_frequencies(config)
     return fit_deepseek_rope(inv_freq, config.rope_pairs).problems
 
 
