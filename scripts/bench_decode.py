@@ -4,7 +4,7 @@
 Two measurements, every ratio taken within the same run:
 
 1. One attention layer, one decode step (projections, RoPE, cache write, attention, o_proj) over a cache pre-filled
-   to the context length, for each form (MLA_NOTES.md section 4):
+   to the context length, for each form (docs/method.md section 5):
      source    the GQA source layer (LlamaAttention, sdpa), caching K and V per kv head
      CD        converted weights, caching the expanded per-group K/V (what the public converters do)
      CC        cache the latent, expand it to K/V every step (the model's "expanded" mode): the naive path
@@ -753,7 +753,7 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
         f"Measured copy bandwidth: {meta['copy_bw'] / 1e9:.1f} GB/s (read + write).",
         *load_note(meta),
         "",
-        "Decode forms (MLA_NOTES.md section 4): **CD** caches the expanded per-group K/V; **CC** caches the latent and "
+        "Decode forms (docs/method.md section 5): **CD** caches the expanded per-group K/V; **CC** caches the latent and "
         "expands it every step (the model's `expanded` mode, the naive path); **A_CC** absorbed, scores against a "
         "per-step concatenation `[c, k_r]`; **A_CC_ME** absorbed, nope and rope scores apart (the model's decode "
         "path: `mla_decode_kernel=torch`); **triton** A_CC_ME with the Triton kernel (CUDA only).",
