@@ -39,7 +39,7 @@ The whole-model table alone, with the static-cache forms (benchmarks/decode_stat
         --model-contexts 1k,8k --model-batches 1,8 --out benchmarks/decode_static.md --json benchmarks/decode_static.json
 The Triton kernel's launch-knob sweep (benchmarks/decode_gpu.sweep.json, which chose the kernel's defaults):
     python scripts/bench_decode.py --skip-layer --skip-model --skip-kernel --kernel-sweep benchmarks/decode_gpu.sweep.json \
-        --out /tmp/decode_gpu.sweep.md
+        --out $TMPDIR/decode_gpu.sweep.md
 """
 
 from __future__ import annotations
