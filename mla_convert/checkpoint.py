@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mla_convert import provenance
 from mla_convert.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -510,3 +512,113 @@ class ShardedWriter:
         tmp_index.write_text(json.dumps(index, indent=2) + "\n")
         os.replace(tmp_index, self.folder / INDEX_NAME)
         return names
+
+
+# ----------------------------------------------------------------------------------------------------------- verify
+
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+_SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+
+
+def _safetensors_problem(path: Path) -> tuple[str | None, set[str]]:
+    """(why the file is not a readable safetensors file or None, tensor names in its header)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return "truncated", set()
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, 100 * 2**20):  # the format caps headers at 100 MB
+                return "truncated or corrupt header", set()
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        return f"unreadable ({e.__class__.__name__})", set()
+    names = {k for k in header if k != "__metadata__"}
+    end = max((header[k]["data_offsets"][1] for k in names), default=0)
+    if 8 + n + end != size:
+        return f"truncated ({size} of {8 + n + end} bytes)", names
+    return None, names
+
+
+def verify_checkpoint(folder: str | os.PathLike) -> dict:
+    """Check that `folder` holds a complete checkpoint; returns {"weights": [...], "tensors": int}.
+
+    Needs: config.json (valid JSON), the weights as model.safetensors or model.safetensors.index.json plus every shard
+    it lists (each shard's header readable, the file not truncated, every tensor the index maps to it present),
+    tokenizer_config.json and a vocabulary file (tokenizer.json, tokenizer.model, ...), and provenance.json. Raises
+    `UserError` naming everything that is missing or broken.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder: give the output folder of convert, finetune or export")
+    missing: list[str] = []
+    broken: list[str] = []
+
+    config = folder / "config.json"
+    if not config.is_file():
+        missing.append("config.json")
+    else:
+        try:
+            json.loads(config.read_text())
+        except ValueError:
+            broken.append("config.json (not valid JSON)")
+
+    weights: list[str] = []
+    tensors = 0
+    index_path = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            broken.append("model.safetensors.index.json (no weight_map)")
+            weight_map = {}
+        by_shard: dict[str, set[str]] = {}
+        for name, shard in weight_map.items():
+            by_shard.setdefault(shard, set()).add(name)
+        for shard, names in sorted(by_shard.items()):
+            path = folder / shard
+            if not path.is_file():
+                missing.append(shard)
+                continue
+            problem, present = _safetensors_problem(path)
+            if problem:
+                broken.append(f"{shard} ({problem})")
+            elif names - present:
+                broken.append(f"{shard} (lacks {len(names - present)} tensors the index lists, e.g. "
+                              f"{sorted(names - present)[0]})")
+            weights.append(shard)
+            tensors += len(names)
+    elif single.is_file():
+        problem, present = _safetensors_problem(single)
+        if problem:
+            broken.append(f"model.safetensors ({problem})")
+        weights.append(single.name)
+        tensors = len(present)
+    else:
+        shards = sorted(p.name for p in folder.glob("*.safetensors") if _SHARD_RE.match(p.name))
+        if shards:
+            missing.append(f"model.safetensors.index.json (found {len(shards)} shards without an index: the write "
+                           "did not finish)")
+        else:
+            missing.append("model.safetensors or model.safetensors.index.json")
+
+    if not (folder / "tokenizer_config.json").is_file():
+        missing.append("tokenizer_config.json")
+    if not any((folder / name).is_file() for name in TOKENIZER_VOCAB_FILES):
+        missing.append("a tokenizer vocabulary (" + " or ".join(TOKENIZER_VOCAB_FILES[:2]) + ")")
+    if not (folder / provenance.FILENAME).is_file():
+        missing.append(provenance.FILENAME)
+    else:
+        try:
+            if "kind" not in json.loads((folder / provenance.FILENAME).read_text()):
+                broken.append(f"{provenance.FILENAME} (no kind)")
+        except ValueError:
+            broken.append(f"{provenance.FILENAME} (not valid JSON)")
+
+    if missing or broken:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + ([f"broken {', '.join(broken)}"] if broken
+                                                                           else [])
+        raise UserError(f"{folder} is not a complete checkpoint: {'; '.join(parts)}; re-run the step that wrote it")
+    return {"weights": weights, "tensors": tensors}

@@ -148,7 +148,8 @@ def _convert(
     if output is None and not dry_run:
         raise UserError("give an output folder with -o OUT (or --dry-run to only print the plan)")
     from mla_convert.checkpoint import open_source
-    from mla_convert.convert import ConvertOptions, convert
+    from mla_convert.convert import ConvertOptions
+    from mla_convert.export import convert_to_target, resolve_target
 
     if revision is not None and model is not None and Path(model).expanduser().exists():
         raise UserError(f"--revision selects a Hub revision, but {model} is a local path: drop --revision")
@@ -163,15 +164,7 @@ def _convert(
             typer.echo(f"warning: --calib-data {calib_data} looks like a test split: calibrate on other text than "
                        "you evaluate on (e.g. wiki.valid.tokens), or a later perplexity on it flatters the result",
                        err=True)
-    if format not in ("native", "deepseek"):
-        raise UserError(f"--format must be native or deepseek, got {format}")
-    target = target or format
-    if target not in ("native", "deepseek"):
-        raise UserError(f"--target must be native or deepseek, got {target}")
-    if format == "deepseek" and target != "deepseek":
-        raise UserError("--format deepseek needs DeepSeek-exportable options: drop --target native")
-    # --format deepseek: OUT is the DeepSeek-V3 export (what engines serve), the native checkpoint goes beside it
-    native_out = output.with_name(output.name + "-native") if format == "deepseek" and output is not None else output
+    target, native_out = resolve_target(target, format, output)  # --format deepseek: the native one goes to OUT-native
 
     options = ConvertOptions(
         rank=rank,
@@ -210,46 +203,9 @@ def _convert(
 
     if family_for(source.config, family).has_qk_norm(source.config) and (target == "deepseek" or qk_norm == "exact"):
         _refuse_qk_norm_serving(target, qk_norm)
-    if target == "deepseek":  # resolve and check exportable options before any heavy work
-        from mla_convert.export import deepseek_convert_options, deepseek_layout_notes
-
-        explicit = {k for k, v in (("rope_strategy", rope_strategy), ("rope_dims", rope_dims)) if v is not None}
-        options, notes = deepseek_convert_options(source.config, options, explicit)
-        if format == "deepseek" and any(family_for(source.config, family).attention_biases(source.config)):
-            raise UserError("this model has attention biases, which vLLM's and SGLang's DeepSeek classes drop "
-                            "silently: serve the native checkpoint through the vLLM plugin instead (convert without "
-                            "--format deepseek; docs/serving.md), or convert with --target deepseek and run "
-                            "`mla-convert export --keep-biases` (transformers only) or `--drop-biases --allow-approx`")
-        plan = convert(source, native_out, options, family, dry_run=True)
-        if format == "deepseek" and plan.dtype == "float16":
-            raise UserError("the DeepSeek-V3 export cannot hold float16 (its identity latent norm needs bfloat16's "
-                            "range): pass --dtype bfloat16 or --dtype float32")
-        for note in notes:
-            typer.echo(note)
-        for note in deepseek_layout_notes(source.config, plan.ranks, plan.rope_dim):
-            typer.echo(f"warning: {note}", err=True)
-    if target != "deepseek":  # the native checkpoint serves through the vLLM plugin if its layout fits
-        from mla_convert.serving.layout import serving_notes
-
-        plan = convert(source, native_out, options, family, dry_run=True)
-        for note in serving_notes(plan.ranks, plan.rope_dim):
-            typer.echo(f"warning: {note}", err=True)
-    plan = convert(source, native_out, options, family, overwrite=overwrite, dry_run=dry_run, progress=not quiet)
-    typer.echo(plan.describe())
-    if dry_run:
-        where = f" (native MLA to {native_out}, DeepSeek-V3 export to {output})" if format == "deepseek" else ""
-        typer.echo(f"dry run: nothing written{where}")
-        return
-    typer.echo(f"wrote {native_out}  (load: import mla_convert; AutoModelForCausalLM.from_pretrained('{native_out}'))")
-    if format == "deepseek":
-        from mla_convert.export import ExportOptions, export
-
-        _echo_export(export(native_out, output, ExportOptions(), overwrite=overwrite), output)
-    elif target == "deepseek":
-        from mla_convert.export import check_exportable
-
-        for problem in check_exportable(native_out):  # a converter change broke what was resolved above
-            typer.echo(f"warning: the result will not export exactly to DeepSeek-V3: {problem}", err=True)
+    explicit = {k for k, v in (("rope_strategy", rope_strategy), ("rope_dims", rope_dims)) if v is not None}
+    convert_to_target(source, output, native_out, options, family, target=target, format=format, explicit=explicit,
+                      overwrite=overwrite, dry_run=dry_run, progress=not quiet, say=typer.echo)
 
 
 def _refuse_qk_norm_serving(target: str, qk_norm: str) -> None:
@@ -463,12 +419,9 @@ def eval_command(
         key = {"convert": "converted", "finetune": "finetuned", "export": "exported"}.get(kind, kind)
         protocol = f"{data}, {result['windows']} x {seq_len} windows, {dtype}" + (", vLLM" if engine == "vllm" else "")
         if provenance.add_measurements(model, perplexity={key: result["perplexity"], "protocol": protocol}):
-            try:
-                from mla_convert.hub import write_model_card
+            from mla_convert.card import write_model_card
 
-                write_model_card(Path(model))
-            except ImportError:
-                pass
+            write_model_card(Path(model))
 
 
 # ------------------------------------------------------------------------------------------------------ generate
@@ -551,11 +504,7 @@ def generate_command(
     new = out.sequences[0, ids.shape[1] :]
     cache = out.past_key_values
     cached = cache.get_seq_length() if cache is not None else 0
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                total += t.numel() * t.element_size()
+    total = evaluate.cache_bytes(cache)
     typer.echo(tokenizer.decode(new, skip_special_tokens=True))
     typer.echo("---")
     line = (f"{label} ({net.config.model_type}, {dtype}, {device}): prompt {ids.shape[1]} tokens, generated "
@@ -605,32 +554,13 @@ def export_command(
 ) -> None:
     """Export a native MLA checkpoint to the stock DeepSeek-V3 format (see docs/serving.md for vLLM / SGLang)."""
     _setup_logging(verbose, quiet)
-    from mla_convert.export import ExportOptions, export
+    from mla_convert.export import ExportOptions, export, report_export
 
     options = ExportOptions(
         format=format, dtype=dtype, allow_approx=allow_approx, drop_biases=drop_biases, keep_biases=keep_biases, pad_latent=pad_latent,
         verify=verify,
     )  # fmt: skip
-    _echo_export(export(model, output, options, overwrite=overwrite), output)
-
-
-def _echo_export(record: dict, output: Path) -> None:
-    typer.echo(
-        f"wrote {output}: DeepSeek-V3, kv_lora_rank {record['kv_lora_rank']} + qk_rope_head_dim "
-        f"{record['qk_rope_head_dim']}, rope_theta {record['rope_theta']:.6g}"
-        + (f", q_lora_rank {record['q_lora_rank']}" if record["q_lora_rank"] else "")
-    )
-    for note in record["approximations"]:
-        typer.echo(f"approximation: {note}")
-    m = record["measurements"]
-    if m:
-        line = f"stock transformers vs native: max relative logit error {m['export_max_rel_logit_error']:.3g}, "
-        line += "greedy tokens " + ("match" if m["export_greedy_tokens_match"] else "DIFFER")
-        if "export_max_rel_logit_error_without_biases" in m:
-            line += f"; without biases (as vLLM/SGLang run it): {m['export_max_rel_logit_error_without_biases']:.3g}"
-        typer.echo(line)
-    else:
-        typer.echo("not verified (--no-verify)")
+    report_export(export(model, output, options, overwrite=overwrite), output, typer.echo)
 
 
 # ------------------------------------------------------------------------------------------------------ finetune

@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from mla_convert import lowrank, provenance, rope
+from mla_convert.card import write_model_card
 from mla_convert.checkpoint import AUX_FILES, ShardedWriter, Source, resume_dir, staged_output
+from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for
 
@@ -35,7 +37,6 @@ QK_NORM_TEXT = {
     "calibrated": "calibrated (the key's per-token RMS replaced by its calibration RMS: plain MLA keys, absorbed "
     "decode; the query keeps its exact norm)",
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config keys carried from the source into the MLA config unchanged.
 CARRIED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -727,7 +728,7 @@ def convert(
             copied_files=copied,
         )
         provenance.save(stage, record)
-        _write_card(stage)
+        write_model_card(stage)
     log.info("wrote %s", out)
     return plan
 
@@ -872,14 +873,6 @@ def describe_method(options: ConvertOptions) -> str:
     if options.rank_allocation == "energy":
         fact += ", latent dims shared among layers by their spectra"
     return f"{rope_text}, {fact}"
-
-
-def _write_card(folder: Path) -> None:
-    try:
-        from mla_convert.hub import write_model_card
-    except ImportError:  # the card writer is optional at this layer
-        return
-    write_model_card(folder)
 
 
 def _attention_tensors(layer_tensors: dict, family: Family, layer: int, prefix: str, plan_qk_norm: str | None = None

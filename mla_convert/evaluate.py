@@ -12,12 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def check_device(device: str) -> str:
     """`device` if this torch can use it (cpu, cuda, cuda:N, mps), else a UserError that names the fix."""
@@ -119,12 +117,17 @@ def kv_cache_bytes_per_token(model, tokens: int = 8) -> int:
     device = next(model.parameters()).device
     ids = torch.full((1, tokens), 1, dtype=torch.long, device=device)
     cache = model(input_ids=ids, use_cache=True).past_key_values
-    total = 0
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total // tokens
+    return cache_bytes(cache) // tokens
+
+
+def cache_bytes(cache) -> int:
+    """Bytes the key and value tensors of a transformers cache hold, all layers (0 for no cache)."""
+    return tensor_bytes(t for layer in getattr(cache, "layers", []) for t in (layer.keys, layer.values))
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes the tensors hold (None entries skipped): the one count behind every measured KV-cache figure."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def calibration_overlap(model: str | None, spec: str, text: str) -> str | None:

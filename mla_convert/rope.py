@@ -35,7 +35,8 @@ STRATEGIES = ("high", "low", "uniform", "2-norm", "attention")
 
 
 def source_frequencies(config) -> tuple[torch.Tensor, float]:
-    """The source's inverse frequencies [d_h/2] and the attention scaling its RoPE type applies to cos/sin."""
+    """The source's inverse frequencies [d_h/2] (float64, after its RoPE type's scaling) and the attention scaling its
+    RoPE type applies to cos/sin. The conversion and the DeepSeek export (export/rope_fit.py) both read them here."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rotary = LlamaRotaryEmbedding(config)

@@ -4,7 +4,7 @@
 Two measurements, every ratio taken within the same run:
 
 1. One attention layer, one decode step (projections, RoPE, cache write, attention, o_proj) over a cache pre-filled
-   to the context length, for each form (MLA_NOTES.md section 4):
+   to the context length, for each form (docs/method.md section 5):
      source    the GQA source layer (LlamaAttention, sdpa), caching K and V per kv head
      CD        converted weights, caching the expanded per-group K/V (what the public converters do)
      CC        cache the latent, expand it to K/V every step (the model's "expanded" mode): the naive path
@@ -39,7 +39,7 @@ The whole-model table alone, with the static-cache forms (benchmarks/decode_stat
         --model-contexts 1k,8k --model-batches 1,8 --out benchmarks/decode_static.md --json benchmarks/decode_static.json
 The Triton kernel's launch-knob sweep (benchmarks/decode_gpu.sweep.json, which chose the kernel's defaults):
     python scripts/bench_decode.py --skip-layer --skip-model --skip-kernel --kernel-sweep benchmarks/decode_gpu.sweep.json \
-        --out /tmp/decode_gpu.sweep.md
+        --out $TMPDIR/decode_gpu.sweep.md
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mla_convert.modeling  # noqa: E402,F401  (registers model_type "mla")
+from mla_convert.evaluate import cache_bytes  # noqa: E402
 from mla_convert.modeling import MLAConfig, MLAForCausalLM  # noqa: E402
 from mla_convert.modeling.modeling_mla import MLAAttention, rotate  # noqa: E402
 
@@ -411,8 +412,7 @@ def rewind(cache, context: int):
 
 def cache_tensor_bytes(cache, context: int | None = None) -> int:
     """Bytes of the cache tensors; for a static cache, of its first `context` rows (what the sequence holds)."""
-    total = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-                if t is not None)
+    total = cache_bytes(cache)
     if context is not None:
         total = total * context // cache.layers[0].keys.shape[2]
     return total
@@ -753,7 +753,7 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
         f"Measured copy bandwidth: {meta['copy_bw'] / 1e9:.1f} GB/s (read + write).",
         *load_note(meta),
         "",
-        "Decode forms (MLA_NOTES.md section 4): **CD** caches the expanded per-group K/V; **CC** caches the latent and "
+        "Decode forms (docs/method.md section 5): **CD** caches the expanded per-group K/V; **CC** caches the latent and "
         "expands it every step (the model's `expanded` mode, the naive path); **A_CC** absorbed, scores against a "
         "per-step concatenation `[c, k_r]`; **A_CC_ME** absorbed, nope and rope scores apart (the model's decode "
         "path: `mla_decode_kernel=torch`); **triton** A_CC_ME with the Triton kernel (CUDA only).",

@@ -20,6 +20,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def score(kind: str, folder: Path, ids_path: Path, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/mla-bench-export"), help="folder for the checkpoints")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mla-bench-export",
+                    help="folder for the checkpoints (default: mla-bench-export in the system's temporary folder)")
     ap.add_argument("--kv-budget", type=float, default=0.5, help="fraction of the source's KV cache")
     ap.add_argument("--calib", default=str(DATA / "wiki.valid.tokens"))
     ap.add_argument("--eval", default=str(DATA / "wiki.test.raw"))

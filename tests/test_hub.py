@@ -13,7 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from hub_standin import HubStandIn
-from mla_convert import hub, provenance
+from mla_convert import card as model_card
+from mla_convert import provenance
+from mla_convert.checkpoint import verify_checkpoint
 from mla_convert.cli import app
 
 # A token that looks real enough to be worth leaking: no output may contain it.
@@ -50,7 +52,7 @@ def folder_files(folder: Path) -> dict[str, bytes]:
 
 
 def generated_block(text: str) -> str:
-    start, end = text.index(hub.BEGIN_MARKER), text.index(hub.END_MARKER)
+    start, end = text.index(model_card.BEGIN_MARKER), text.index(model_card.END_MARKER)
     return text[start:end]
 
 
@@ -150,12 +152,13 @@ def test_rerender_keeps_what_the_user_wrote(model):
     front, body = content.split("\n---\n", 1)
     block = generated_block(body)
     body = body.replace(block, block.replace("## About this model", "## About this model\n\nEDITED INSIDE THE BLOCK"))
-    body = body.replace(hub.BEGIN_MARKER, "# My MLA model\n\nWritten by hand above.\n\n" + hub.BEGIN_MARKER)
+    marker = model_card.BEGIN_MARKER
+    body = body.replace(marker, "# My MLA model\n\nWritten by hand above.\n\n" + marker)
     body += "\n## Citation\n\nWritten by hand below.\n"
     front = front.replace("tags:\n", "language: en\ntags:\n- custom\n").replace(f"license: {SOURCE_LICENSE}", "license: mit")
     path.write_text(front + "\n---\n" + body)
 
-    hub.write_model_card(model, repo_id="tester/tiny-llama-mla")
+    model_card.write_model_card(model, repo_id="tester/tiny-llama-mla")
     card = card_of(model)
     data = card.data.to_dict()
     assert data["language"] == "en" and data["license"] == "mit"  # a user's keys win over ours
@@ -163,12 +166,12 @@ def test_rerender_keeps_what_the_user_wrote(model):
     text = card.text
     assert "Written by hand above." in text and "## Citation\n\nWritten by hand below." in text
     assert "EDITED INSIDE THE BLOCK" not in text
-    assert text.count(hub.BEGIN_MARKER) == 1 and text.count(hub.END_MARKER) == 1
-    titles = re.findall(r"^# .*", hub._FENCE_RE.sub("", text), re.M)
+    assert text.count(model_card.BEGIN_MARKER) == 1 and text.count(model_card.END_MARKER) == 1
+    titles = re.findall(r"^# .*", model_card._FENCE_RE.sub("", text), re.M)
     assert titles == ["# My MLA model"]  # the user's title, no second one from us
     assert 'from_pretrained("tester/tiny-llama-mla"' in text
     again = path.read_text()
-    hub.write_model_card(model, repo_id="tester/tiny-llama-mla")
+    model_card.write_model_card(model, repo_id="tester/tiny-llama-mla")
     assert path.read_text() == again  # re-rendering is stable
 
 
@@ -176,13 +179,13 @@ def test_base_model_from_a_hub_source(model):
     record = provenance.load(model)
     record["source"]["base_model"] = "tester/tiny-llama"
     provenance.save(model, record)
-    hub.write_model_card(model)
+    model_card.write_model_card(model)
     card = card_of(model)
     assert card.data.base_model == "tester/tiny-llama"
     assert "[`tester/tiny-llama`](https://huggingface.co/tester/tiny-llama)" in card.text
     # a source read from the Hub cache names its repo too
-    assert hub._base_model({"model": "/home/u/.cache/huggingface/hub/models--org-a--Model-1B/snapshots/0123abc"}) == \
-        "org-a/Model-1B"
+    cached = "/home/u/.cache/huggingface/hub/models--org-a--Model-1B/snapshots/0123abc"
+    assert model_card._base_model({"model": cached}) == "org-a/Model-1B"
 
 
 def test_export_card_loads_with_stock_classes(converted, tmp_path):
@@ -224,7 +227,7 @@ def test_finetune_card_has_the_training_numbers(converted, calib_text, tmp_path)
     assert f"| fine-tuned (held out) | {m['held_out_perplexity_after']:.3f} | {protocol} |" in text
     assert "optimizer steps 2" in text and f"training tokens {m['tokens']}" in text
     assert "| source | 64 | 512 |" in text and "| this model | 16 | 128 |" in text
-    assert "# ft\n" in text and hub.verify_checkpoint(final)["tensors"] > 0
+    assert "# ft\n" in text and verify_checkpoint(final)["tensors"] > 0
 
 
 # ----------------------------------------------------------------------------------------------------------- push

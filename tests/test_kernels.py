@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mla_convert.dtypes import DTYPES
 from mla_convert.kernels import mla_decode, mla_decode_reference
 
 # (name, B, H, S, d_c, d_r, dtype, num_splits, lengths or None for "random in [1, S]")
@@ -38,7 +39,6 @@ CASES = [
 # bfloat16 runs on GPU only: Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits
 # (runtime/interpreter.py, create_dot), so interpreter results for bf16 are meaningless.
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 

@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+from mla_convert.evaluate import tensor_bytes
+
 
 def _kv_cache_report(llm) -> dict:
     """Bytes per token and token capacity of the cache vLLM allocated (single process: the engine core in-process)."""
@@ -35,7 +37,7 @@ def _kv_cache_report(llm) -> dict:
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
         caches = [t for t in runner.kv_caches if hasattr(t, "numel")]
-        total = sum(t.numel() * t.element_size() for t in caches)
+        total = tensor_bytes(caches)
         report["allocated_bytes"] = total
         report["layers"] = len(caches)
         if report.get("num_gpu_blocks"):

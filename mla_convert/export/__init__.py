@@ -1,0 +1,65 @@
+"""Export a native MLA checkpoint to the stock DeepSeek-V3 format (transformers `DeepseekV3ForCausalLM`, vLLM, SGLang).
+
+Native layer (see mla_convert/modeling) -> DeepSeek-V3 layer, one tensor at a time:
+
+    q_proj [H*(d_n+d_r), D]      -> q_proj [H*(d_n+d_r'), D]: softmax scale folded in, rope rows interleaved and
+                                    reordered onto one geometric frequency set; or, when the query has a bias,
+                                    q_a_proj (+bias) -> q_a_layernorm (identity) -> q_b_proj
+    kv_a_proj [d_c+d_r, D]       -> kv_a_proj_with_mqa [d_c'+d_r', D]: latent rows times a tiny power of two `a`
+                                    (so that kv_a_layernorm, which the format always applies, is linear), rope rows
+                                    interleaved and reordered like the query's
+    (none)                       -> kv_a_layernorm.weight = sqrt(eps)/a: the norm is the identity up to a bounded
+                                    relative error (see `identity_norm_scale`)
+    kv_b_proj [G*(d_n+d_v), d_c] -> kv_b_proj [H*(d_n+d_v), d_c']: kv groups repeated per query head
+    o_proj [D, H*d_v]            -> o_proj, with the value bias (and the latent bias's value part) folded into its bias
+
+Facts of the stock format this relies on are proven by tests/test_export.py against the installed transformers:
+`kv_a_layernorm` and `q_a_layernorm` are built with eps 1e-6 whatever `rms_norm_eps` says (vLLM and SGLang use
+`rms_norm_eps`), so the export sets `rms_norm_eps` = 1e-6 and rescales the residual stream by
+sqrt(1e-6 / source eps), which makes every decoder RMSNorm compute exactly what the source's did;
+`num_key_value_heads` must equal the number of heads; `n_routed_experts` must be an int (dense-only models set
+`first_k_dense_replace = num_hidden_layers`); with `rope_interleave` the rope dims pair as (2m, 2m+1) with frequency
+`rope_theta^(-2m/d_r)`; the attention scale is `(d_n + d_r)^-0.5` (no yarn mscale with the default rope type).
+
+What the format cannot express is either re-expressed exactly, approximated only with `allow_approx` (and then always
+measured), or refused with the conversion options that produce an exportable model.
+
+Rooms: rope_fit.py (RoPE frequencies: the fit, the conversion-time choice for `--target deepseek`), plan.py (options,
+exported shapes, config, serving notes), layer.py (tensor mapping and the identity norm), verify.py (the stock check
+in a subprocess), driver.py (`export`, and `convert_to_target` behind `mla-convert convert --target/--format`).
+"""
+
+from mla_convert.export.driver import LAYER_ATTENTION, convert_to_target, export, report_export, resolve_target
+from mla_convert.export.layer import NORM_TOLERANCE, export_layer, identity_norm_scale
+from mla_convert.export.plan import (
+    DTYPE_CHOICES,
+    EXPORT_EPS,
+    FLASHMLA_LAYOUT,
+    FORMATS,
+    PAD_CHOICES,
+    VLLM_MLA_HEAD_SIZES,
+    ExportOptions,
+    ExportPlan,
+    deepseek_config,
+    deepseek_layout_notes,
+    make_plan,
+    serving_notes,
+)
+from mla_convert.export.rope_fit import (
+    FREQ_TOLERANCE,
+    TARGET_STRATEGIES,
+    RopeFit,
+    check_exportable,
+    deepseek_compatible_rope_pairs,
+    deepseek_convert_options,
+    fit_deepseek_rope,
+)
+from mla_convert.export.verify import relative_error, verify_export
+
+__all__ = [
+    "DTYPE_CHOICES", "EXPORT_EPS", "FLASHMLA_LAYOUT", "FORMATS", "FREQ_TOLERANCE", "LAYER_ATTENTION", "NORM_TOLERANCE",
+    "PAD_CHOICES", "TARGET_STRATEGIES", "VLLM_MLA_HEAD_SIZES", "ExportOptions", "ExportPlan", "RopeFit",
+    "check_exportable", "convert_to_target", "deepseek_compatible_rope_pairs", "deepseek_config", "deepseek_convert_options",
+    "deepseek_layout_notes", "export", "export_layer", "fit_deepseek_rope", "identity_norm_scale", "make_plan",
+    "relative_error", "report_export", "resolve_target", "serving_notes", "verify_export",
+]  # fmt: skip

@@ -1,0 +1,234 @@
+"""The export driver: `export` reads a native MLA checkpoint, plans, maps every layer, writes the DeepSeek-V3 folder
+atomically, verifies it and records provenance and the model card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mla_convert.errors import UserError
+from mla_convert.export.layer import export_layer
+from mla_convert.export.plan import ExportOptions, deepseek_config, make_plan, out_dtype
+from mla_convert.export.verify import verify_export
+
+log = logging.getLogger(__name__)
+
+LAYER_ATTENTION = ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
+
+
+def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOptions, overwrite: bool = False) -> dict:
+    """Export the native MLA checkpoint folder `model` to a DeepSeek-V3 folder `out`; returns the export record
+    (what provenance.json holds under "export", plus "measurements")."""
+    from mla_convert import provenance
+    from mla_convert.card import write_model_card
+    from mla_convert.checkpoint import SafetensorsSource, ShardedWriter, staged_output
+    from mla_convert.modeling import MLAConfig
+
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder} has no config.json: pass a native MLA checkpoint folder (mla-convert llama -o DIR)")
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type != "mla":
+        raise UserError(f"export needs a native MLA checkpoint (model_type mla, made by `mla-convert llama ... -o "
+                        f"DIR`), got model_type {model_type}")
+    config = MLAConfig.from_pretrained(folder)
+    dtype = out_dtype(options, config)
+    source = SafetensorsSource(config, str(folder), folder)
+    layers = config.num_hidden_layers
+    prefix = "model.layers.{i}."
+
+    def bias(i: int, name: str) -> torch.Tensor | None:
+        key = f"{prefix.format(i=i)}self_attn.{name}.bias"
+        return source.get(key) if source.has(key) else None
+
+    layer_biases = []
+    for i in range(layers):
+        d_c = config.kv_lora_rank[i]
+        kv_a, kv_b = bias(i, "kv_a_proj"), bias(i, "kv_b_proj")
+        v_part = kv_b.view(config.num_key_value_heads, -1)[:, config.qk_nope_head_dim :] if kv_b is not None else None
+        o_parts = [x for x in (bias(i, "o_proj"), v_part, kv_a[:d_c] if kv_a is not None else None) if x is not None]
+        layer_biases.append({
+            "q": bias(i, "q_proj"),
+            "k_rope": kv_a[d_c:] if kv_a is not None else None,
+            "o": torch.cat([x.reshape(-1) for x in o_parts]) if o_parts else None,
+        })  # fmt: skip
+    plan = make_plan(config, layer_biases, options)
+    for note in plan.warnings:
+        log.warning("%s", note)
+    for note in plan.approximations:
+        log.warning("approximation: %s", note)
+    s = plan.residual_scale
+    record = {
+        "format": "deepseek_v3",
+        "rope_theta": plan.fit.base,
+        "rope_order": plan.fit.order,
+        "rope_exact": plan.fit.exact,
+        "rope_max_freq_rel_error": plan.fit.max_freq_rel_error,
+        "kv_lora_rank": plan.latent_out,
+        "qk_rope_head_dim": plan.rope_out,
+        "q_lora_rank": plan.q_lora_rank,
+        "attention_bias": plan.attention_bias,
+        "residual_scale": s,
+        "approximations": plan.approximations,
+        "warnings": plan.warnings,
+    }
+    inputs = (folder,)
+    with staged_output(Path(out), overwrite, inputs) as stage:
+        writer = ShardedWriter(stage, dtype)
+        writer.add("model.embed_tokens.weight", s * source.get("model.embed_tokens.weight"))
+        lm_head = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
+        writer.add("lm_head.weight", source.get(lm_head))
+        writer.add("model.norm.weight", source.get("model.norm.weight"))
+        scales = []
+        for i in range(layers):
+            p = prefix.format(i=i)
+            norm_weight = source.get(p + "input_layernorm.weight")
+            attn = {}
+            for name in LAYER_ATTENTION:
+                for kind in ("weight", "bias"):
+                    key = f"{p}self_attn.{name}.{kind}"
+                    if source.has(key):
+                        attn[f"{name}.{kind}"] = source.get(key)
+            if options.drop_biases:
+                attn = {k: v for k, v in attn.items() if not k.endswith(".bias")}
+            tensors, stats = export_layer(attn, plan, i, norm_weight)
+            scales.append(stats)
+            for name, tensor in tensors.items():
+                writer.add(f"{p}self_attn.{name}", tensor)
+            writer.add(p + "input_layernorm.weight", norm_weight)
+            writer.add(p + "post_attention_layernorm.weight", source.get(p + "post_attention_layernorm.weight"))
+            for name in ("gate_proj", "up_proj"):
+                writer.add(f"{p}mlp.{name}.weight", source.get(f"{p}mlp.{name}.weight"))
+            writer.add(f"{p}mlp.down_proj.weight", s * source.get(f"{p}mlp.down_proj.weight"))
+        source.close()
+        writer.finalize()
+        (stage / "config.json").write_text(json.dumps(deepseek_config(config, plan, dtype), indent=2) + "\n")
+        copied = source.copy_aux_files(stage)
+        record["identity_norm_scales"] = scales
+        measurements = {}
+        if options.verify:
+            measurements = verify_export(folder, stage, options, plan.attention_bias)
+            err = measurements["export_max_rel_logit_error"]
+            log.info("stock DeepseekV3ForCausalLM vs native: max relative logit error %.3g", err)
+            if not plan.approximations and err > 1e-3:
+                log.warning("the export differs from the native model by %.3g although no approximation was made "
+                            "(dtype %s rounding?)", err, str(dtype).replace("torch.", ""))
+        parent = provenance.load(folder)
+        kv_before = sum(plan.ranks) / layers + plan.rope
+        provenance.save(stage, provenance.new(
+            "export",
+            source=(parent or {}).get("source"),
+            method="DeepSeek-V3 export (identity kv_a_layernorm, interleaved geometric RoPE, folded softmax scale)",
+            options=dataclasses.asdict(options),
+            kv_cache={
+                "elements_per_token_per_layer_before": kv_before,
+                "elements_per_token_per_layer_after": plan.latent_out + plan.rope_out,
+                "dtype": str(dtype).replace("torch.", ""),
+            },
+            export=record,
+            measurements=measurements,
+            copied_files=copied,
+            parent=parent,
+        ))  # fmt: skip
+        write_model_card(stage)
+    record["measurements"] = measurements
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------- convert --target
+
+
+def resolve_target(target: str | None, format: str, output: Path | None) -> tuple[str, Path | None]:
+    """Check `mla-convert convert --target/--format`; returns (target, the folder the native checkpoint goes to).
+
+    With --format deepseek, OUT is the DeepSeek-V3 export (what engines serve) and the native checkpoint goes beside
+    it, to OUT-native.
+    """
+    if format not in ("native", "deepseek"):
+        raise UserError(f"--format must be native or deepseek, got {format}")
+    target = target or format
+    if target not in ("native", "deepseek"):
+        raise UserError(f"--target must be native or deepseek, got {target}")
+    if format == "deepseek" and target != "deepseek":
+        raise UserError("--format deepseek needs DeepSeek-exportable options: drop --target native")
+    native_out = output.with_name(output.name + "-native") if format == "deepseek" and output is not None else output
+    return target, native_out
+
+
+def convert_to_target(source, output: Path | None, native_out: Path | None, options, family: str | None, *,
+                      target: str, format: str, explicit: set[str], overwrite: bool, dry_run: bool, progress: bool,
+                      say: Callable[..., None]) -> None:
+    """Convert `source` for `target` (native or deepseek) and, with `format` deepseek, export the result to `output`.
+
+    `target` deepseek resolves and checks exportable options (deepseek_convert_options) before any heavy work;
+    `explicit` names the options the user set. Notes go through `say(text)`, warnings through `say(text, err=True)`
+    (the CLI passes typer.echo).
+    """
+    from mla_convert.convert import convert
+
+    if target == "deepseek":  # resolve and check exportable options before any heavy work
+        from mla_convert.export.plan import deepseek_layout_notes
+        from mla_convert.export.rope_fit import deepseek_convert_options
+        from mla_convert.families import family_for
+
+        options, notes = deepseek_convert_options(source.config, options, explicit)
+        if format == "deepseek" and any(family_for(source.config, family).attention_biases(source.config)):
+            raise UserError("this model has attention biases, which vLLM's and SGLang's DeepSeek classes drop "
+                            "silently: serve the native checkpoint through the vLLM plugin instead (convert without "
+                            "--format deepseek; docs/serving.md), or convert with --target deepseek and run "
+                            "`mla-convert export --keep-biases` (transformers only) or `--drop-biases --allow-approx`")
+        plan = convert(source, native_out, options, family, dry_run=True)
+        if format == "deepseek" and plan.dtype == "float16":
+            raise UserError("the DeepSeek-V3 export cannot hold float16 (its identity latent norm needs bfloat16's "
+                            "range): pass --dtype bfloat16 or --dtype float32")
+        for note in notes:
+            say(note)
+        for note in deepseek_layout_notes(source.config, plan.ranks, plan.rope_dim):
+            say(f"warning: {note}", err=True)
+    if target != "deepseek":  # the native checkpoint serves through the vLLM plugin if its layout fits
+        from mla_convert.serving.layout import serving_notes
+
+        plan = convert(source, native_out, options, family, dry_run=True)
+        for note in serving_notes(plan.ranks, plan.rope_dim):
+            say(f"warning: {note}", err=True)
+    plan = convert(source, native_out, options, family, overwrite=overwrite, dry_run=dry_run, progress=progress)
+    say(plan.describe())
+    if dry_run:
+        where = f" (native MLA to {native_out}, DeepSeek-V3 export to {output})" if format == "deepseek" else ""
+        say(f"dry run: nothing written{where}")
+        return
+    say(f"wrote {native_out}  (load: import mla_convert; AutoModelForCausalLM.from_pretrained('{native_out}'))")
+    if format == "deepseek":
+        report_export(export(native_out, output, ExportOptions(), overwrite=overwrite), output, say)
+    elif target == "deepseek":
+        from mla_convert.export.rope_fit import check_exportable
+
+        for problem in check_exportable(native_out):  # a converter change broke what was resolved above
+            say(f"warning: the result will not export exactly to DeepSeek-V3: {problem}", err=True)
+
+
+def report_export(record: dict, output: Path, say: Callable[..., None]) -> None:
+    """What an export wrote and how it verified, through `say` (the CLI passes typer.echo)."""
+    say(
+        f"wrote {output}: DeepSeek-V3, kv_lora_rank {record['kv_lora_rank']} + qk_rope_head_dim "
+        f"{record['qk_rope_head_dim']}, rope_theta {record['rope_theta']:.6g}"
+        + (f", q_lora_rank {record['q_lora_rank']}" if record["q_lora_rank"] else "")
+    )
+    for note in record["approximations"]:
+        say(f"approximation: {note}")
+    m = record["measurements"]
+    if m:
+        line = f"stock transformers vs native: max relative logit error {m['export_max_rel_logit_error']:.3g}, "
+        line += "greedy tokens " + ("match" if m["export_greedy_tokens_match"] else "DIFFER")
+        if "export_max_rel_logit_error_without_biases" in m:
+            line += f"; without biases (as vLLM/SGLang run it): {m['export_max_rel_logit_error_without_biases']:.3g}"
+        say(line)
+    else:
+        say("not verified (--no-verify)")

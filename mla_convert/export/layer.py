@@ -1,0 +1,148 @@
+"""Layer mapping: one native attention layer's tensors -> DeepSeek-V3 tensors, with the identity latent norm.
+
+DeepSeek-V3 always applies `kv_a_layernorm` (and `q_a_layernorm` on the q_lora path) to the latent. `export_layer`
+scales the latent rows by a tiny power of two `a` and sets the norm weight to sqrt(eps)/a, so that the norm is the
+identity up to a relative error below float32 rounding (`identity_norm_scale`); the rope rows are interleaved and
+reordered onto the fitted frequencies (rope_fit.place_rope_rows), the softmax scale is folded into the query, kv
+groups are repeated per query head and the value biases are folded into o_proj's bias.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_convert.export.plan import EXPORT_EPS, ExportPlan
+from mla_convert.export.rope_fit import place_rope_rows
+
+# Relative error allowed on the latent (and on the query under the q_lora path) by the identity-norm trick. Below
+# float32's resolution of 6e-8 per element after rounding the scale down to a power of two.
+NORM_TOLERANCE = 1e-7
+
+
+def identity_norm_scale(max_mean_square: float, eps: float = EXPORT_EPS, tolerance: float = NORM_TOLERANCE) -> float:
+    """The power of two `a` for which RMSNorm_eps(a*c) * (sqrt(eps)/a) equals c within relative `tolerance`.
+
+    RMSNorm_eps(a c) * sqrt(eps)/a = c / sqrt(1 + a^2 mean(c^2)/eps), so the relative error is at most
+    a^2 M / (2 eps) for every c with mean(c^2) <= M. A power of two keeps `a * W` exact in any float format.
+    """
+    if max_mean_square <= 0:
+        return 1.0
+    a = math.sqrt(2 * tolerance * eps / max_mean_square)
+    return 2.0 ** math.floor(math.log2(a))
+
+
+def _latent_bound(w: torch.Tensor, norm_weight: torch.Tensor, bias: torch.Tensor | None, dims: int) -> float:
+    """Bound on mean(y^2) over `dims` outputs for y = w x + bias, x = the decoder input RMSNorm's output.
+
+    x = norm_weight * h / rms(h) has ||h/rms(h)|| <= sqrt(D) for every h, so ||y|| <= ||w diag(norm_weight)||_2
+    sqrt(D) + ||bias||.
+    """
+    sigma = float(torch.linalg.matrix_norm(w.double() * norm_weight.double(), ord=2))
+    bound = sigma * math.sqrt(w.shape[1]) + (float(bias.double().norm()) if bias is not None else 0.0)
+    return bound * bound / dims
+
+
+def _round_to(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype).double())
+
+
+def export_layer(t: dict[str, torch.Tensor], plan: ExportPlan, layer: int, norm_weight: torch.Tensor) -> tuple[dict, dict]:
+    """One layer's attention tensors (names relative to `self_attn.`) -> DeepSeek tensors and per-layer stats.
+
+    `t` holds the native q_proj/kv_a_proj/kv_b_proj/o_proj weights and biases (float32); `norm_weight` is the
+    layer's input_layernorm weight, which bounds the latent for the identity norm.
+    """
+    H, G, d_n, d_v, d_r = plan.heads, plan.groups, plan.nope, plan.value, plan.rope
+    d_c, d_c_out, d_r_out = plan.ranks[layer], plan.latent_out, plan.rope_out
+    order, stride = plan.fit.order[layer], plan.rope_stride
+    per_group = H // G
+    f64 = torch.float64
+
+    def get(name):
+        x = t.get(name)
+        return None if x is None else x.to(f64)
+
+    w_q, b_q = get("q_proj.weight"), get("q_proj.bias")
+    hidden = w_q.shape[1]
+    w_q = w_q.view(H, d_n + d_r, hidden)
+    b_q = (b_q if b_q is not None else w_q.new_zeros(H * (d_n + d_r))).view(H, d_n + d_r)
+    rope_q = plan.q_scale * plan.rope_score_scale
+    w_q_out = torch.cat(
+        (plan.q_scale * w_q[:, :d_n], rope_q * place_rope_rows(w_q[:, d_n:], order, d_r_out, stride)), dim=1
+    ).reshape(H * (d_n + d_r_out), hidden)
+    b_q_out = torch.cat(
+        (plan.q_scale * b_q[:, :d_n], rope_q * place_rope_rows(b_q[:, d_n:, None], order, d_r_out, stride)[..., 0]),
+        dim=1,
+    ).reshape(-1)
+
+    w_a, b_a = get("kv_a_proj.weight"), get("kv_a_proj.bias")
+    w_c, w_r = w_a[:d_c], w_a[d_c:]  # [d_c, D], [d_r, D]
+    b_c = b_a[:d_c] if b_a is not None else None
+    b_r = b_a[d_c:] if b_a is not None else w_a.new_zeros(d_r)
+
+    w_b, b_b = get("kv_b_proj.weight"), get("kv_b_proj.bias")
+    w_b = w_b.view(G, d_n + d_v, d_c)
+    w_uv = w_b[:, d_n:]  # [G, d_v, d_c]
+    # Value bias seen by the output: kv_b's value bias plus the latent bias mapped through W_uv (softmax rows sum to
+    # 1). The nope-key parts of both biases add one constant per query to every score, which softmax cancels.
+    v_bias = w_b.new_zeros(G, d_v)
+    if b_b is not None:
+        v_bias += b_b.view(G, d_n + d_v)[:, d_n:]
+    if b_c is not None:
+        v_bias += torch.einsum("gvc,c->gv", w_uv, b_c)
+    w_o, b_o = get("o_proj.weight"), get("o_proj.bias")
+    o_bias = w_o @ v_bias.repeat_interleave(per_group, dim=0).reshape(-1)  # [D]
+    if b_o is not None:
+        o_bias = o_bias + b_o
+
+    # Identity kv_a_layernorm: latent rows scaled by a power of two a (exact in any format), norm weight sqrt(eps)/a
+    # rounded to bfloat16 precision so that a float32 export served in bfloat16 keeps it exactly; kv_b_proj absorbs
+    # the rounding.
+    latent_ms = _latent_bound(w_c, norm_weight, None, d_c_out)
+    a = identity_norm_scale(latent_ms)
+    norm_w = _round_to(math.sqrt(EXPORT_EPS) / a, torch.bfloat16)  # exact in float32 and bfloat16 alike
+    correction = math.sqrt(EXPORT_EPS) / a / norm_w
+    kv_a = w_a.new_zeros(d_c_out + d_r_out, hidden)
+    kv_a[:d_c] = a * w_c
+    kv_a[d_c_out:] = place_rope_rows(w_r[None], order, d_r_out, stride)[0]
+    kv_b = w_b.new_zeros(H, d_n + d_v, d_c_out)
+    kv_b[:, :, :d_c] = correction * w_b.repeat_interleave(per_group, dim=0)
+
+    out = {
+        "kv_a_proj_with_mqa.weight": kv_a,
+        "kv_a_layernorm.weight": torch.full((d_c_out,), norm_w, dtype=f64),
+        "kv_b_proj.weight": kv_b.reshape(H * (d_n + d_v), d_c_out),
+        "o_proj.weight": plan.residual_scale * w_o,
+    }
+    stats = {"kv_a_scale": a, "latent_mean_square_bound": latent_ms}
+    if plan.attention_bias:
+        k_bias = w_a.new_zeros(d_c_out + d_r_out)
+        if plan.k_rope_bias:
+            k_bias[d_c_out:] = place_rope_rows(b_r[None, :, None], order, d_r_out, stride)[0, :, 0]
+        out["kv_a_proj_with_mqa.bias"] = k_bias
+        out["o_proj.bias"] = plan.residual_scale * o_bias if plan.o_bias else torch.zeros_like(o_bias)
+    if plan.q_lora_rank is None:
+        out["q_proj.weight"] = w_q_out
+        return out, stats
+    # Query with a bias: q = W x + b through q_a_proj (+bias) -> identity q_a_layernorm -> q_b_proj.
+    rows = w_q_out.shape[0]
+    if plan.q_lora_mode == "input":  # q_a = a [x; 1], q_b = [W | b]
+        ms = (float(norm_weight.double().abs().max()) ** 2 * hidden + 1.0) / (hidden + 1)
+        a_q = identity_norm_scale(ms)
+        q_a = torch.cat((torch.eye(hidden, dtype=f64), w_q.new_zeros(1, hidden)), dim=0) * a_q
+        q_a_bias = w_q.new_zeros(hidden + 1)
+        q_a_bias[-1] = a_q
+        q_b = torch.cat((w_q_out, b_q_out[:, None]), dim=1)
+    else:  # q_a = a (W x + b), q_b = identity
+        ms = _latent_bound(w_q_out, norm_weight, b_q_out, rows)
+        a_q = identity_norm_scale(ms)
+        q_a, q_a_bias, q_b = a_q * w_q_out, a_q * b_q_out, torch.eye(rows, dtype=f64)
+    q_norm_w = _round_to(math.sqrt(EXPORT_EPS) / a_q, torch.bfloat16)
+    out["q_a_proj.weight"] = q_a
+    out["q_a_proj.bias"] = q_a_bias
+    out["q_a_layernorm.weight"] = torch.full((q_a.shape[0],), q_norm_w, dtype=f64)
+    out["q_b_proj.weight"] = q_b * (math.sqrt(EXPORT_EPS) / a_q / q_norm_w)
+    stats["q_a_scale"] = a_q
+    return out, stats

@@ -1,0 +1,195 @@
+"""RoPE fit: how the native model's kept rotary pairs map onto DeepSeek-V3's one geometric frequency set.
+
+`fit_deepseek_rope` maps every layer's kept frequencies onto `base^(-2m/d_r)` (exact, or the least-squares base with
+the error said); `deepseek_compatible_rope_pairs` and `deepseek_convert_options` choose, before a conversion, the pairs
+that will export exactly (`--target deepseek`); `check_exportable` asks the same of a finished native checkpoint;
+`place_rope_rows` moves native rotate_half rope rows to DeepSeek's interleaved rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mla_convert.errors import UserError
+from mla_convert.rope import source_frequencies
+
+FREQ_TOLERANCE = 1e-5  # relative: two inverse frequencies this close are the same frequency (float32 rounding)
+
+
+@dataclass
+class RopeFit:
+    """How the native per-layer rope pairs map onto DeepSeek's one geometric frequency set.
+
+    `order[layer][m]` is the native pair index (in 0..d_r/2) with the m-th fastest frequency; it rotates with
+    `base^(-2m/d_r)` in the export. (With rope padding, see `_place_rope_rows`, it sits at DeepSeek pair m*stride of
+    `d_r*stride` dims, which has the same frequency.)
+    """
+
+    base: float
+    order: list[list[int]]
+    exact: bool
+    max_freq_rel_error: float
+    problems: list[str] = field(default_factory=list)
+
+
+def fit_deepseek_rope(inv_freq: torch.Tensor, rope_pairs: list[list[int]], tolerance: float = FREQ_TOLERANCE) -> RopeFit:
+    """Map every layer's kept frequencies onto one set `base^(-2m/d_r)`, m = 0..d_r/2-1 (DeepSeek's, default type).
+
+    Exact when all layers keep the same frequencies and those form a geometric sequence starting at 1 (e.g. the
+    fastest r pairs, base' = base^(2r/d_h), or every s-th pair from the fastest, base' = base^(2rs/d_h)). Otherwise
+    the least-squares base in log space is returned with `exact=False`: each layer's pairs, fastest first, take the
+    DeepSeek frequencies in order, and `max_freq_rel_error` says how far any pair moved.
+    """
+    freqs = inv_freq.double()
+    pairs = len(rope_pairs[0])
+    order, sorted_freqs, problems = [], [], []
+    for layer, idx in enumerate(rope_pairs):
+        f = freqs[torch.tensor(idx, dtype=torch.long)]
+        perm = torch.argsort(f, descending=True, stable=True)
+        order.append(perm.tolist())
+        sorted_freqs.append(f[perm])
+        if len(set(idx)) != len(idx):
+            problems.append(f"layer {layer} keeps frequency pairs {sorted(idx)} with repeats (several kv components "
+                            "on one frequency); DeepSeek's frequencies are distinct")
+    sf = torch.stack(sorted_freqs)  # [L, r], fastest first
+    k = torch.arange(pairs, dtype=torch.float64)
+    if pairs > 1:
+        # log f_k = -k * (2/d_r) * ln(base): least squares through the origin over all layers
+        log_rho = float((sf.log() * k).sum() / (k * k).sum() / sf.shape[0])
+        base = math.exp(-log_rho * pairs)
+    else:
+        base, log_rho = 10000.0, 0.0  # one pair rotates at frequency 1 whatever the base
+    target = torch.exp(log_rho * k)  # [r]: DeepSeek's inv_freq, 1 first
+    rel = (target / sf - 1).abs()
+    max_rel = float(rel.max())
+    if (sf[:, 0] - 1).abs().max() > tolerance:
+        problems.append(f"the fastest kept frequency is {float(sf[:, 0].min()):.4g}, not 1 (DeepSeek's pair 0 always "
+                        "rotates at 1 rad/token): keep the fastest source pair")
+    if (sf - sf[0]).abs().max() > tolerance * sf[0].abs().max():
+        bad = next(i for i in range(1, sf.shape[0]) if sorted(rope_pairs[i]) != sorted(rope_pairs[0]))
+        problems.append(f"layers keep different frequency pairs (layer 0 {sorted(rope_pairs[0])}, layer {bad} "
+                        f"{sorted(rope_pairs[bad])}); DeepSeek has one frequency set for all layers")
+    if max_rel > tolerance and not problems:
+        problems.append(f"the kept frequencies are not geometric (max relative deviation {max_rel:.3g}; e.g. RoPE "
+                        "scaling that bends them, or a non-uniform pair choice)")
+    exact = max_rel <= tolerance and not problems
+    return RopeFit(base=base, order=order, exact=exact, max_freq_rel_error=max_rel, problems=problems)
+
+
+def deepseek_compatible_rope_pairs(
+    head_dim: int, rope_dims: int, strategy: str = "uniform", inv_freq: torch.Tensor | None = None
+) -> list[int]:
+    """Source frequency indices a converter can keep so that the result exports exactly to DeepSeek-V3.
+
+    `strategy` "high": the fastest `rope_dims/2` pairs (base' = base^(rope_dims/head_dim)); "uniform": every s-th pair
+    from the fastest, s = (head_dim/2) // (rope_dims/2) (base' = base^(s*rope_dims/head_dim)). Use the same list for
+    every layer, one kv component per frequency (merging across kv heads keeps that when each frequency is taken
+    once). With `inv_freq` (the source's, after any RoPE scaling), the set is checked to be geometric and a
+    UserError says why not. "low" and "2-norm" choices are not exportable (their fastest pair is not frequency 1, or
+    they differ per layer).
+    """
+    half, count = head_dim // 2, rope_dims // 2
+    if rope_dims % 2 or not 0 < count <= half:
+        raise UserError(f"rope dims must be even and in [2, {head_dim}] for a DeepSeek export, got {rope_dims}")
+    if strategy == "high":
+        pairs = list(range(count))
+    elif strategy == "uniform":
+        stride = half // count
+        pairs = [m * stride for m in range(count)]
+    else:
+        raise UserError(f"--rope-strategy {strategy} does not give a DeepSeek-exportable model: use high or uniform")
+    if inv_freq is not None:
+        fit = fit_deepseek_rope(inv_freq, [pairs])
+        if not fit.exact:
+            raise UserError(f"the {strategy} pairs {pairs} do not export exactly: {fit.problems[0]}; "
+                            "try --rope-strategy high (RoPE scaling usually leaves the fastest pairs alone)")
+    return pairs
+
+
+TARGET_STRATEGIES = ("uniform", "high")  # data-free choices that keep one geometric frequency set for all layers
+
+
+def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str] = frozenset()):
+    """Resolve conversion options so that the converted model exports exactly to DeepSeek-V3 (`--target deepseek`).
+
+    Cheap: reads the source config only (run it before calibration). `options` is a ConvertOptions; `explicit` names
+    the fields the user set (e.g. {"rope_strategy", "rope_dims"}): an explicit choice the format cannot hold is
+    refused with a UserError naming the fix, a default is replaced by an exportable one. Exportable means: one kv
+    component per frequency (merged across kv heads, or a single kv head), at most head_dim rope dims, and a data-free
+    pair choice ("uniform", else "high") whose frequencies, after the source's RoPE scaling, form a geometric set
+    starting at the fastest pair. Returns (resolved options, notes saying what was chosen).
+    """
+    from mla_convert import rope as rope_lib
+
+    if getattr(config, "mlp_bias", False):
+        raise UserError("the MLP has biases, which DeepSeek-V3's dense MLP cannot hold: convert with --target native")
+    heads = config.num_attention_heads
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    d_r = head_dim // 2 if options.rope_dims is None else options.rope_dims
+    if d_r <= 0 or d_r % 2:
+        raise UserError(f"--target deepseek needs an even, positive --rope-dims (a rope key), got {d_r}")
+    if d_r > head_dim:
+        raise UserError(f"--rope-dims {d_r} is above head_dim {head_dim}: several rope pairs would share a frequency, "
+                        f"which DeepSeek-V3 cannot hold; pass --rope-dims {head_dim} or less (or --target native)")
+    if not options.rope_merge and groups > 1:
+        raise UserError(f"--no-rope-merge keeps a rope pair per kv head ({groups}) on every kept frequency; DeepSeek-V3 "
+                        "has one: drop --no-rope-merge (or use --target native)")
+    if "rope_strategy" in explicit:
+        if options.rope_strategy not in TARGET_STRATEGIES:
+            raise UserError(f"--rope-strategy {options.rope_strategy} picks pairs that DeepSeek-V3 cannot hold (one "
+                            "geometric frequency set for all layers): pass --rope-strategy uniform or high, or use "
+                            "--target native")
+        candidates = [options.rope_strategy]
+    else:
+        candidates = list(TARGET_STRATEGIES)
+    inv_freq, _ = source_frequencies(config)
+    eye = torch.eye(groups, dtype=torch.float64).expand(head_dim // 2, groups, groups)
+    problems = []
+    for strategy in candidates:
+        # The pairs the converter keeps with this data-free strategy (identity key statistics stand in for data).
+        plan = rope_lib.plan_rope(d_r, strategy, options.rope_merge, heads, groups, head_dim,
+                                  q_energy=torch.ones(heads, head_dim // 2, dtype=torch.float64), k_cov=eye)
+        pairs = plan.frequencies
+        fit = fit_deepseek_rope(inv_freq, [pairs])
+        if fit.exact:
+            resolved = dataclasses.replace(options, rope_dims=d_r, rope_strategy=strategy)
+            notes = [f"--target deepseek: --rope-strategy {strategy} --rope-dims {d_r}"
+                     f"{' --rope-merge' if options.rope_merge else ''} keeps frequency pairs {pairs}, exported with "
+                     f"rope_theta {fit.base:.6g}"]
+            return resolved, notes
+        problems.append(f"--rope-strategy {strategy} keeps pairs {pairs}: {fit.problems[0]}")
+    if "rope_strategy" in explicit and options.rope_strategy == "uniform":
+        fix = "pass --rope-strategy high, or a --rope-dims whose pair count divides head_dim/2"
+    else:
+        fix = "no data-free pair choice fits: use --target native (and `mla-convert export --allow-approx`)"
+    raise UserError(f"not exportable to DeepSeek-V3: {'; '.join(problems)}; {fix}")
+
+
+def check_exportable(folder: str | os.PathLike) -> list[str]:
+    """Problems that keep the native checkpoint `folder` from an exact DeepSeek-V3 export (RoPE only; cheap)."""
+    from mla_convert.modeling import MLAConfig
+
+    config = MLAConfig.from_pretrained(Path(folder))
+    inv_freq, _ = source_frequencies(config)
+    return fit_deepseek_rope(inv_freq, config.rope_pairs).problems
+
+
+def place_rope_rows(x: torch.Tensor, order: list[int], out_dim: int, stride: int) -> torch.Tensor:
+    """Native rotate_half rope rows -> DeepSeek interleaved rows, along dim 1 of x [N, d_r, ...] -> [N, out_dim, ...].
+
+    Native pair j is (row j, row j + d_r/2); DeepSeek pair k is (row 2k, row 2k+1) and rotates in the same sense
+    (first' = first cos - second sin). Native pair order[m] goes to DeepSeek pair m*stride; other rows stay zero.
+    """
+    half = x.shape[1] // 2
+    out = x.new_zeros(x.shape[0], out_dim, *x.shape[2:])
+    for m, j in enumerate(order):
+        out[:, 2 * m * stride] = x[:, j]
+        out[:, 2 * m * stride + 1] = x[:, j + half]
+    return out
