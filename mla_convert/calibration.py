@@ -46,11 +46,17 @@ class LayerRunner:
     def __init__(self, config, embed: torch.Tensor, tokens: torch.Tensor, batch: int = 8):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        self.hidden = torch.nn.functional.embedding(tokens, embed.float())  # [N, T, D]
+        self.hidden = torch.nn.functional.embedding(tokens, embed).float()  # [N, T, D] (rows first: no float32 table)
         self.batch = batch
         rotary = LlamaRotaryEmbedding(config)
         positions = torch.arange(tokens.shape[1]).unsqueeze(0)
         self.position_embeddings = rotary(self.hidden[:1], positions)
+
+    def to(self, device) -> "LayerRunner":
+        """Keep the hidden states (and the rotary tables) on `device`: layers moved there run where they are."""
+        self.hidden = self.hidden.to(device)
+        self.position_embeddings = tuple(t.to(device) for t in self.position_embeddings)
+        return self
 
     @torch.no_grad()
     def attention_input(self, layer) -> torch.Tensor:
