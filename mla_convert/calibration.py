@@ -117,7 +117,8 @@ class LayerRunner:
                     mixed = probs @ x[0, :length].flip(0)  # [H, R, D]: each query's attended input
                     mixed = torch.cat([mixed, mixed.new_ones(heads, rows, 1)], dim=-1)  # rows of p sum to 1
                     mixed = mixed.view(groups, -1, dim + 1).double()  # [G, (H/G) R, D+1]
-                    attended += mixed.transpose(1, 2) @ mixed
+                    for group, rows_g in zip(attended, mixed):  # one [D+1, D+1] product at a time (8B: 134 MB)
+                        group += rows_g.T @ rows_g
                     attended_rows += rows * heads // groups
             xa = torch.cat([x[0], x.new_ones(seq, 1)], dim=-1).double()  # [T, D+1]
             keyed += (xa * received[:, None]).T @ xa

@@ -159,14 +159,16 @@ class Plan:
         statistics (they are all taken before any layer converts). Embeddings, lm_head and the other layers are never
         resident: layers stream from the source one at a time and the shards are written last, from the kept layers.
 
-        A layer, at its heaviest: its tensors as stored (source dtype) plus the larger of
-          calibration: the float32 decoder layer the calibration runs, the attention activations of one sample, the
-            MLP activations of one batch, the statistics (float64 [D+1, D+1]: input and key-weighted second moments,
-            one per kv group for attended values);
-          factorization: the attention in float32, the float64 maps of the RoPE split (query about 4 times, key and
-            value about 6 times), the statistics, the solver's [D, D] float64 copies (one more for attended values,
-            whose per-group covariances are made in place); then the MLA tensors and the copy written to the kept
-            layer file.
+        A layer, at its heaviest: its tensors as stored (source dtype), its attention in float32, its statistics
+        (float64 [D+1, D+1]: the input and key-weighted second moments, and one per kv group for attended values), and
+        the larger of
+          calibration: the float32 decoder layer the calibration runs, one group's attended-input product, the
+            attention activations of one sample (a block of 128 queries against every key, and the block's attended
+            inputs in float64) and the MLP activations of one batch;
+          factorization: the float64 maps of the RoPE split (query about 3 times, key and value about 4 times) and the
+            solver's [D, D] float64 copies (each group's attended covariance is made in place).
+        Measured at Llama-3-8B shapes against the peak (benchmarks/scale.md): runtime 0.4-0.5 GiB, the factorization
+        phase within 2% of this model, the calibration phase the heavier one.
         Writing: the shard writer's buffer (up to one shard) plus one kept layer being read into it."""
         m = self.memory
         hidden, heads, groups, head_dim, inter = self.hidden, self.heads, self.groups, self.head_dim, m["intermediate"]
@@ -176,21 +178,20 @@ class Plan:
         tokens, seq, samples = self.calib_tokens, m["seq_len"], m["samples"]
         square = (hidden + 1) ** 2 * 8
         stats = (2 + (groups if m["attended"] else 0)) * square if tokens else 0
-        raw = (attn + mlp + 2 * hidden) * src
         float_copy = 0 if src == 4 else 4  # a float32 source's tensors are used as read
         calibration = 0
         if m["calibrated"]:
-            acts = 4 * heads * seq * (3 * head_dim + 3 * min(128, seq)) + 4 * 3 * min(samples, 8) * seq * inter
-            calibration = (attn + mlp) * float_copy + acts + stats
-        maps = 8 * (4 * heads * head_dim * hidden + 6 * groups * head_dim * hidden) + 3 * (hidden**2) * 8
-        attended_covs = hidden**2 * 8 if m["attended"] else 0  # (each group's is made in place: one more [D, D])
-        factorization = attn * float_copy + maps + stats + attended_covs + 2 * self.attn_params_after // self.layers * 4
+            block = min(128, seq)
+            acts = (4 * heads * seq * (3 * head_dim + 3 * block) + 16 * heads * block * (hidden + 1)
+                    + 4 * 3 * min(samples, 8) * seq * inter)  # fmt: skip
+            calibration = (attn + mlp) * float_copy + (square if m["attended"] else 0) + acts
+        maps = 8 * (3 * heads * head_dim * hidden + 4 * groups * head_dim * hidden) + 2 * hidden**2 * 8
         parts = {
             "runtime": BASELINE,
             "calibration hidden states": 3 * tokens * hidden * 4 if m["calibrated"] else 0,
             "statistics of every layer": stats * (self.layers - 1) if m["allocation"] == "energy" else 0,
-            "one layer as stored": raw,
-            "one layer's working set": max(calibration, factorization) + (attn + mlp) * out,
+            "one layer as stored": (attn + mlp + 2 * hidden) * src,
+            "one layer's working set": attn * float_copy + stats + max(calibration, maps),
         }
         writing = m["shard_bytes"] + (attn + mlp) * out + BASELINE
         if writing > sum(parts.values()):  # the writer's phase is the heavier one: it is what the estimate shows
