@@ -108,12 +108,13 @@ def test_cuda_conversion_is_exact_at_full_rank_and_matches_cpu(sources, convert_
     with torch.no_grad():
         reference = src(ids).logits
         assert ((mla(ids).logits - reference).abs().max() / reference.abs().max()).item() < 1e-4
-    on_cpu = tensors_as_stored(convert_tiny(sources["llama-gqa"], rank=16))
-    on_gpu = tensors_as_stored(convert_tiny(sources["llama-gqa"], rank=16, device="cuda"))
-    for name, (dtype, data) in on_cpu.items():
-        a = torch.frombuffer(bytearray(data), dtype=dtype)
-        b = torch.frombuffer(bytearray(on_gpu[name][1]), dtype=dtype)
-        assert torch.allclose(a, b, rtol=1e-3, atol=1e-4 * a.abs().max().item()), name
+    # lossy: the same model up to float64 rounding (compared by logits: a latent direction may come out negated)
+    logits = []
+    for device in ("cpu", "cuda"):
+        model = AutoModelForCausalLM.from_pretrained(convert_tiny(sources["llama-gqa"], rank=16, device=device)).eval()
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert ((logits[0] - logits[1]).abs().max() / logits[0].abs().max()).item() < 1e-3
 
 
 def plan_for(tmp_path: Path, calib_text: Path, layers: int, **options):
