@@ -124,7 +124,9 @@ class LayerRunner:
             keyed += (xa * received[:, None]).T @ xa
         profile /= self.hidden.shape[0] * seq
         keyed /= self.hidden.shape[0] * seq * heads  # each query row of each head sums to 1
-        return profile, (attended / attended_rows if attended is not None else None), keyed
+        if attended is not None:
+            attended /= attended_rows  # in place: at 8B shapes a second copy would be 1 GB
+        return profile, attended, keyed
 
     @torch.no_grad()
     def advance(self, layer) -> None:
