@@ -253,6 +253,11 @@ def report(rows: dict) -> None:
             f"{attn[1] / 1e9:.2f} G | {r['unchanged_tensors'] - r['unchanged_differ']} / {r['unchanged_tensors']} | "
             f"{r['load_before'][0]} / {r['load_after'][0]} |"
         )
+    for case, r in rows.items():
+        if "progress" in r:  # a run still going when the report was written: what its monitor saw so far
+            lines.append(f"| {case} (unfinished) | {r['progress']} | | {gib(r['peak_rss_bytes'])} so far | "
+                         f"{r['estimate_gib']:.2f} | {r['peak_rss_bytes'] / (r['estimate_gib'] * 2**30):.2f} | "
+                         f"{r['source_bytes'] / 1e9:.1f} | | | | |")
     machines = {(r["machine"], r["cores"], r["torch_threads"], r["cuda"]) for _, r in runs}
     lines += ["", "Machines: " + "; ".join(f"{m}, {c} cores, torch threads {t}" + (f", {g}" if g else "")
                                           for m, c, t, g in sorted(machines, key=str)), ""]  # fmt: skip
@@ -292,9 +297,10 @@ about 39 GiB at 32 layers of 8B shapes; use the uniform default at this size).
 
 The rows ran on a shared 2-core machine with other jobs running (load average about 10 on 2 cores: wall times are
 upper bounds, several times a quiet machine's); `OMP_NUM_THREADS=2`. The first 4-layer run and the 32-layer run used
-earlier code (noted per row in benchmarks/scale.json): both peaked in the calibration statistics at a 1 GB float64
-temporary (the attended-input products of all kv groups at once), which is gone since (one group at a time); they
-printed the estimate of their code. The later 4-layer row is the current code. No GPU was lent: the `--device cuda`
+earlier code (noted per row in benchmarks/scale.json): both peaked in the calibration statistics, which then made
+1 GB float64 temporaries (the attended-input products of all kv groups at once, and a divided copy of the attended
+moments); both are gone since (one group at a time, division in place). They printed the estimate of their code;
+the same peak at 4 and at 32 layers is the depth check. The later 4-layer row is the current code. No GPU was lent: the `--device cuda`
 row is missing (`python scripts/bench_scale.py run llama3-8b --device cuda` on a machine with one adds it).
 
 Attention parameters grow (1.34 G -> 1.44 G at 32 layers of 8B shapes, `--kv-budget 0.25`): the MLA query carries a
