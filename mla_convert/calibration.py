@@ -46,11 +46,17 @@ class LayerRunner:
     def __init__(self, config, embed: torch.Tensor, tokens: torch.Tensor, batch: int = 8):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        self.hidden = torch.nn.functional.embedding(tokens, embed.float())  # [N, T, D]
+        self.hidden = torch.nn.functional.embedding(tokens, embed).float()  # [N, T, D] (rows first: no float32 table)
         self.batch = batch
         rotary = LlamaRotaryEmbedding(config)
         positions = torch.arange(tokens.shape[1]).unsqueeze(0)
         self.position_embeddings = rotary(self.hidden[:1], positions)
+
+    def to(self, device) -> "LayerRunner":
+        """Keep the hidden states (and the rotary tables) on `device`: layers moved there run where they are."""
+        self.hidden = self.hidden.to(device)
+        self.position_embeddings = tuple(t.to(device) for t in self.position_embeddings)
+        return self
 
     @torch.no_grad()
     def attention_input(self, layer) -> torch.Tensor:
@@ -114,13 +120,16 @@ class LayerRunner:
                     mixed = probs @ x[0, :length].flip(0)  # [H, R, D]: each query's attended input
                     mixed = torch.cat([mixed, mixed.new_ones(heads, rows, 1)], dim=-1)  # rows of p sum to 1
                     mixed = mixed.view(groups, -1, dim + 1).double()  # [G, (H/G) R, D+1]
-                    attended += mixed.transpose(1, 2) @ mixed
+                    for group, rows_g in zip(attended, mixed):  # one [D+1, D+1] product at a time (8B: 134 MB)
+                        group += rows_g.T @ rows_g
                     attended_rows += rows * heads // groups
             xa = torch.cat([x[0], x.new_ones(seq, 1)], dim=-1).double()  # [T, D+1]
             keyed += (xa * received[:, None]).T @ xa
         profile /= self.hidden.shape[0] * seq
         keyed /= self.hidden.shape[0] * seq * heads  # each query row of each head sums to 1
-        return profile, (attended / attended_rows if attended is not None else None), keyed
+        if attended is not None:
+            attended /= attended_rows  # in place: at 8B shapes a second copy would be 1 GB
+        return profile, attended, keyed
 
     @torch.no_grad()
     def advance(self, layer) -> None:

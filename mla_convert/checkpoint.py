@@ -45,6 +45,7 @@ AUX_FILES = (
     "generation_config.json",
 )
 INDEX_NAME = "model.safetensors.index.json"
+SHARD_BYTES = 2 * 1024**3  # the shard writer's largest shard: what it holds in memory before writing one
 
 
 def default_model_path() -> Path:
@@ -75,6 +76,14 @@ class Source:
 
     def has(self, name: str) -> bool:
         return name in set(self.keys())
+
+    def get_raw(self, name: str) -> torch.Tensor:
+        """The tensor in its own dtype (what an unchanged tensor is copied through as); `get` is it in float32."""
+        return self.get(name)
+
+    def element_size(self, name: str) -> int:
+        """Bytes per element of the tensor as stored."""
+        return self.get_raw(name).element_size()
 
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -128,6 +137,27 @@ class Source:
         pass
 
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def _shard_header(path: Path) -> tuple[int, dict]:
+    """(where the data starts, {name: {"dtype", "shape", "data_offsets"}}) from a safetensors file's header."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100 * 2**20:
+                raise ValueError(f"header length {size}")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is truncated or corrupt ({e}): re-download it") from None
+    return 8 + size, header
+
+
 class SafetensorsSource(Source):
     def __init__(self, config, origin: str, folder: Path, revision: str | None = None):
         super().__init__(config, origin, folder, revision)
@@ -169,20 +199,41 @@ class SafetensorsSource(Source):
         return name in self.weight_map
 
     def get(self, name: str) -> torch.Tensor:
+        return self.get_raw(name).float()
+
+    def element_size(self, name: str) -> int:
+        path = self.folder / self.weight_map[name]
+        entry = _shard_header(path)[1].get(name)
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        return dtype.itemsize if dtype is not None else 2  # the 8-bit and other rare dtypes: as for 16 bits
+
+    def get_raw(self, name: str) -> torch.Tensor:
+        """The tensor as stored (its own dtype), read with plain file reads into memory this process owns: no
+        memory-mapped shard pages stay resident (a mapped 5 GB shard would count in the resident set until closed)."""
         if name not in self.weight_map:
             raise UserError(f"tensor {name} is missing from the checkpoint in {self.folder}: is it complete?")
-        shard = self.weight_map[name]
-        if shard != self._open_name:  # one shard open at a time
-            self.close()
-            try:
-                self._open = safe_open(str(self.folder / shard), framework="pt")
-            except (SafetensorError, OSError) as e:
-                raise UserError(f"{self.folder / shard} is truncated or corrupt ({e}): re-download it") from None
-            self._open_name = shard
+        path = self.folder / self.weight_map[name]
+        if path.name != self._open_name:  # one shard's header at a time
+            self._open, self._open_name = _shard_header(path), path.name
+        start, entries = self._open
+        entry = entries.get(name)
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
         try:
-            return self._open.get_tensor(name).float()
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise UserError(f"{self.folder / shard} is truncated or corrupt ({e}): re-download it") from None
+            if dtype is None:  # a dtype plain reads do not handle (or a header the reader cannot follow): copy out
+                with safe_open(str(path), framework="pt") as f:
+                    return f.get_tensor(name).clone()
+            first, end = entry["data_offsets"]
+            tensor = torch.empty(entry["shape"], dtype=dtype, device="cpu")
+            view = tensor.reshape(-1).view(torch.uint8).numpy()
+            if view.nbytes != end - first:
+                raise OSError(f"{name} holds {end - first} bytes, its shape needs {view.nbytes}")
+            with open(path, "rb") as f:
+                f.seek(start + first)
+                if f.readinto(memoryview(view)) != view.nbytes:
+                    raise OSError(f"{name} runs past the end of the file")
+            return tensor
+        except (SafetensorError, OSError, RuntimeError, KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path} is truncated or corrupt ({e}): re-download it") from None
 
     def nbytes(self) -> int:
         return sum((self.folder / f).stat().st_size for f in set(self.weight_map.values()))
@@ -222,6 +273,9 @@ class GGUFSource(Source):
 
     def get(self, name: str) -> torch.Tensor:
         return self.state[name].float()
+
+    def get_raw(self, name: str) -> torch.Tensor:
+        return self.state[name]
 
     def nbytes(self) -> int:
         return self.path.stat().st_size
@@ -471,7 +525,7 @@ class ShardedWriter:
     """Collect tensors into safetensors shards of at most `max_shard_bytes`; `finalize()` names them and writes the
     index last. Tensors are cast to `dtype` as they are added and freed once their shard is written."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype, max_shard_bytes: int = 2 * 1024**3):
+    def __init__(self, folder: Path, dtype: torch.dtype, max_shard_bytes: int = SHARD_BYTES):
         self.folder = Path(folder)
         self.dtype = dtype
         self.max_shard_bytes = max_shard_bytes

@@ -148,14 +148,12 @@ def _convert(
     if output is None and not dry_run:
         raise UserError("give an output folder with -o OUT (or --dry-run to only print the plan)")
     from mla_convert.checkpoint import open_source
-    from mla_convert.convert import ConvertOptions
+    from mla_convert.convert import ConvertOptions, resolve_device
     from mla_convert.export import convert_to_target, resolve_target
 
     if revision is not None and model is not None and Path(model).expanduser().exists():
         raise UserError(f"--revision selects a Hub revision, but {model} is a local path: drop --revision")
-    if device != "cpu":
-        raise UserError(f"--device {device}: conversion runs on the CPU (one layer at a time); drop --device "
-                        "(eval, generate and finetune use a GPU)")
+    device = resolve_device(device)  # auto -> what runs (recorded in provenance.json)
     if calib_data.lower() != "none":
         from mla_convert.data import check_text_spec, looks_like_test_split
 
@@ -293,8 +291,10 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "(on token inputs) and values (on attended inputs) are both fit (0: only the value up-projection is refit)."
         ),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
-        device: str = typer.Option("cpu", "--device", hidden=True, help="Conversion runs on the CPU; only cpu is "
-                                   "accepted (kept so that existing command lines still parse)."),
+        device: str = typer.Option(
+            "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "
+            "(cuda when available). Layers stream one at a time either way; the checkpoint is written from the CPU."
+        ),
         dtype: Optional[str] = typer.Option(
             None, "--dtype", help="Output dtype: float32, bfloat16 or float16. Default: the source's."
         ),

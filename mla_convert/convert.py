@@ -20,7 +20,7 @@ import torch
 
 from mla_convert import lowrank, provenance, rope
 from mla_convert.card import write_model_card
-from mla_convert.checkpoint import AUX_FILES, ShardedWriter, Source, resume_dir, staged_output
+from mla_convert.checkpoint import AUX_FILES, SHARD_BYTES, ShardedWriter, Source, resume_dir, staged_output
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for
@@ -37,6 +37,11 @@ QK_NORM_TEXT = {
     "calibrated": "calibrated (the key's per-token RMS replaced by its calibration RMS: plain MLA keys, absorbed "
     "decode; the query keeps its exact norm)",
 }
+# Memory estimate (Plan.memory_parts): the runtime's own resident set (Python, torch, transformers, a tokenizer), as
+# measured at the first layer of a conversion; and the factor over the modelled parts for what they leave out (the
+# allocator's free-but-held pages, short-lived copies inside torch ops), set from benchmarks/scale.md.
+BASELINE = int(0.6 * 2**30)
+MEMORY_SAFETY = 1.15
 # Config keys carried from the source into the MLA config unchanged.
 CARRIED_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -115,6 +120,7 @@ class Plan:
     qkv_bias: bool = False
     qk_norm: str | None = None  # None: the source has no per-head q/k norms; else ConvertOptions.qk_norm
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
+    memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
 
     def set_ranks(self, ranks: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
@@ -165,13 +171,56 @@ class Plan:
     def ratio(self) -> float:
         return self.kv_bytes_after / self.kv_bytes_before
 
+    def memory_parts(self) -> dict[str, int]:
+        """Peak resident bytes by what holds them, at the heaviest moment of each phase (`memory_estimate`).
+
+        Resident the whole run: the Python/torch/transformers runtime with the tokenizer (`BASELINE`), the calibration
+        hidden states (input, output and normed copy, float32), and with --rank-allocation energy every layer's
+        statistics (they are all taken before any layer converts). Embeddings, lm_head and the other layers are never
+        resident: layers stream from the source one at a time and the shards are written last, from the kept layers.
+
+        A layer, at its heaviest: its tensors as stored (source dtype), its attention in float32, its statistics
+        (float64 [D+1, D+1]: the input and key-weighted second moments, and one per kv group for attended values), and
+        the larger of
+          calibration: the float32 decoder layer the calibration runs, one group's attended-input product, the
+            attention activations of one sample (a block of 128 queries against every key, and the block's attended
+            inputs in float64) and the MLP activations of one batch;
+          factorization: the float64 maps of the RoPE split (query about 3 times, key and value about 4 times) and the
+            solver's [D, D] float64 copies (each group's attended covariance is made in place).
+        Measured at Llama-3-8B shapes against the peak (benchmarks/scale.md): runtime 0.4-0.5 GiB, the factorization
+        phase within 2% of this model, the calibration phase the heavier one.
+        Writing: the shard writer's buffer (up to one shard) plus one kept layer being read into it."""
+        m = self.memory
+        hidden, heads, groups, head_dim, inter = self.hidden, self.heads, self.groups, self.head_dim, m["intermediate"]
+        src, out = m["source_element"], self.bytes_per_element
+        attn = (2 * heads + 2 * groups) * head_dim * hidden
+        mlp = 3 * hidden * inter
+        tokens, seq, samples = self.calib_tokens, m["seq_len"], m["samples"]
+        square = (hidden + 1) ** 2 * 8
+        stats = (2 + (groups if m["attended"] else 0)) * square if tokens else 0
+        float_copy = 0 if src == 4 else 4  # a float32 source's tensors are used as read
+        calibration = 0
+        if m["calibrated"]:
+            block = min(128, seq)
+            acts = (4 * heads * seq * (3 * head_dim + 3 * block) + 16 * heads * block * (hidden + 1)
+                    + 4 * 3 * min(samples, 8) * seq * inter)  # fmt: skip
+            calibration = (attn + mlp) * float_copy + (square if m["attended"] else 0) + acts
+        maps = 8 * (3 * heads * head_dim * hidden + 4 * groups * head_dim * hidden) + 2 * hidden**2 * 8
+        parts = {
+            "runtime": BASELINE,
+            "calibration hidden states": 3 * tokens * hidden * 4 if m["calibrated"] else 0,
+            "statistics of every layer": stats * (self.layers - 1) if m["allocation"] == "energy" else 0,
+            "one layer as stored": (attn + mlp + 2 * hidden) * src,
+            "one layer's working set": attn * float_copy + stats + max(calibration, maps),
+        }
+        writing = m["shard_bytes"] + (attn + mlp) * out + BASELINE
+        if writing > sum(parts.values()):  # the writer's phase is the heavier one: it is what the estimate shows
+            parts = {"runtime": BASELINE, "shard writer buffer": m["shard_bytes"], "one kept layer": (attn + mlp) * out}
+        return parts
+
     def memory_estimate(self) -> int:
-        """Peak bytes, erring high: the source's largest layer in float32 about 4 times over (source tensors, float64
-        solver copies, outputs), calibration hidden states twice (input and output of a layer), activations of one
-        calibration batch, plus 1 GiB for the Python/torch runtime."""
-        layer_attn = (2 * self.heads + 2 * self.groups) * self.head_dim * self.hidden
-        hidden_states = 2 * self.calib_tokens * self.hidden * 4
-        return int(4 * 4 * layer_attn * 3 + hidden_states + 2**30)
+        """Peak resident bytes: `memory_parts` x MEMORY_SAFETY (see there)."""
+        return int(sum(self.memory_parts().values()) * MEMORY_SAFETY)
 
     def kv_cache_record(self) -> dict:
         return {
@@ -197,7 +246,9 @@ class Plan:
             f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
             f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
-            f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.1f} GiB",
+            f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.2f} GiB"
+            f" (x{MEMORY_SAFETY} of: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in self.memory_parts().items() if v)
+            + ")",
         ]
         return "\n".join(lines)
 
@@ -320,18 +371,37 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         dtype=dtype,
         source_bytes=source.nbytes(),
         calib_tokens=options.calib_samples * options.calib_seq_len if options.needs_statistics() else 0,
+        memory={
+            "intermediate": getattr(config, "intermediate_size", 4 * hidden),
+            "source_element": _source_element(source, family),
+            "calibrated": bool(options.calib_data) and options.needs_statistics(),
+            "attended": bool(options.calib_data) and options.value_inputs == "attended",
+            "samples": options.calib_samples,
+            "seq_len": options.calib_seq_len,
+            "allocation": options.rank_allocation,
+            "shard_bytes": SHARD_BYTES,
+        },
     )
+    if not plan.memory["calibrated"]:
+        plan.calib_tokens = 0
     per_layer_before = (2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias
     plan.attn_params_before = per_layer_before * layers
     plan.qkv_bias = bool(qkv_bias)
     plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
     plan.set_ranks(ranks)
+    plan.memory["shard_bytes"] = min(SHARD_BYTES, output_bytes(config, plan))  # the writer holds at most a shard
     if plan.ratio >= 1 and not options.force:
         raise UserError(
             f"the MLA cache ({plan.kv_after():g} per token per layer) is not smaller than the source's "
             f"({plan.kv_before}): lower --rank/--rope-dims, or pass --force to convert anyway"
         )
     return plan
+
+
+def _source_element(source: Source, family: Family) -> int:
+    """Bytes per element of the source's tensors as stored (its first layer's query weight; 4 if it has none)."""
+    name = family.tensor(0, "q")
+    return source.element_size(name) if source.has(name) else 4
 
 
 def _source_dtype(config) -> str:
@@ -434,11 +504,20 @@ def _attended_covs(attended, token_cov, dim: int, blend: float = 0.05) -> list[t
     """Per kv group, the input second moment a value map is judged on: the attended inputs' (trace-normalized) plus
     `blend` x the token inputs' and the factorization's ridge, scaled to the token inputs' trace. Attended inputs from a
     small calibration set are often rank-deficient (layer 0 sees few distinct tokens); the token term keeps every
-    direction of W_v determined, so full rank stays exact."""
+    direction of W_v determined, so full rank stays exact.
+
+    Computed in place in `attended` (float64; a layer's statistics are used once): at 8B shapes each group's matrix is
+    134 MB, and a second set of them would be the largest part of the layer's working set."""
     token = torch.eye(dim, dtype=torch.float64) if token_cov is None else token_cov.double()
     scale = token.diagonal().sum().clamp_min(1e-300)
-    return [lowrank.ridged(a.double() / a.double().diagonal().sum().clamp_min(1e-300) + blend * token / scale) * scale
-            for a in attended]  # fmt: skip
+    mixed = blend * token / scale
+    covs = []
+    for a in attended:  # = lowrank.ridged(a / trace(a) + mixed) * scale, without the copies
+        a = a.double()
+        a.div_(a.diagonal().sum().clamp_min(1e-300)).add_(mixed)
+        a.diagonal().add_(lowrank.RIDGE * a.diagonal().mean().clamp_min(1e-12))
+        covs.append(a.mul_(scale))
+    return covs
 
 
 def _attended_values(w_v, down, covs: list[torch.Tensor], head_dim: int):
@@ -576,6 +655,53 @@ def _layer_names(source: Source, layer: int, family: Family) -> list[str]:
     return [k for k in source.keys() if k.startswith(prefix)]
 
 
+def _raw_layer(source: Source, layer: int, family: Family) -> dict[str, torch.Tensor]:
+    """One layer's tensors as stored (the source's dtype, on the CPU), named within the layer."""
+    prefix = family.layer_prefix.format(i=layer)
+    return {n[len(prefix) :]: source.get_raw(n) for n in _layer_names(source, layer, family)}
+
+
+def _on(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """float32 copies on `device` (the tensors themselves where they already are)."""
+    return {n: t.to(device=device, dtype=torch.float32) for n, t in tensors.items()}
+
+
+def resolve_device(device: str) -> str:
+    """--device: cpu, cuda, cuda:N, or auto (cuda when this torch sees a CUDA device, else cpu). A UserError names
+    the fix for a device this machine lacks."""
+    from mla_convert.evaluate import check_device
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if check_device(device).startswith("mps"):
+        raise UserError("--device mps: the factorization needs float64, which MPS lacks: use --device cpu or cuda")
+    return device
+
+
+class LayerClock:
+    """Seconds each layer spends calibrating (statistics, forwards) and factorizing, shown beside the progress bar's
+    ETA and logged (-v). A CUDA device is synchronized at each lap so its queued work is counted where it ran."""
+
+    def __init__(self, device: torch.device):
+        import time
+
+        self.device, self.time = device, time.perf_counter
+        self.seconds: dict[str, float] = {}
+        self.last = self.time()
+
+    def lap(self, what: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = self.time()
+        self.seconds[what] = self.seconds.get(what, 0.0) + now - self.last
+        self.last = now
+
+    def report(self, bar, layer: int) -> None:
+        text = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
+        bar.set_postfix_str(text, refresh=False)
+        log.info("layer %d: %s", layer, text)
+
+
 def _module_from(cls_or_factory, tensors: dict[str, torch.Tensor]):
     with torch.device("meta"):
         module = cls_or_factory()
@@ -608,10 +734,13 @@ def convert(
     config = source.config
     config._attn_implementation = "sdpa"  # calibration runs source layers causally without an explicit mask
     inv_freq, attention_scaling = rope.source_frequencies(config)
+    device = torch.device(resolve_device(options.device))
     torch.manual_seed(options.seed)
     inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
     # the calibration text and tokenizer are read before anything is staged: their errors come first
     runner = _calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
+    if runner is not None:
+        runner.to(device)  # the calibration hidden states stay on the device for the whole run
     check_room(Path(out), output_bytes(config, plan))  # before the staging folder and the calibration forwards
     with staged_output(out, overwrite, inputs, fingerprint=_fingerprint(source, options, plan)) as stage:
         kept = resume_dir(stage)  # one file per converted layer: what a killed run keeps for the next one
@@ -630,8 +759,8 @@ def convert(
             """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
             (cov, phase, attended, keyed)): `known` statistics, or those taken at the runner's current hidden states."""
             prefix = family.layer_prefix.format(i=i)
-            layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
-            attn = _attention_tensors(layer_tensors, family, i, prefix, plan.qk_norm)
+            layer_tensors = _raw_layer(source, i, family)  # in the source's dtype: most of them pass through
+            attn = _on(_attention_tensors(layer_tensors, family, i, prefix, plan.qk_norm), device)
             if known is not None:
                 return prefix, layer_tensors, attn, None, known
             source_layer = cov = phase = attended = keyed = None
@@ -639,25 +768,32 @@ def convert(
                 from mla_convert.calibration import second_moment
 
                 cls = family.decoder_layer_class(config.model_type)
-                source_layer = _module_from(lambda: cls(config, i), layer_tensors)
-                cov = second_moment(runner.attention_input(source_layer))
-                if options.needs_attention_statistics():
-                    every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
-                    profile, attended, keyed = runner.attention_statistics(source_layer, attended_every=every)
-                    if options.needs_attention_profile():
-                        phase = rope.attention_phases(profile, inv_freq)
-                    keyed = keyed if options.key_inputs == "attended" else None
+                source_layer = _module_from(lambda: cls(config, i), _on(layer_tensors, device))
+                with torch.device(device):  # factory calls (eye, zeros, ones) land beside their inputs
+                    cov = second_moment(runner.attention_input(source_layer))
+                    if options.needs_attention_statistics():
+                        every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
+                        profile, attended, keyed = runner.attention_statistics(source_layer, attended_every=every)
+                        if options.needs_attention_profile():
+                            phase = rope.attention_phases(profile, inv_freq.to(device))
+                        keyed = keyed if options.key_inputs == "attended" else None
             return prefix, layer_tensors, attn, source_layer, (cov, phase, attended, keyed)
 
         stats: dict[int, tuple] = {}
         if options.rank_allocation == "energy":
             # every layer's statistics first (on the source's activations), then the ranks, then the conversion
             spectra = []
-            for i in tqdm(range(plan.layers), desc="layers: statistics", disable=not progress, unit="layer"):
+            bar = tqdm(range(plan.layers), desc="layers: statistics", disable=not progress, unit="layer")
+            for i in bar:
+                clock = LayerClock(device)
                 _, _, attn, source_layer, stats[i] = layer_inputs(i)
-                spectra.append(layer_spectrum(attn, plan, options, attention_scaling, *stats[i]))
+                clock.lap("calibration")
+                with torch.device(device):
+                    spectra.append(layer_spectrum(attn, plan, options, attention_scaling, *stats[i]).cpu())
                 if runner is not None:
                     runner.advance(source_layer)
+                clock.lap("factorization")
+                clock.report(bar, i)
             runner = None  # the hidden states are no longer needed
             plan.set_ranks(allocate(plan, spectra, max_rank(config)))
             log.info("rank allocation (energy): %s", plan.ranks)
@@ -671,11 +807,11 @@ def convert(
                 if runner is not None and i == 0:
                     past = _read_activations(kept)  # the hidden states after the last layer a run finished, if kept
                     if past is not None and all(j in done for j in range(past[0] + 1)):
-                        skip_through, runner.hidden = past
+                        skip_through, runner.hidden = past[0], past[1].to(device)
                 if runner is not None and i > skip_through:
-                    layer_tensors = {n[len(prefix) :]: source.get(n) for n in _layer_names(source, i, family)}
+                    layer_tensors = _on(_raw_layer(source, i, family), device)
                     if options.calib_propagate == "converted":
-                        mla_tensors = {n[len(f"{prefix}self_attn.") :]: t
+                        mla_tensors = {n[len(f"{prefix}self_attn.") :]: t.to(device)
                                        for n, t in _read_layer(kept / _layer_file(i))[0].items()
                                        if n.startswith(f"{prefix}self_attn.")}
                         runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
@@ -683,26 +819,35 @@ def convert(
                         cls = family.decoder_layer_class(config.model_type)
                         runner.advance(_module_from(lambda: cls(config, i), layer_tensors))
                 continue
+            clock = LayerClock(device)
             prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i, stats.pop(i, None))
-            mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
+            if runner is not None and options.calib_propagate == "source":
+                runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
+                source_layer = None
+            clock.lap("calibration")
+            with torch.device(device):
+                mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
+            clock.lap("factorization")
+            # unchanged tensors (MLP, norms) go out as read, in the source's dtype: never through float32
             out_tensors = {prefix + n: t for n, t in layer_tensors.items() if not n.startswith("self_attn.")}
-            out_tensors.update({f"{prefix}self_attn.{n}": t for n, t in mla_tensors.items()})
+            out_tensors.update({f"{prefix}self_attn.{n}": t.cpu() for n, t in mla_tensors.items()})
             _write_layer(kept / _layer_file(i), out_tensors, rope_pairs[i], kept_dtype)
             if runner is not None:
                 if options.calib_propagate == "converted":
-                    runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
-                else:
-                    runner.advance(source_layer)
+                    runner.advance(_converted_layer(config, plan, family, rope_pairs, i, _on(layer_tensors, device),
+                                                    mla_tensors))
                 if i < plan.layers - 1:
-                    _write_activations(kept, i, runner.hidden)
-            del layer_tensors, attn, mla_tensors, source_layer, out_tensors
+                    _write_activations(kept, i, runner.hidden.cpu())
+                clock.lap("calibration")
+            clock.report(bar, i)
+            del layer_tensors, attn, mla_tensors, source_layer, out_tensors, statistics
         runner = None
         # the shards: the source's other tensors, then each layer's as kept (a resumed run writes the same bytes)
-        writer = ShardedWriter(stage, DTYPES[plan.dtype])
+        writer = ShardedWriter(stage, DTYPES[plan.dtype], SHARD_BYTES)
         layer_prefix = family.layer_prefix.split("{")[0]
         for name in source.keys():
             if not name.startswith(layer_prefix) and "rotary_emb" not in name:
-                writer.add(name, source.get(name))
+                writer.add(name, source.get_raw(name))  # as stored: cast only when --dtype differs
         for i in range(plan.layers):
             for name, tensor in _read_layer(kept / _layer_file(i))[0].items():
                 writer.add(name, tensor)
@@ -911,5 +1056,5 @@ def _calibration_runner(source: Source, options: ConvertOptions):
 
     text = load_text(options.calib_data)
     tokens = token_windows(source.tokenizer(), text, options.calib_samples, options.calib_seq_len, options.seed)
-    embed = source.get("model.embed_tokens.weight")
+    embed = source.get_raw("model.embed_tokens.weight")  # rows are looked up, then made float32: no float32 table
     return LayerRunner(source.config, embed, tokens)

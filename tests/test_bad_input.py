@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from conftest import assert_user_error
 from typer.testing import CliRunner
 
@@ -49,6 +50,12 @@ def ws(tmp_path_factory, sources, convert_tiny, calib_text) -> Path:
     shutil.copytree(root / "mla", root / "truncated")
     shard = next((root / "truncated").glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:4000])  # a copy that stopped half-way
+    shutil.copytree(root / "src", root / "truncsrc")  # a source whose header is whole but whose data stops early
+    shard = next((root / "truncsrc").glob("*.safetensors"))
+    with safe_open(str(shard), framework="pt") as f:  # indexed: the shard is first read tensor by tensor
+        index = {"weight_map": {name: shard.name for name in f.keys()}}
+    (root / "truncsrc" / "model.safetensors.index.json").write_text(json.dumps(index))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     return root
 
 
@@ -87,8 +94,13 @@ CASES = {
     "eval a truncated model": (["eval", "{ws}/truncated", "--data", "{ws}/calib.txt", "--seq-len", "16"],
                                "cannot load"),
     "generate a truncated model": (["generate", "{ws}/truncated", "--prompt", "w1 w2", "-n", "2"], "cannot load"),
-    "convert --device cuda": (["llama", "{ws}/src", "--rank", "8", "--device", "cuda", "-o", "{ws}/out", *CALIB],
-                              "conversion runs on the CPU"),
+    # no CUDA here: "this torch has no CUDA device"; with one: "only N CUDA device(s) exist"
+    "convert --device cuda:99": (["llama", "{ws}/src", "--rank", "8", "--device", "cuda:99", "-o", "{ws}/out",
+                                  *CALIB], "CUDA device"),
+    "convert a truncated source": (["llama", "{ws}/truncsrc", "--rank", "8", "-o", "{ws}/out", *CALIB],
+                                   "truncated or corrupt"),
+    "convert --device tpu": (["llama", "{ws}/src", "--rank", "8", "--device", "tpu", "-o", "{ws}/out", *CALIB],
+                             "use cpu, cuda or cuda:N"),
     "convert calibration text missing": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",
                                           "{ws}/nope.txt"], "does not exist"),
     "convert calibration text is a folder": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",
