@@ -156,8 +156,9 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float = TEMPERATU
             tokens = sample_batch(model, tokenizer, len(batches), seed, temperature, sample_tokens, batch)
             batches.append({"tokens": tokens, "text": [tokenizer.decode(t) for t in tokens]})
             have += sum(len(t) for t in tokens)
+            write_cache(path, settings, batches)  # after every batch: an interrupted run keeps what it sampled
+            log.info("sampled %d of %d tokens", have, n_tokens)
         del model
-        write_cache(path, settings, batches)
     return torch.tensor([t for b in batches for s in b["tokens"] for t in s], dtype=torch.long)
 
 
