@@ -32,6 +32,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+DOMAINS = ROOT / "out" / "domains"  # scripts/domain_texts.py writes them (Debian packages; evaluation only)
+DEV = ROOT / "out" / "dev"  # wiki.valid.tokens cut in two: calibration may use the first half, choices the second
+# Evaluation texts (never calibrated on) and the development text (choices are made on it, never on these).
+TEXTS = {
+    "wikitext": DATA / "wiki.test.raw",
+    "debian-reference": DOMAINS / "debian-reference.txt",
+    "gnu-standards": DOMAINS / "gnu-standards.txt",
+    "wiki-dev": DEV / "wiki.valid.second-half.tokens",
+}
+# Calibration texts by name: "self" is the data-free default (text sampled from the source).
+CALIBS = {
+    "self": "self",
+    "wiki-valid": DATA / "wiki.valid.tokens",
+    "wiki-valid-first-half": DEV / "wiki.valid.first-half.tokens",
+    "self+wiki-valid-first-half": f"self:0.5,{DEV / 'wiki.valid.first-half.tokens'}:0.5",
+}
+NOTES: list[str] = []  # the summary, written after the measurements
+
+SHOWN = {str(DATA): "../shared/data/wikitext-2", str(DEV): "out/dev"}  # how paths appear in the report
 SOURCE_CACHE = 384  # SmolLM2-135M: 2 x 3 kv heads x 64 per token per layer
 PROBE_SOURCE_PPL = 18.84  # `mla-convert eval out/smollm2-src --windows 2` (the probes' source copy)
 PROBE_SERIES = {
@@ -74,10 +93,38 @@ def timed(cmd: list[str], log: Path) -> tuple[int, float, int]:
     return os.waitstatus_to_exitcode(status), time.perf_counter() - start, usage.ru_maxrss * 1024
 
 
-def evaluate(folder: str | None, args, work: Path, tag: str) -> dict:
+def prepare_texts() -> None:
+    """The domain texts (from their Debian packages) and the two halves of wiki.valid.tokens, when missing."""
+    if not all(TEXTS[n].is_file() for n in ("debian-reference", "gnu-standards")):
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "domain_texts.py"), "--out", str(DOMAINS)], check=True)
+    if not (DEV / "wiki.valid.second-half.tokens").is_file():
+        DEV.mkdir(parents=True, exist_ok=True)
+        lines = (DATA / "wiki.valid.tokens").read_text(encoding="utf-8").splitlines(keepends=True)
+        half = len(lines) // 2
+        (DEV / "wiki.valid.first-half.tokens").write_text("".join(lines[:half]), encoding="utf-8")
+        (DEV / "wiki.valid.second-half.tokens").write_text("".join(lines[half:]), encoding="utf-8")
+
+
+def shown(text: str) -> str:
+    for path, name in SHOWN.items():
+        text = text.replace(path, name)
+    return text
+
+
+def evaluate_texts(folder: str | None, args, work: Path, tag: str, have: dict | None = None) -> dict:
+    """{text name: eval result} for every text of --texts (those in `have` are kept, not measured again)."""
+    out = dict(have or {})
+    for name in args.texts:
+        if name not in out:
+            out[name] = evaluate(folder, args, work, f"{tag}.{name}", TEXTS[name])
+            print(f"  {tag} on {name}: {out[name]['perplexity']:.2f}", flush=True)
+    return out
+
+
+def evaluate(folder: str | None, args, work: Path, tag: str, text: Path = DATA / "wiki.test.raw") -> dict:
     out_json = work / f"{tag}.eval.json"
     cmd = [args.mla, "eval"] + ([folder] if folder else []) + [
-        "--data", str(DATA / "wiki.test.raw"), "--seq-len", "2048", "--windows", str(args.windows), "--json",
+        "--data", str(text), "--seq-len", "2048", "--windows", str(args.windows), "--json",
         str(out_json), "-q"]  # fmt: skip
     code, wall, rss = timed(cmd, work / f"{tag}.eval.log")
     if code:
@@ -91,23 +138,43 @@ def load_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def write_report(rows: list[dict], args) -> None:
-    """benchmarks/quality.md: one table per window count measured (16 is the protocol), and the plot of the 16-window
-    rows (or of the largest window count there is)."""
+def write_report(args) -> None:
+    """benchmarks/quality.md: the every-domain tables (self-calibrated defaults and baselines), the development-split
+    probes that chose the defaults, then the earlier WikiText-only protocol's tables and probes, and the plot."""
+    bench = ROOT / "benchmarks"
+    everything = load_results(bench / "quality.jsonl")
+    rows = latest([r for r in everything if "texts" in r])
+    dev = latest([r for r in load_results(bench / "quality_dev.jsonl") if "texts" in r])
     lines = [
         "# One-shot conversion quality (no fine-tuning)",
         "",
-        "SmolLM2-135M-Instruct (embedded default, float32), converted by `mla-convert llama` at each KV-cache budget;",
-        "calibration on WikiText-2 validation (`wiki.valid.tokens`), perplexity on WikiText-2 raw test, the first "
-        "2048-token windows (16 in the protocol). Written by `python scripts/bench_quality.py` (options per table).",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs while it ran: times are "
-        "upper bounds); every method through the same pipeline, one process per conversion and per evaluation.",
-        "Conversion times on a quiet machine: benchmarks/convert.md. For reference, the public converters' own code on "
-        "this protocol (as reported with the issue): TransMLA 40.1 at 50%; MHA2MLA 311 at 100% with partial RoPE only.",
-        "The baselines (mha2mla, transmla) are written by us from the papers (see the script's docstring); "
-        "`vs best baseline` compares with the better of the two at the same budget, in the same run.",
+        "SmolLM2-135M-Instruct (embedded default, float32), converted by `mla-convert llama` at each KV-cache budget "
+        "and evaluated on WikiText-2 raw test and on two texts of other domains that ship in Debian packages "
+        "(`python scripts/domain_texts.py`: the Debian Reference manual, package debian-reference-en, and the GNU "
+        "Coding Standards, package gnu-standards; plain text, their first 2048-token windows). Each perplexity is "
+        "shown with its ratio to the source on the same text. Written by `python scripts/bench_quality.py` "
+        "(`--calib`, `--texts`, `--windows` per table).",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs while it ran); every method "
+        "through the same pipeline, one process per conversion and per evaluation. The baselines (mha2mla, "
+        "transmla) are written by us from the papers (see the script's docstring), calibrated on the same text as "
+        "the row they are compared with.",
         "",
+        "**Splits.** Calibration: `self` (text sampled from the source, the data-free default) or WikiText-2 "
+        "validation. Choices (defaults): the development split, the second half of `wiki.valid.tokens` (`wiki-dev`), "
+        "which no calibration in these tables reads (wiki-calibrated probes use the first half). Evaluation only: "
+        "WikiText-2 test, debian-reference, gnu-standards; no choice was made on them.",
+        "",
+        *NOTES,
     ]
+    lines += domain_report(rows, "Every domain", "Calibration and method per row; `vs transmla`: per text, against "
+                           "the TransMLA-style baseline at the same budget and calibration.")
+    lines += domain_report(dev, "Development split (the choices)", "Probes on `wiki-dev` (the second half of "
+                           "wiki.valid.tokens), never on evaluation text.")
+    rows = [r for r in everything if "texts" not in r]
+    lines += ["# Earlier protocol: WikiText-2 only, calibrated on wiki.valid.tokens", "",
+              "Before data-free calibration: calibration on WikiText-2 validation (`wiki.valid.tokens`), perplexity on "
+              "WikiText-2 raw test, the first 2048-token windows. The probes below chose the earlier defaults on the "
+              "first test windows (kept for the record; the development split above replaces them).", ""]  # fmt: skip
     counts = sorted({r["windows"] for r in rows}, reverse=True)
     for windows in counts:
         lines += table([r for r in rows if r["windows"] == windows], windows)
@@ -182,58 +249,117 @@ def plot(rows: list[dict], source: dict | None) -> None:
     fig.savefig(ROOT / "benchmarks" / "quality.png", dpi=120)
 
 
+def latest(rows: list[dict]) -> list[dict]:
+    """One row per (method, budget, windows, calibration): the last one written."""
+    out = {}
+    for r in rows:
+        out[(r["method"], r.get("budget"), r.get("windows"), r.get("calib"))] = r
+    return list(out.values())
+
+
+def domain_report(rows: list[dict], title: str, note: str) -> list[str]:
+    """Tables of rows measured on several texts: perplexity and its ratio to the source on the same text, and the
+    change against the TransMLA-style baseline at the same budget and calibration."""
+    lines = []
+    for windows in sorted({r["windows"] for r in rows}, reverse=True):
+        at_w = [r for r in rows if r["windows"] == windows]
+        source = next((r for r in at_w if r["method"] == "source"), None)
+        if source is None:
+            continue
+        texts = [t for t in TEXTS if t in source["texts"]]
+        lines += [f"## {title}: {windows} x 2048-token windows", "", note, "",
+                  "Source perplexity: " + ", ".join(f"{t} **{source['texts'][t]['perplexity']:.2f}**" for t in texts)
+                  + ".", "",
+                  "| budget | % | method | calibration | d_c | d_r | " + " | ".join(texts) + " | vs transmla | command |",
+                  "|---|---|---|---|---|---|" + "---|" * len(texts) + "---|---|"]  # fmt: skip
+        models = [r for r in at_w if r["method"] != "source"]
+        for budget in sorted({r["budget"] for r in models}, reverse=True):
+            for r in sorted((r for r in models if r["budget"] == budget), key=lambda r: (r["calib"], r["method"])):
+                base = next((b for b in models if b["method"] == "transmla" and b["budget"] == budget
+                             and b["calib"] == r["calib"]), None)  # fmt: skip
+                cells, versus = [], []
+                for t in texts:
+                    if t not in r["texts"]:
+                        cells.append("")
+                        continue
+                    ppl = r["texts"][t]["perplexity"]
+                    cells.append(f"{ppl:.2f} ({ppl / source['texts'][t]['perplexity']:.2f}x)")
+                    if base and r is not base and t in base["texts"]:
+                        versus.append(f"{100 * (ppl / base['texts'][t]['perplexity'] - 1):+.0f}%")
+                lines.append(f"| {budget} | {100 * budget / SOURCE_CACHE:g} | {r['method']} | {r['calib']} | "
+                             f"{latent(r)} | {r['d_r']} | " + " | ".join(cells) + f" | {' / '.join(versus)} | "
+                             f"`{r['command']}` |")  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budgets", default="192,144,96,48", help="elements per token per layer, comma separated")
-    ap.add_argument("--methods", default="mha2mla,transmla,mla-convert", help="comma separated (see above)")
-    ap.add_argument("--windows", type=int, default=16, help="2048-token test windows")
-    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "quality.jsonl")
-    ap.add_argument("--report-only", action="store_true", help="rewrite quality.md/png from the results file")
+    ap.add_argument("--budgets", default="192,96", help="elements per token per layer, comma separated")
+    ap.add_argument("--methods", default="transmla,mla-convert", help="comma separated (see above)")
+    ap.add_argument("--texts", default="wikitext,debian-reference,gnu-standards",
+                    help=f"evaluation texts, comma separated: {', '.join(TEXTS)} (wiki-dev: the development split)")
+    ap.add_argument("--calib", default="self", help=f"calibration text: {', '.join(CALIBS)}")
+    ap.add_argument("--windows", type=int, default=8, help="2048-token windows per text")
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "quality.jsonl",
+                    help="results file (benchmarks/quality_dev.jsonl for choices made on the development split)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite quality.md/png from the results files")
     ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
     ap.add_argument("--keep", action="store_true", help="keep every converted folder (under out/bench-quality; the "
                     "default method's are always kept)")
     args = ap.parse_args()
     args.command = "python scripts/bench_quality.py " + " ".join(sys.argv[1:])
     args.mla = str(Path(sys.executable).with_name("mla-convert"))
+    args.texts = args.texts.split(",")
+    if unknown := [t for t in args.texts if t not in TEXTS] + ([args.calib] if args.calib not in CALIBS else []):
+        raise SystemExit(f"unknown text or calibration {unknown[0]}: choose from {', '.join([*TEXTS, *CALIBS])}")
     (ROOT / "benchmarks").mkdir(exist_ok=True)
     work = ROOT / "out" / "bench-quality"
     work.mkdir(parents=True, exist_ok=True)
-    rows = [] if args.redo else load_results(args.results)
-    done = {(r["method"], r.get("budget"), r.get("windows")) for r in rows}
 
     def record(row: dict) -> None:
-        rows.append(row)
         with args.results.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        write_report(load_results(args.results), args)  # the file: other runs may have added rows meanwhile
+        write_report(args)
 
     if args.report_only:
-        return write_report(load_results(args.results), args)
-
-    if ("source", None, args.windows) not in done:
-        record({"method": "source", "budget": None, "windows": args.windows, **evaluate(None, args, work, "source")})
+        return write_report(args)
+    prepare_texts()
+    rows = [] if args.redo else latest([r for r in load_results(args.results) if "texts" in r])
+    done = {(r["method"], r.get("budget"), r["windows"], r.get("calib")): r for r in rows}
+    source = done.get(("source", None, args.windows, None))
+    if source is None or not all(t in source["texts"] for t in args.texts):  # source perplexities: measured once
+        texts = evaluate_texts(None, args, work, "source", source["texts"] if source else None)
+        record({"method": "source", "budget": None, "windows": args.windows, "calib": None, "texts": texts})
+    calib = str(CALIBS[args.calib])
     for budget in [int(b) for b in args.budgets.split(",")]:
         for method in args.methods.split(","):
-            if (method, budget, args.windows) in done:
+            have = done.get((method, budget, args.windows, args.calib))
+            if have and all(t in have["texts"] for t in args.texts):
                 continue
-            out = work / f"{method.replace(':', '_').replace(' ', '_').replace('-', '')[:60]}-{budget}"
+            name = f"{method.replace(':', '_').replace(' ', '_').replace('-', '')[:60]}-{budget}-{args.calib}"
+            out = work / name
             options = method_options(method, budget)
-            cmd = [args.mla, "llama", "--calib-data", str(DATA / "wiki.valid.tokens"), "-o", str(out), "--overwrite",
-                   "--dtype", "float32", "-q", *options]  # fmt: skip
-            code, wall, rss = timed(cmd, work / f"{out.name}.convert.log")
-            if code:
-                print(f"{method} at {budget}: conversion failed, see {work / (out.name + '.convert.log')}")
-                continue
+            if not (have and out.is_dir()):  # a row that lacks a text is completed from its kept folder
+                cmd = [args.mla, "llama", "--calib-data", calib, "-o", str(out), "--overwrite", "--dtype", "float32",
+                       "-q", *options]  # fmt: skip
+                code, wall, rss = timed(cmd, work / f"{name}.convert.log")
+                if code:
+                    print(f"{method} at {budget}: conversion failed, see {work / (name + '.convert.log')}")
+                    continue
+                have = None
             prov = json.loads((out / "provenance.json").read_text())
-            result = evaluate(str(out), args, work, out.name)
-            shown = " ".join(["mla-convert llama", *options, "--calib-data ../shared/data/wikitext-2/wiki.valid.tokens"])
+            texts = evaluate_texts(str(out), args, work, name, have["texts"] if have else None)
             ranks = prov["plan"]["ranks"]
-            row = {"method": method, "budget": budget, "windows": args.windows, "d_c": sum(ranks) / len(ranks),
-                   "d_c_range": [min(ranks), max(ranks)],
-                   "d_r": prov["plan"]["rope_dim"], "convert_s": round(wall, 1), "convert_rss_mb": round(rss / 2**20),
-                   "options": prov["options"], "command": shown, **result}  # fmt: skip
+            row = have or {"method": method, "budget": budget, "windows": args.windows, "calib": args.calib,
+                           "d_c": sum(ranks) / len(ranks), "d_c_range": [min(ranks), max(ranks)],
+                           "d_r": prov["plan"]["rope_dim"], "convert_s": round(wall, 1),
+                           "convert_rss_mb": round(rss / 2**20), "options": prov["options"],
+                           "command": shown(" ".join(["mla-convert llama", *options, "--calib-data", calib]))}  # fmt: skip
+            row["texts"] = texts
             record(row)
-            print(f"{method} at {budget}: perplexity {row['perplexity']:.2f} ({wall:.0f} s to convert)", flush=True)
+            print(f"{method} at {budget} ({args.calib}): " + ", ".join(f"{t} {v['perplexity']:.2f}" for t, v in texts.items()),
+                  flush=True)  # fmt: skip
             if not args.keep and method != "mla-convert":  # the default's folders serve scripts/bench_convert.py
                 subprocess.run(["rm", "-rf", str(out)])
 
