@@ -29,7 +29,7 @@ SELF = "self"
 # Chosen on the development split (second half of wiki.valid.tokens, benchmarks/quality.md, "self-text settings").
 TEMPERATURE = 1.0
 SAMPLE_TOKENS = 512
-BATCH = 16
+BATCH = 64  # CPU sampling reads every weight once per step: wide batches cost little more per step
 CACHE_VERSION = 1  # bump when the sampling procedure changes: old cache files are then not read
 
 # Requests of many kinds (prose, technical documentation, code, dialogue, lists), so that the calibration text covers
