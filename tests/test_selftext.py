@@ -114,3 +114,11 @@ def test_convert_data_free(sources, convert_tiny, cache):
     from mla_convert.convert import ConvertOptions
 
     assert ConvertOptions().calib_data == "self"
+
+
+def test_eval_warns_on_any_text_of_a_mixture(sources, convert_tiny, cache, calib_text):
+    from mla_convert.evaluate import calibration_overlap
+
+    out = convert_tiny(sources["llama-gqa"], rank=8, rope_dims=8, calib_data=f"self:1,{calib_text}:1")
+    assert "calibrated on" in calibration_overlap(str(out), str(calib_text), calib_text.read_text())
+    assert calibration_overlap(str(out), "other.txt", "unrelated text") is None
