@@ -305,6 +305,9 @@ def main() -> None:
                     help="results file (benchmarks/quality_dev.jsonl for choices made on the development split)")
     ap.add_argument("--report-only", action="store_true", help="rewrite quality.md/png from the results files")
     ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
+    ap.add_argument("--no-source", action="store_true", help="do not measure the source (another run does)")
+    ap.add_argument("--folder", type=Path, help="evaluate this model folder (e.g. a fine-tuned run's final/) as the "
+                    "row of --methods NAME at --budgets B instead of converting")
     ap.add_argument("--keep", action="store_true", help="keep every converted folder (under out/bench-quality; the "
                     "default method's are always kept)")
     args = ap.parse_args()
@@ -328,19 +331,20 @@ def main() -> None:
     rows = [] if args.redo else latest([r for r in load_results(args.results) if "texts" in r])
     done = {(r["method"], r.get("budget"), r["windows"], r.get("calib")): r for r in rows}
     source = done.get(("source", None, args.windows, None))
-    if source is None or not all(t in source["texts"] for t in args.texts):  # source perplexities: measured once
+    if not args.no_source and (source is None or not all(t in source["texts"] for t in args.texts)):  # once
         texts = evaluate_texts(None, args, work, "source", source["texts"] if source else None)
         record({"method": "source", "budget": None, "windows": args.windows, "calib": None, "texts": texts})
     calib = str(CALIBS[args.calib])
     for budget in [int(b) for b in args.budgets.split(",")]:
-        for method in args.methods.split(","):
+        for method in filter(None, args.methods.split(",")):
             have = done.get((method, budget, args.windows, args.calib))
             if have and all(t in have["texts"] for t in args.texts):
                 continue
             name = f"{method.replace(':', '_').replace(' ', '_').replace('-', '')[:60]}-{budget}-{args.calib}"
-            out = work / name
-            options = method_options(method, budget)
-            if not (have and out.is_dir()):  # a row that lacks a text is completed from its kept folder
+            out = args.folder or work / name
+            options = [] if args.folder else method_options(method, budget)
+            wall, rss = 0.0, 0
+            if not (have and out.is_dir()) and not args.folder:  # a row lacking a text is completed from its folder
                 cmd = [args.mla, "llama", "--calib-data", calib, "-o", str(out), "--overwrite", "--dtype", "float32",
                        "-q", *options]  # fmt: skip
                 code, wall, rss = timed(cmd, work / f"{name}.convert.log")
@@ -349,18 +353,21 @@ def main() -> None:
                     continue
                 have = None
             prov = json.loads((out / "provenance.json").read_text())
+            while "plan" not in prov and prov.get("parent"):  # a fine-tuned folder: the conversion is further up
+                prov = prov["parent"]
             texts = evaluate_texts(str(out), args, work, name, have["texts"] if have else None)
             ranks = prov["plan"]["ranks"]
             row = have or {"method": method, "budget": budget, "windows": args.windows, "calib": args.calib,
                            "d_c": sum(ranks) / len(ranks), "d_c_range": [min(ranks), max(ranks)],
                            "d_r": prov["plan"]["rope_dim"], "convert_s": round(wall, 1),
                            "convert_rss_mb": round(rss / 2**20), "options": prov["options"],
-                           "command": shown(" ".join(["mla-convert llama", *options, "--calib-data", calib]))}  # fmt: skip
+                           "command": shown(" ".join(["mla-convert llama", *options, "--calib-data", calib]))
+                           if not args.folder else f"{method} ({args.folder.name})"}  # fmt: skip
             row["texts"] = texts
             record(row)
             print(f"{method} at {budget} ({args.calib}): " + ", ".join(f"{t} {v['perplexity']:.2f}" for t, v in texts.items()),
                   flush=True)  # fmt: skip
-            if not args.keep and method != "mla-convert":  # the default's folders serve scripts/bench_convert.py
+            if not args.keep and method != "mla-convert" and not args.folder:  # the default's serve bench_convert.py
                 subprocess.run(["rm", "-rf", str(out)])
 
 
