@@ -1,13 +1,21 @@
 #!/usr/bin/env python
-"""One-shot conversion quality: perplexity at several KV-cache budgets for each method, no fine-tuning.
+"""One-shot conversion quality on every domain: perplexity at KV-cache budgets for each method, no fine-tuning.
 
     nice python scripts/bench_quality.py                      # -> benchmarks/quality.md, quality.png, quality.jsonl
-    nice python scripts/bench_quality.py --budgets 192 --methods mla-convert,transmla --windows 2   # a quick look
+    nice python scripts/bench_quality.py --budgets 96 --methods mla-convert --calib wiki-valid   # another calibration
+    nice python scripts/bench_quality.py --texts wiki-dev --windows 4 --results benchmarks/quality_dev.jsonl  # choices
 
-Protocol (issue 3): the embedded SmolLM2-135M-Instruct (384 cached elements per token per layer), converted at
-192/144/96/48 elements (50/37.5/25/12.5%); calibration on the WikiText-2 *validation* text only; perplexity on the
-WikiText-2 raw *test* text, the first 16 non-overlapping 2048-token windows, float32 (`mla-convert eval`).
-Each conversion and each evaluation runs as its own `mla-convert` process, timed, with its peak RSS (wait4).
+Protocol (issue 15): the embedded SmolLM2-135M-Instruct (384 cached elements per token per layer), converted at the
+given budgets (default 192 and 96: 50% and 25%) with calibration `--calib` (default `self`: text sampled from the
+source, the data-free default); perplexity on each text of `--texts`, the first `--windows` non-overlapping
+2048-token windows, float32 (`mla-convert eval`), shown relative to the source on the same text:
+  wikitext          WikiText-2 raw test
+  debian-reference  the Debian Reference manual (package debian-reference-en; scripts/domain_texts.py)
+  gnu-standards     the GNU Coding Standards (package gnu-standards; scripts/domain_texts.py)
+  wiki-dev          the development split: the second half of wiki.valid.tokens (choices are made here only;
+                    wiki-calibrated probes read the first half)
+No evaluation text is ever calibrated on. Each conversion and each evaluation runs as its own `mla-convert`
+process, timed, with its peak RSS (wait4).
 
 Methods, all run through our pipeline so that only the method differs:
   mha2mla      MHA2MLA's initialization: 2-norm partial RoPE, 4 pairs per kv head (d_r 24), no merging, weight-only
