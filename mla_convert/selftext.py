@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 SELF = "self"
 # Chosen on the development split (second half of wiki.valid.tokens, benchmarks/quality.md, "self-text settings").
 TEMPERATURE = 1.0
-SAMPLE_TOKENS = 512
-BATCH = 64  # CPU sampling reads every weight once per step: wide batches cost little more per step
+SAMPLE_TOKENS = 256
+BATCH = 16
 CACHE_VERSION = 1  # bump when the sampling procedure changes: old cache files are then not read
 
 # Requests of many kinds (prose, technical documentation, code, dialogue, lists), so that the calibration text covers
@@ -141,10 +141,7 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float = TEMPERATU
     """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring)."""
     if not temperature > 0 or sample_tokens <= 0:
         raise UserError("self-generated text needs a positive temperature and sample length")
-    settings = {"version": CACHE_VERSION, "source": source_fingerprint(source), "seed": seed,
-                "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
-    path = cache_dir() / f"{key}.json"
+    settings, path = cache_entry(source, seed, temperature, sample_tokens, batch)
     batches = read_cache(path, settings)
     have = sum(len(s) for b in batches for s in b["tokens"])
     if have < n_tokens:
@@ -160,6 +157,14 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float = TEMPERATU
             log.info("sampled %d of %d tokens", have, n_tokens)
         del model
     return torch.tensor([t for b in batches for s in b["tokens"] for t in s], dtype=torch.long)
+
+
+def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch: int) -> tuple[dict, Path]:
+    """(the settings the sampled text depends on, the cache file that holds it)."""
+    settings = {"version": CACHE_VERSION, "source": source_fingerprint(source), "seed": seed,
+                "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
+    return settings, cache_dir() / f"{key}.json"
 
 
 def read_cache(path: Path, settings: dict) -> list[dict]:
