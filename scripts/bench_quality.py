@@ -173,6 +173,7 @@ def write_report(args) -> None:
         "WikiText-2 test, debian-reference, gnu-standards; no choice was made on them.",
         "",
         *NOTES,
+        *acceptance(rows),
     ]
     lines += domain_report(rows, "Every domain", "Calibration and method per row; `vs transmla`: per text, against "
                            "the TransMLA-style baseline at the same budget and calibration.")
@@ -263,6 +264,37 @@ def latest(rows: list[dict]) -> list[dict]:
     for r in rows:
         out[(r["method"], r.get("budget"), r.get("windows"), r.get("calib"))] = r
     return list(out.values())
+
+
+# issue 15's targets for the default conversion: (ratio to the source on WikiText, on each other text) per budget
+TARGETS = {192: (1.2, 1.5), 96: (2.5, 5.0)}
+BASELINE_MARGIN = 0.30  # and at least 30% below the TransMLA-style baseline at the same budget
+
+
+def acceptance(rows: list[dict]) -> list[str]:
+    """Which of the targets hold for the default (`mla-convert`, data-free `self` calibration), per budget and text."""
+    lines = []
+    for windows in sorted({r["windows"] for r in rows}, reverse=True):
+        source = next((r for r in rows if r["method"] == "source" and r["windows"] == windows), None)
+        for budget, (wiki, other) in TARGETS.items():
+            row = next((r for r in rows if r["method"] == "mla-convert" and r["budget"] == budget
+                        and r["calib"] == "self" and r["windows"] == windows), None)  # fmt: skip
+            base = next((r for r in rows if r["method"] == "transmla" and r["budget"] == budget
+                         and r["calib"] == "self" and r["windows"] == windows), None)  # fmt: skip
+            if source is None or row is None:
+                continue
+            cells = []
+            for t, v in row["texts"].items():
+                ratio = v["perplexity"] / source["texts"][t]["perplexity"]
+                target = wiki if t == "wikitext" else other
+                cell = f"{t} {ratio:.2f}x (target {target}x: {'holds' if ratio <= target else 'misses'}"
+                if base and t in base["texts"]:
+                    below = 1 - v["perplexity"] / base["texts"][t]["perplexity"]
+                    cell += f"; {100 * below:.0f}% below transmla: {'holds' if below >= BASELINE_MARGIN else 'misses'}"
+                cells.append(cell + ")")
+            lines.append(f"- {100 * budget / SOURCE_CACHE:g}% ({budget}), {windows} windows: " + "; ".join(cells) + ".")
+    return (["**Targets (issue 15) for the default, data-free conversion**, from the table below:", "", *lines, ""]
+            if lines else [])
 
 
 def domain_report(rows: list[dict], title: str, note: str) -> list[str]:
