@@ -120,13 +120,17 @@ def shown(text: str) -> str:
 
 
 def evaluate_texts(folder: str | None, args, work: Path, tag: str, have: dict | None = None) -> dict:
-    """{text name: eval result} for every text of --texts (those in `have` are kept, not measured again)."""
+    """{text name: eval result} for every text of --texts (those in `have` are kept, not measured again), with up to
+    --parallel evaluation processes at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
     out = dict(have or {})
-    for name in args.texts:
-        if name not in out:
-            out[name] = evaluate(folder, args, work, f"{tag}.{name}", TEXTS[name])
-            print(f"  {tag} on {name}: {out[name]['perplexity']:.2f}", flush=True)
-    return out
+    todo = [name for name in args.texts if name not in out]
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        for name, result in zip(todo, pool.map(lambda n: evaluate(folder, args, work, f"{tag}.{n}", TEXTS[n]), todo)):
+            out[name] = result
+            print(f"  {tag} on {name}: {result['perplexity']:.2f}", flush=True)
+    return {name: out[name] for name in args.texts if name in out} | out
 
 
 def evaluate(folder: str | None, args, work: Path, tag: str, text: Path = DATA / "wiki.test.raw") -> dict:
@@ -346,6 +350,9 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="rewrite quality.md/png from the results files")
     ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
     ap.add_argument("--no-source", action="store_true", help="do not measure the source (another run does)")
+    ap.add_argument("--reuse", action="store_true", help="evaluate a complete converted folder already under "
+                    "out/bench-quality (same method, budget and calibration) instead of converting again")
+    ap.add_argument("--parallel", type=int, default=1, help="evaluation processes at once (one per text)")
     ap.add_argument("--folder", type=Path, help="evaluate this model folder (e.g. a fine-tuned run's final/) as the "
                     "row of --methods NAME at --budgets B instead of converting")
     ap.add_argument("--keep", action="store_true", help="keep every converted folder (under out/bench-quality; the "
@@ -384,7 +391,8 @@ def main() -> None:
             out = args.folder or work / name
             options = [] if args.folder else method_options(method, budget)
             wall, rss = 0.0, 0
-            if not (have and out.is_dir()) and not args.folder:  # a row lacking a text is completed from its folder
+            reuse = args.reuse and (out / "provenance.json").is_file()
+            if not (have and out.is_dir()) and not args.folder and not reuse:  # a row lacking a text: from its folder
                 cmd = [args.mla, "llama", "--calib-data", calib, "-o", str(out), "--overwrite", "--dtype", "float32",
                        "-q", *options]  # fmt: skip
                 code, wall, rss = timed(cmd, work / f"{name}.convert.log")
