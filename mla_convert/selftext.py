@@ -26,7 +26,8 @@ from mla_convert.errors import UserError
 log = logging.getLogger(__name__)
 
 SELF = "self"
-# Chosen on the development split (second half of wiki.valid.tokens, benchmarks/quality.md, "self-text settings").
+# Temperature 1: the model's own distribution (untuned); length and batch chosen by sampling cost on 2 shared CPU
+# cores (64 x 512 a batch was far slower per token); benchmarks/quality.md, "What chose what".
 TEMPERATURE = 1.0
 SAMPLE_TOKENS = 256
 BATCH = 16
