@@ -10,10 +10,76 @@ import logging
 
 import torch
 
-from mla_convert.data import load_text  # noqa: F401  (one loader for every text: calibration, training, eval)
+from mla_convert.data import load_text  # one loader for every text: calibration, training, eval
 from mla_convert.errors import UserError
+from mla_convert.selftext import SELF
 
 log = logging.getLogger(__name__)
+
+
+def parse_mixture(spec: str) -> list[tuple[str, float]]:
+    """A calibration spec -> [(text spec or "self", weight)]: parts joined by commas, each `NAME` or `NAME:WEIGHT`
+    (a trailing `:number` is a weight; a datasets name's `:config:split` is not a number). Weights are relative."""
+    parts = []
+    for part in spec.split(","):
+        name, weight = part.strip(), 1.0
+        head, _, tail = name.rpartition(":")
+        if head:
+            try:
+                weight = float(tail)
+                name = head
+            except ValueError:
+                pass
+        if not name:
+            raise UserError(f"--calib-data {spec!r} has an empty part: write NAME or NAME:WEIGHT, joined by commas")
+        if not (weight > 0 and weight < float("inf")):
+            raise UserError(f"--calib-data weight of {name} is {tail}: weights must be positive numbers")
+        parts.append((name, weight))
+    return parts
+
+
+def check_calib_spec(spec: str, n_samples: int | None = None) -> list[tuple[str, float]]:
+    """Parse a calibration spec and check its files exist (and, given `n_samples`, that every part gets a window),
+    reading nothing: before a slow source load."""
+    from mla_convert.data import check_text_spec
+
+    parts = parse_mixture(spec)
+    for name, _ in parts:
+        if name != SELF:
+            check_text_spec(name)
+    if n_samples is not None and n_samples > 0:
+        window_counts([w for _, w in parts], n_samples)
+    return parts
+
+
+def window_counts(weights: list[float], n_samples: int) -> list[int]:
+    """Share `n_samples` windows by the weights (largest remainder); every part must get at least one."""
+    total = sum(weights)
+    exact = [n_samples * w / total for w in weights]
+    counts = [int(e) for e in exact]
+    for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[: n_samples - sum(counts)]:
+        counts[i] += 1
+    if min(counts) == 0:
+        raise UserError(f"--calib-samples {n_samples} leaves a --calib-data part without a window at these weights: "
+                        "raise --calib-samples or that part's weight")
+    return counts
+
+
+def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """The calibration windows [N, T] of a spec (see `parse_mixture`): random windows of each text, consecutive
+    windows of text sampled from the source for `self`, in the weights' proportions, in the order given."""
+    from mla_convert.selftext import self_tokens
+
+    parts = check_calib_spec(spec, n_samples)
+    counts = window_counts([w for _, w in parts], n_samples)
+    out = []
+    for (name, _), count in zip(parts, counts):
+        if name == SELF:
+            ids = self_tokens(source, count * seq_len, seed)
+            out.append(ids[: count * seq_len].view(count, seq_len))
+        else:
+            out.append(token_windows(source.tokenizer(), load_text(name), count, seq_len, seed))
+    return torch.cat(out)
 
 
 def token_windows(tokenizer, text: str, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:

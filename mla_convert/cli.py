@@ -123,7 +123,7 @@ def _convert(
     objective: Optional[str],
     kv_balance: Optional[float],
     dropped_rope: Optional[str],
-    calib_data: str,
+    calib_data: Optional[list[str]],
     calib_samples: int,
     calib_seq_len: int,
     calib_propagate: str,
@@ -154,14 +154,16 @@ def _convert(
     if revision is not None and model is not None and Path(model).expanduser().exists():
         raise UserError(f"--revision selects a Hub revision, but {model} is a local path: drop --revision")
     device = resolve_device(device)  # auto -> what runs (recorded in provenance.json)
+    calib_data = ",".join(calib_data or ["self"])  # repeated options are the parts of one weighted mixture
     if calib_data.lower() != "none":
-        from mla_convert.data import check_text_spec, looks_like_test_split
+        from mla_convert.calibration import check_calib_spec
+        from mla_convert.data import looks_like_test_split
 
-        check_text_spec(calib_data)  # before the (possibly slow) source load
-        if looks_like_test_split(calib_data):
-            typer.echo(f"warning: --calib-data {calib_data} looks like a test split: calibrate on other text than "
-                       "you evaluate on (e.g. wiki.valid.tokens), or a later perplexity on it flatters the result",
-                       err=True)
+        for name, _ in check_calib_spec(calib_data, calib_samples):  # before the (possibly slow) source load
+            if looks_like_test_split(name):
+                typer.echo(f"warning: --calib-data {name} looks like a test split: calibrate on other text than "
+                           "you evaluate on (e.g. wiki.valid.tokens), or a later perplexity on it flatters the result",
+                           err=True)
     target, native_out = resolve_target(target, format, output)  # --format deepseek: the native one goes to OUT-native
 
     options = ConvertOptions(
@@ -258,11 +260,15 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "keeps the rotation expected under the head's calibration attention over distances). Default: expected "
             "(unrotated without calibration text)."
         ),
-        calib_data: str = typer.Option(
-            "wikitext:wikitext-2-raw-v1:validation",
+        calib_data: Optional[list[str]] = typer.Option(
+            None,
             "--calib-data",
-            help="Calibration text: a local .txt/.raw/.tokens/.jsonl file or a datasets name[:config[:split]]; "
-            "'none' for weight-only statistics. Never the text you evaluate on.",
+            help="Calibration text: 'self' (text sampled from the source itself, seeded and cached: no data set "
+            "needed), a local .txt/.raw/.tokens/.jsonl file or a datasets name[:config[:split]]; 'none' for "
+            "weight-only statistics. Mix several with weights: repeat the option or join with commas, each NAME or "
+            "NAME:WEIGHT (e.g. --calib-data wiki.valid.tokens:0.5 --calib-data self:0.5; the windows are shared "
+            "by weight). Never the text you evaluate on. Default: self.",
+            show_default=False,
         ),
         calib_samples: int = typer.Option(8, "--calib-samples", help="Calibration windows."),
         calib_seq_len: int = typer.Option(

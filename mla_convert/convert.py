@@ -65,7 +65,7 @@ class ConvertOptions:
     objective: str = "kv"  # kv: error in K/V | attention: keys by query-key score error, values by error after o_proj
     kv_balance: float | None = 1.0  # scale the key block so its energy is this multiple of the value block's
     dropped_rope: str = "expected"  # unrotated | expected: dropped pairs keep E[rotation] under the head's attention
-    calib_data: str | None = "wikitext:wikitext-2-raw-v1:validation"
+    calib_data: str | None = "self"  # text sampled from the source (data-free); files/datasets, weighted: see calibration
     calib_samples: int = 8
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
@@ -936,7 +936,9 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
         st = path.stat()
         return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
-    calib = Path(options.calib_data).expanduser() if options.calib_data else None
+    from mla_convert.calibration import parse_mixture
+
+    calib = [Path(name).expanduser() for name, _ in parse_mixture(options.calib_data)] if options.calib_data else []
     return {
         "mla_convert": __version__,
         "torch": torch.__version__,
@@ -946,7 +948,7 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
         # the calibration tokens depend on the tokenizer, the calibration forward on transformers' decoder classes
         "tokenizer_files": [stat(source.folder / n) for n in AUX_FILES if source.folder and (source.folder / n).is_file()],
         "transformers": transformers.__version__,
-        "calibration_file": stat(calib) if calib is not None and calib.is_file() else None,
+        "calibration_files": [stat(path) for path in calib if path.is_file()],
         "options": dataclasses.asdict(options),
         "plan": {"ranks": plan.ranks, "rope_dim": plan.rope_dim, "dtype": plan.dtype},
     }
@@ -1052,9 +1054,8 @@ def _converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_ten
 
 
 def _calibration_runner(source: Source, options: ConvertOptions):
-    from mla_convert.calibration import LayerRunner, load_text, token_windows
+    from mla_convert.calibration import LayerRunner, calibration_tokens
 
-    text = load_text(options.calib_data)
-    tokens = token_windows(source.tokenizer(), text, options.calib_samples, options.calib_seq_len, options.seed)
+    tokens = calibration_tokens(source, options.calib_data, options.calib_samples, options.calib_seq_len, options.seed)
     embed = source.get_raw("model.embed_tokens.weight")  # rows are looked up, then made float32: no float32 table
     return LayerRunner(source.config, embed, tokens)

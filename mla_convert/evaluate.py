@@ -140,16 +140,19 @@ def calibration_overlap(model: str | None, spec: str, text: str) -> str | None:
     record = provenance.load(model) or {}
     while record and record.get("kind") != "convert":  # finetune / export: the conversion is further up
         record = record.get("parent") or {}
-    calib = (record.get("options") or {}).get("calib_data")
-    if not calib:
-        return None
-    calib_path, eval_path = Path(calib).expanduser(), Path(spec).expanduser()
-    if calib == spec or (calib_path.is_file() and eval_path.is_file() and calib_path.resolve() == eval_path.resolve()):
-        return (f"{spec} is the text {model} was calibrated on: the perplexity flatters the conversion; "
-                "evaluate on held-out text (e.g. wiki.test.raw when calibrating on wiki.valid.tokens)")
-    if calib_path.is_file():
-        shared = data.overlapping_lines(calib_path.read_text(encoding="utf-8", errors="replace"), text)
-        if shared:
-            return (f"{spec} shares {shared} lines with the calibration text {calib}: the perplexity flatters the "
-                    "conversion; evaluate on held-out text")
+    from mla_convert.calibration import parse_mixture
+
+    spec_calib = (record.get("options") or {}).get("calib_data")
+    eval_path = Path(spec).expanduser()
+    for calib, _ in parse_mixture(spec_calib) if spec_calib else []:  # each text of a weighted mixture
+        calib_path = Path(calib).expanduser()
+        if calib == spec or (calib_path.is_file() and eval_path.is_file()
+                             and calib_path.resolve() == eval_path.resolve()):  # fmt: skip
+            return (f"{spec} is the text {model} was calibrated on: the perplexity flatters the conversion; "
+                    "evaluate on held-out text (e.g. wiki.test.raw when calibrating on wiki.valid.tokens)")
+        if calib_path.is_file():
+            shared = data.overlapping_lines(calib_path.read_text(encoding="utf-8", errors="replace"), text)
+            if shared:
+                return (f"{spec} shares {shared} lines with the calibration text {calib}: the perplexity flatters "
+                        "the conversion; evaluate on held-out text")
     return None

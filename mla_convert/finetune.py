@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from mla_convert.errors import UserError
+from mla_convert.selftext import SELF
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class FinetuneConfig:
 
     model: str  # student: a model folder or hub id that AutoModelForCausalLM loads (native MLA or any causal LM)
     output: str  # run folder (checkpoints, metrics, final/)
-    data: str  # training text: local .txt/.jsonl file or datasets name[:config[:split]]
+    data: str  # training text: local .txt/.jsonl file, datasets name[:config[:split]], or self (sampled from the teacher)
     teacher: str | None = "auto"  # "auto": the source named in the student's provenance; a folder/.gguf/hub id; none
     eval_data: str | None = None  # held-out text; None: the last eval_windows*eval_seq_len tokens of `data`
     seq_len: int = 512  # tokens per packed training sequence
@@ -297,15 +298,36 @@ class DataOrder:
         return [int(self._perm(p // self.n)[p % self.n]) for p in range(start, start + self.batch)]
 
 
-def prepare_data(cfg: FinetuneConfig, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+def self_training_tokens(cfg: FinetuneConfig, world: int) -> torch.Tensor:
+    """data=self: a token stream sampled from the teacher (the source; mla_convert.selftext, cached), long enough for
+    the run's token budget plus the held-out windows when eval_data is unset."""
+    from mla_convert.checkpoint import open_source
+    from mla_convert.selftext import self_tokens
+
+    spec = teacher_spec(cfg) if cfg.teacher is not None else None
+    if spec is None:
+        raise UserError("data=self samples the training text from the teacher: set teacher (auto, or the source)")
+    if cfg.max_tokens is None and cfg.max_steps is None:
+        raise UserError("data=self has no natural length: set max_tokens (or max_steps)")
+    per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
+    need = cfg.max_steps * per_step if cfg.max_steps is not None else cfg.max_tokens
+    need += 0 if cfg.eval_data is not None else cfg.eval_windows * cfg.eval_seq_len
+    return self_tokens(open_source(None if spec == "embedded" else spec), need + cfg.seq_len, cfg.seed)
+
+
+def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(train sequences [N, seq_len], eval windows [W, eval_seq_len]); never sharing text with each other."""
     from mla_convert import data
 
     if not cfg.allow_test_split and data.looks_like_test_split(cfg.data):
         raise UserError(f"training text {cfg.data} looks like a test split: train on other text "
                         "(or set allow_test_split=true if it really is not evaluation text)")
-    text = data.load_text(cfg.data)
-    ids = data.tokenize(tokenizer, text)  # [N]
+    if cfg.data == SELF:
+        ids = self_training_tokens(cfg, world)
+        text = tokenizer.decode(ids.tolist())
+    else:
+        text = data.load_text(cfg.data)
+        ids = data.tokenize(tokenizer, text)  # [N]
     held = cfg.eval_windows * cfg.eval_seq_len
     if cfg.eval_data is None:
         if ids.numel() < held + cfg.seq_len:
@@ -573,7 +595,7 @@ def check_output(cfg: FinetuneConfig) -> Path:
     if student.exists() and not (student / "config.json").is_file():
         raise UserError(f"the student {cfg.model} has no config.json: set model to a converted model folder")
     for spec in (cfg.data, cfg.eval_data):
-        if spec is not None:
+        if spec is not None and spec != SELF:
             data.check_text_spec(spec)
     out = Path(cfg.output).expanduser().resolve()
     _check_output(cfg, out)
@@ -699,7 +721,7 @@ def run(cfg: FinetuneConfig) -> Path:
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"cannot load the tokenizer of the student {cfg.model} ({type(e).__name__}): pass a model "
                         "folder with its tokenizer (e.g. the output of mla-convert llama)") from None
-    train_seqs, eval_windows = prepare_data(cfg, tokenizer)  # [N, T], [W, T_eval]
+    train_seqs, eval_windows = prepare_data(cfg, tokenizer, world)  # [N, T], [W, T_eval]
     tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
     if cfg.max_steps is not None:
         total_steps = cfg.max_steps

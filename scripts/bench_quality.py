@@ -1,13 +1,21 @@
 #!/usr/bin/env python
-"""One-shot conversion quality: perplexity at several KV-cache budgets for each method, no fine-tuning.
+"""One-shot conversion quality on every domain: perplexity at KV-cache budgets for each method, no fine-tuning.
 
     nice python scripts/bench_quality.py                      # -> benchmarks/quality.md, quality.png, quality.jsonl
-    nice python scripts/bench_quality.py --budgets 192 --methods mla-convert,transmla --windows 2   # a quick look
+    nice python scripts/bench_quality.py --budgets 96 --methods mla-convert --calib wiki-valid   # another calibration
+    nice python scripts/bench_quality.py --texts wiki-dev --windows 4 --results benchmarks/quality_dev.jsonl  # choices
 
-Protocol (issue 3): the embedded SmolLM2-135M-Instruct (384 cached elements per token per layer), converted at
-192/144/96/48 elements (50/37.5/25/12.5%); calibration on the WikiText-2 *validation* text only; perplexity on the
-WikiText-2 raw *test* text, the first 16 non-overlapping 2048-token windows, float32 (`mla-convert eval`).
-Each conversion and each evaluation runs as its own `mla-convert` process, timed, with its peak RSS (wait4).
+Protocol (issue 15): the embedded SmolLM2-135M-Instruct (384 cached elements per token per layer), converted at the
+given budgets (default 192 and 96: 50% and 25%) with calibration `--calib` (default `self`: text sampled from the
+source, the data-free default); perplexity on each text of `--texts`, the first `--windows` non-overlapping
+2048-token windows, float32 (`mla-convert eval`), shown relative to the source on the same text:
+  wikitext          WikiText-2 raw test
+  debian-reference  the Debian Reference manual (package debian-reference-en; scripts/domain_texts.py)
+  gnu-standards     the GNU Coding Standards (package gnu-standards; scripts/domain_texts.py)
+  wiki-dev          the development split: the second half of wiki.valid.tokens (choices are made here only;
+                    wiki-calibrated probes read the first half)
+No evaluation text is ever calibrated on. Each conversion and each evaluation runs as its own `mla-convert`
+process, timed, with its peak RSS (wait4).
 
 Methods, all run through our pipeline so that only the method differs:
   mha2mla      MHA2MLA's initialization: 2-norm partial RoPE, 4 pairs per kv head (d_r 24), no merging, weight-only
@@ -32,6 +40,52 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+DOMAINS = ROOT / "out" / "domains"  # scripts/domain_texts.py writes them (Debian packages; evaluation only)
+DEV = ROOT / "out" / "dev"  # wiki.valid.tokens cut in two: calibration may use the first half, choices the second
+# Evaluation texts (never calibrated on) and the development text (choices are made on it, never on these).
+TEXTS = {
+    "wikitext": DATA / "wiki.test.raw",
+    "debian-reference": DOMAINS / "debian-reference.txt",
+    "gnu-standards": DOMAINS / "gnu-standards.txt",
+    "wiki-dev": DEV / "wiki.valid.second-half.tokens",
+}
+# Calibration texts by name: "self" is the data-free default (text sampled from the source).
+CALIBS = {
+    "self": "self",
+    "wiki-valid": DATA / "wiki.valid.tokens",
+    "wiki-valid-first-half": DEV / "wiki.valid.first-half.tokens",
+    "self+wiki-valid-first-half": f"self:0.5,{DEV / 'wiki.valid.first-half.tokens'}:0.5",
+}
+NOTES = [  # what chose what (issue 15), written with the measurements
+    "**What chose what.** `self` calibration is the default because it needs no data set and samples the model's own "
+    "distribution (with the chat template for this instruct model); no evaluation text was read to choose it. Its "
+    "sampling settings were chosen by cost, not by quality: temperature 1.0 (the model's own distribution, "
+    "untuned), 256 new tokens per sample, 16 samples a batch; sampling 64 x 512 tokens a batch had not finished after "
+    "40 minutes on the 2 shared cores, 16 x 256 took about 285 s a batch (about 4,500 tokens). The conversion "
+    "options are unchanged: the defaults chosen by the earlier probes at the end of this file (on the first test "
+    "windows, before a development split existed). Re-checking them, the per-layer rank allocation and the RoPE "
+    "choices on `wiki-dev` at 25% (`--texts wiki-dev --windows 4 --results benchmarks/quality_dev.jsonl`) is the "
+    "next step: it did not run in this session for lack of CPU.",
+    "",
+    "**Result.** Data-free calibration holds the ordering (the default stays 52-61% below the TransMLA-style "
+    "baseline on every text at 25%) but costs quality against WikiText calibration: the issue's targets are missed "
+    "at both budgets (table below; 50% is within 1.52x on the Debian texts, 1.60x on WikiText). The earlier "
+    "protocol (WikiText-calibrated, 16 windows, WikiText only) measured 1.24x at 50% and 3.2x at 25%. Not measured "
+    "in this session: the WikiText-calibrated and mixed (`self:0.5` + text) conversions on the Debian texts.",
+    "",
+    "**Fine-tuning at 25%, no data set** (row `mla-convert+finetune-self-4k`): `mla-convert finetune --config "
+    "recipes/smollm2-135m-self.yaml model=out/bench-quality/mlaconvert-96-self max_tokens=4096 eval_every=0` (LM + "
+    "distillation from the source on 4,096 tokens the source sampled itself, CPU), recorded with `--folder`. Gap to "
+    "the source closed: WikiText-2 34% (187.71 -> 132.70), Debian Reference 42% (101.80 -> 64.71), GNU Coding "
+    "Standards 47% (92.12 -> 56.95); the loop's held-out sampled text 64.7 -> 41.7. Longer runs (up to 64k tokens) "
+    "were not measured.",
+    "",
+    "Windows: 4 x 2048 tokens per text (not the 16 of the earlier protocol) because every evaluation shared 2 cores "
+    "with other jobs; ratios are to the source on the same windows.",
+    "",
+]
+
+SHOWN = {str(DATA): "../shared/data/wikitext-2", str(DEV): "out/dev"}  # how paths appear in the report
 SOURCE_CACHE = 384  # SmolLM2-135M: 2 x 3 kv heads x 64 per token per layer
 PROBE_SOURCE_PPL = 18.84  # `mla-convert eval out/smollm2-src --windows 2` (the probes' source copy)
 PROBE_SERIES = {
@@ -74,10 +128,42 @@ def timed(cmd: list[str], log: Path) -> tuple[int, float, int]:
     return os.waitstatus_to_exitcode(status), time.perf_counter() - start, usage.ru_maxrss * 1024
 
 
-def evaluate(folder: str | None, args, work: Path, tag: str) -> dict:
+def prepare_texts() -> None:
+    """The domain texts (from their Debian packages) and the two halves of wiki.valid.tokens, when missing."""
+    if not all(TEXTS[n].is_file() for n in ("debian-reference", "gnu-standards")):
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "domain_texts.py"), "--out", str(DOMAINS)], check=True)
+    if not (DEV / "wiki.valid.second-half.tokens").is_file():
+        DEV.mkdir(parents=True, exist_ok=True)
+        lines = (DATA / "wiki.valid.tokens").read_text(encoding="utf-8").splitlines(keepends=True)
+        half = len(lines) // 2
+        (DEV / "wiki.valid.first-half.tokens").write_text("".join(lines[:half]), encoding="utf-8")
+        (DEV / "wiki.valid.second-half.tokens").write_text("".join(lines[half:]), encoding="utf-8")
+
+
+def shown(text: str) -> str:
+    for path, name in SHOWN.items():
+        text = text.replace(path, name)
+    return text
+
+
+def evaluate_texts(folder: str | None, args, work: Path, tag: str, have: dict | None = None) -> dict:
+    """{text name: eval result} for every text of --texts (those in `have` are kept, not measured again), with up to
+    --parallel evaluation processes at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = dict(have or {})
+    todo = [name for name in args.texts if name not in out]
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        for name, result in zip(todo, pool.map(lambda n: evaluate(folder, args, work, f"{tag}.{n}", TEXTS[n]), todo)):
+            out[name] = result
+            print(f"  {tag} on {name}: {result['perplexity']:.2f}", flush=True)
+    return {name: out[name] for name in args.texts if name in out} | out
+
+
+def evaluate(folder: str | None, args, work: Path, tag: str, text: Path = DATA / "wiki.test.raw") -> dict:
     out_json = work / f"{tag}.eval.json"
     cmd = [args.mla, "eval"] + ([folder] if folder else []) + [
-        "--data", str(DATA / "wiki.test.raw"), "--seq-len", "2048", "--windows", str(args.windows), "--json",
+        "--data", str(text), "--seq-len", "2048", "--windows", str(args.windows), "--json",
         str(out_json), "-q"]  # fmt: skip
     code, wall, rss = timed(cmd, work / f"{tag}.eval.log")
     if code:
@@ -91,23 +177,44 @@ def load_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def write_report(rows: list[dict], args) -> None:
-    """benchmarks/quality.md: one table per window count measured (16 is the protocol), and the plot of the 16-window
-    rows (or of the largest window count there is)."""
+def write_report(args) -> None:
+    """benchmarks/quality.md: the every-domain tables (self-calibrated defaults and baselines), the development-split
+    probes that chose the defaults, then the earlier WikiText-only protocol's tables and probes, and the plot."""
+    bench = ROOT / "benchmarks"
+    everything = load_results(bench / "quality.jsonl")
+    rows = latest([r for r in everything if "texts" in r])
+    dev = latest([r for r in load_results(bench / "quality_dev.jsonl") if "texts" in r])
     lines = [
         "# One-shot conversion quality (no fine-tuning)",
         "",
-        "SmolLM2-135M-Instruct (embedded default, float32), converted by `mla-convert llama` at each KV-cache budget;",
-        "calibration on WikiText-2 validation (`wiki.valid.tokens`), perplexity on WikiText-2 raw test, the first "
-        "2048-token windows (16 in the protocol). Written by `python scripts/bench_quality.py` (options per table).",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs while it ran: times are "
-        "upper bounds); every method through the same pipeline, one process per conversion and per evaluation.",
-        "Conversion times on a quiet machine: benchmarks/convert.md. For reference, the public converters' own code on "
-        "this protocol (as reported with the issue): TransMLA 40.1 at 50%; MHA2MLA 311 at 100% with partial RoPE only.",
-        "The baselines (mha2mla, transmla) are written by us from the papers (see the script's docstring); "
-        "`vs best baseline` compares with the better of the two at the same budget, in the same run.",
+        "SmolLM2-135M-Instruct (embedded default, float32), converted by `mla-convert llama` at each KV-cache budget "
+        "and evaluated on WikiText-2 raw test and on two texts of other domains that ship in Debian packages "
+        "(`python scripts/domain_texts.py`: the Debian Reference manual, package debian-reference-en, and the GNU "
+        "Coding Standards, package gnu-standards; plain text, their first 2048-token windows). Each perplexity is "
+        "shown with its ratio to the source on the same text. Written by `python scripts/bench_quality.py` "
+        "(`--calib`, `--texts`, `--windows` per table).",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs while it ran); every method "
+        "through the same pipeline, one process per conversion and per evaluation. The baselines (mha2mla, "
+        "transmla) are written by us from the papers (see the script's docstring), calibrated on the same text as "
+        "the row they are compared with.",
         "",
+        "**Splits.** Calibration: `self` (text sampled from the source, the data-free default) or WikiText-2 "
+        "validation. Development split for choices: the second half of `wiki.valid.tokens` (`wiki-dev`), which no "
+        "calibration reads (wiki-calibrated probes use the first half). Evaluation only: WikiText-2 test, "
+        "debian-reference, gnu-standards; no choice is made on them.",
+        "",
+        *NOTES,
+        *acceptance(rows),
     ]
+    lines += domain_report(rows, "Every domain", "Calibration and method per row; `vs transmla`: per text, against "
+                           "the TransMLA-style baseline at the same budget and calibration.")
+    lines += domain_report(dev, "Development split (the choices)", "Probes on `wiki-dev` (the second half of "
+                           "wiki.valid.tokens), never on evaluation text.")
+    rows = [r for r in everything if "texts" not in r]
+    lines += ["# Earlier protocol: WikiText-2 only, calibrated on wiki.valid.tokens", "",
+              "Before data-free calibration: calibration on WikiText-2 validation (`wiki.valid.tokens`), perplexity on "
+              "WikiText-2 raw test, the first 2048-token windows. The probes below chose the earlier defaults on the "
+              "first test windows (kept for the record; the development split above replaces them).", ""]  # fmt: skip
     counts = sorted({r["windows"] for r in rows}, reverse=True)
     for windows in counts:
         lines += table([r for r in rows if r["windows"] == windows], windows)
@@ -182,59 +289,160 @@ def plot(rows: list[dict], source: dict | None) -> None:
     fig.savefig(ROOT / "benchmarks" / "quality.png", dpi=120)
 
 
+def latest(rows: list[dict]) -> list[dict]:
+    """One row per (method, budget, windows, calibration): the last one written."""
+    out = {}
+    for r in rows:
+        out[(r["method"], r.get("budget"), r.get("windows"), r.get("calib"))] = r
+    return list(out.values())
+
+
+# issue 15's targets for the default conversion: (ratio to the source on WikiText, on each other text) per budget
+TARGETS = {192: (1.2, 1.5), 96: (2.5, 5.0)}
+BASELINE_MARGIN = 0.30  # and at least 30% below the TransMLA-style baseline at the same budget
+
+
+def acceptance(rows: list[dict]) -> list[str]:
+    """Which of the targets hold for the default (`mla-convert`, data-free `self` calibration), per budget and text."""
+    lines = []
+    for windows in sorted({r["windows"] for r in rows}, reverse=True):
+        source = next((r for r in rows if r["method"] == "source" and r["windows"] == windows), None)
+        for budget, (wiki, other) in TARGETS.items():
+            row = next((r for r in rows if r["method"] == "mla-convert" and r["budget"] == budget
+                        and r["calib"] == "self" and r["windows"] == windows), None)  # fmt: skip
+            base = next((r for r in rows if r["method"] == "transmla" and r["budget"] == budget
+                         and r["calib"] == "self" and r["windows"] == windows), None)  # fmt: skip
+            if source is None or row is None:
+                continue
+            cells = []
+            for t, v in row["texts"].items():
+                ratio = v["perplexity"] / source["texts"][t]["perplexity"]
+                target = wiki if t == "wikitext" else other
+                cell = f"{t} {ratio:.2f}x (target {target}x: {'holds' if ratio <= target else 'misses'}"
+                if base and t in base["texts"]:
+                    below = 1 - v["perplexity"] / base["texts"][t]["perplexity"]
+                    cell += f"; {100 * below:.0f}% below transmla: {'holds' if below >= BASELINE_MARGIN else 'misses'}"
+                cells.append(cell + ")")
+            lines.append(f"- {100 * budget / SOURCE_CACHE:g}% ({budget}), {windows} windows: " + "; ".join(cells) + ".")
+    return (["**Targets (issue 15) for the default, data-free conversion**, from the table below:", "", *lines, ""]
+            if lines else [])
+
+
+def domain_report(rows: list[dict], title: str, note: str) -> list[str]:
+    """Tables of rows measured on several texts: perplexity and its ratio to the source on the same text, and the
+    change against the TransMLA-style baseline at the same budget and calibration."""
+    lines = []
+    for windows in sorted({r["windows"] for r in rows}, reverse=True):
+        at_w = [r for r in rows if r["windows"] == windows]
+        source = next((r for r in at_w if r["method"] == "source"), None)
+        if source is None:
+            continue
+        texts = [t for t in TEXTS if t in source["texts"]]
+        lines += [f"## {title}: {windows} x 2048-token windows", "", note, "",
+                  "Source perplexity: " + ", ".join(f"{t} **{source['texts'][t]['perplexity']:.2f}**" for t in texts)
+                  + ".", "",
+                  "| budget | % | method | calibration | d_c | d_r | " + " | ".join(texts) + " | vs transmla | command |",
+                  "|---|---|---|---|---|---|" + "---|" * len(texts) + "---|---|"]  # fmt: skip
+        models = [r for r in at_w if r["method"] != "source"]
+        for budget in sorted({r["budget"] for r in models}, reverse=True):
+            for r in sorted((r for r in models if r["budget"] == budget), key=lambda r: (r["calib"], r["method"])):
+                base = next((b for b in models if b["method"] == "transmla" and b["budget"] == budget
+                             and b["calib"] == r["calib"]), None)  # fmt: skip
+                cells, versus = [], []
+                for t in texts:
+                    if t not in r["texts"]:
+                        cells.append("")
+                        continue
+                    ppl = r["texts"][t]["perplexity"]
+                    cells.append(f"{ppl:.2f} ({ppl / source['texts'][t]['perplexity']:.2f}x)")
+                    if base and r is not base and t in base["texts"]:
+                        versus.append(f"{100 * (ppl / base['texts'][t]['perplexity'] - 1):+.0f}%")
+                lines.append(f"| {budget} | {100 * budget / SOURCE_CACHE:g} | {r['method']} | {r['calib']} | "
+                             f"{latent(r)} | {r['d_r']} | " + " | ".join(cells) + f" | {' / '.join(versus)} | "
+                             f"`{r['command']}` |")  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budgets", default="192,144,96,48", help="elements per token per layer, comma separated")
-    ap.add_argument("--methods", default="mha2mla,transmla,mla-convert", help="comma separated (see above)")
-    ap.add_argument("--windows", type=int, default=16, help="2048-token test windows")
-    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "quality.jsonl")
-    ap.add_argument("--report-only", action="store_true", help="rewrite quality.md/png from the results file")
+    ap.add_argument("--budgets", default="192,96", help="elements per token per layer, comma separated")
+    ap.add_argument("--methods", default="transmla,mla-convert", help="comma separated (see above)")
+    ap.add_argument("--texts", default="wikitext,debian-reference,gnu-standards",
+                    help=f"evaluation texts, comma separated: {', '.join(TEXTS)} (wiki-dev: the development split)")
+    ap.add_argument("--calib", default="self", help=f"calibration text: {', '.join(CALIBS)}")
+    ap.add_argument("--windows", type=int, default=8, help="2048-token windows per text")
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "quality.jsonl",
+                    help="results file (benchmarks/quality_dev.jsonl for choices made on the development split)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite quality.md/png from the results files")
     ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
+    ap.add_argument("--no-source", action="store_true", help="do not measure the source (another run does)")
+    ap.add_argument("--reuse", action="store_true", help="evaluate a complete converted folder already under "
+                    "out/bench-quality (same method, budget and calibration) instead of converting again")
+    ap.add_argument("--parallel", type=int, default=1, help="evaluation processes at once (one per text)")
+    ap.add_argument("--folder", type=Path, help="evaluate this model folder (e.g. a fine-tuned run's final/) as the "
+                    "row of --methods NAME at --budgets B instead of converting")
     ap.add_argument("--keep", action="store_true", help="keep every converted folder (under out/bench-quality; the "
                     "default method's are always kept)")
     args = ap.parse_args()
     args.command = "python scripts/bench_quality.py " + " ".join(sys.argv[1:])
     args.mla = str(Path(sys.executable).with_name("mla-convert"))
+    args.texts = args.texts.split(",")
+    if unknown := [t for t in args.texts if t not in TEXTS] + ([args.calib] if args.calib not in CALIBS else []):
+        raise SystemExit(f"unknown text or calibration {unknown[0]}: choose from {', '.join([*TEXTS, *CALIBS])}")
     (ROOT / "benchmarks").mkdir(exist_ok=True)
     work = ROOT / "out" / "bench-quality"
     work.mkdir(parents=True, exist_ok=True)
-    rows = [] if args.redo else load_results(args.results)
-    done = {(r["method"], r.get("budget"), r.get("windows")) for r in rows}
 
     def record(row: dict) -> None:
-        rows.append(row)
         with args.results.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        write_report(load_results(args.results), args)  # the file: other runs may have added rows meanwhile
+        write_report(args)
 
     if args.report_only:
-        return write_report(load_results(args.results), args)
-
-    if ("source", None, args.windows) not in done:
-        record({"method": "source", "budget": None, "windows": args.windows, **evaluate(None, args, work, "source")})
+        return write_report(args)
+    prepare_texts()
+    rows = [] if args.redo else latest([r for r in load_results(args.results) if "texts" in r])
+    done = {(r["method"], r.get("budget"), r["windows"], r.get("calib")): r for r in rows}
+    source = done.get(("source", None, args.windows, None))
+    if not args.no_source and (source is None or not all(t in source["texts"] for t in args.texts)):  # once
+        texts = evaluate_texts(None, args, work, "source", source["texts"] if source else None)
+        record({"method": "source", "budget": None, "windows": args.windows, "calib": None, "texts": texts})
+    calib = str(CALIBS[args.calib])
     for budget in [int(b) for b in args.budgets.split(",")]:
-        for method in args.methods.split(","):
-            if (method, budget, args.windows) in done:
+        for method in filter(None, args.methods.split(",")):
+            have = done.get((method, budget, args.windows, args.calib))
+            if have and all(t in have["texts"] for t in args.texts):
                 continue
-            out = work / f"{method.replace(':', '_').replace(' ', '_').replace('-', '')[:60]}-{budget}"
-            options = method_options(method, budget)
-            cmd = [args.mla, "llama", "--calib-data", str(DATA / "wiki.valid.tokens"), "-o", str(out), "--overwrite",
-                   "--dtype", "float32", "-q", *options]  # fmt: skip
-            code, wall, rss = timed(cmd, work / f"{out.name}.convert.log")
-            if code:
-                print(f"{method} at {budget}: conversion failed, see {work / (out.name + '.convert.log')}")
-                continue
+            name = f"{method.replace(':', '_').replace(' ', '_').replace('-', '')[:60]}-{budget}-{args.calib}"
+            out = args.folder or work / name
+            options = [] if args.folder else method_options(method, budget)
+            wall, rss = 0.0, 0
+            reuse = args.reuse and (out / "provenance.json").is_file()
+            if not (have and out.is_dir()) and not args.folder and not reuse:  # a row lacking a text: from its folder
+                cmd = [args.mla, "llama", "--calib-data", calib, "-o", str(out), "--overwrite", "--dtype", "float32",
+                       "-q", *options]  # fmt: skip
+                code, wall, rss = timed(cmd, work / f"{name}.convert.log")
+                if code:
+                    print(f"{method} at {budget}: conversion failed, see {work / (name + '.convert.log')}")
+                    continue
+                have = None
             prov = json.loads((out / "provenance.json").read_text())
-            result = evaluate(str(out), args, work, out.name)
-            shown = " ".join(["mla-convert llama", *options, "--calib-data ../shared/data/wikitext-2/wiki.valid.tokens"])
+            while "plan" not in prov and prov.get("parent"):  # a fine-tuned folder: the conversion is further up
+                prov = prov["parent"]
+            texts = evaluate_texts(str(out), args, work, name, have["texts"] if have else None)
             ranks = prov["plan"]["ranks"]
-            row = {"method": method, "budget": budget, "windows": args.windows, "d_c": sum(ranks) / len(ranks),
-                   "d_c_range": [min(ranks), max(ranks)],
-                   "d_r": prov["plan"]["rope_dim"], "convert_s": round(wall, 1), "convert_rss_mb": round(rss / 2**20),
-                   "options": prov["options"], "command": shown, **result}  # fmt: skip
+            row = have or {"method": method, "budget": budget, "windows": args.windows, "calib": args.calib,
+                           "d_c": sum(ranks) / len(ranks), "d_c_range": [min(ranks), max(ranks)],
+                           "d_r": prov["plan"]["rope_dim"], "convert_s": round(wall, 1),
+                           "convert_rss_mb": round(rss / 2**20), "options": prov["options"],
+                           "command": shown(" ".join(["mla-convert llama", *options, "--calib-data", calib]))
+                           if not args.folder else f"{method} ({args.folder.name})"}  # fmt: skip
+            row["texts"] = texts
             record(row)
-            print(f"{method} at {budget}: perplexity {row['perplexity']:.2f} ({wall:.0f} s to convert)", flush=True)
-            if not args.keep and method != "mla-convert":  # the default's folders serve scripts/bench_convert.py
+            print(f"{method} at {budget} ({args.calib}): " + ", ".join(f"{t} {v['perplexity']:.2f}" for t, v in texts.items()),
+                  flush=True)  # fmt: skip
+            if not args.keep and method != "mla-convert" and not args.folder:  # the default's serve bench_convert.py
                 subprocess.run(["rm", "-rf", str(out)])
 
 

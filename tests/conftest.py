@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import shard_k_and_v_apart, tiny_source, tiny_text  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# text sampled from models for `--calib-data self` is cached: never in the user's cache during tests
+os.environ["MLA_CONVERT_CACHE"] = tempfile.mkdtemp(prefix="mla-convert-test-cache-")
 
 
 def assert_user_error(code: int, output: str, *needles: str) -> None:

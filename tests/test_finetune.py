@@ -223,3 +223,32 @@ def test_resume_reads_no_pickle_and_repeats_losses(tiny_run):
     (resumed / "step_2" / finetune.TRAINER_DIR / "custom_checkpoint_0.pkl").write_bytes(b"not to be unpickled")
     with pytest.raises(UserError, match="pickle files, which are not loaded"):
         train(resumed)
+
+
+def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
+    """data=self: the training text is sampled from the teacher (no data set): enough tokens for the budget plus the
+    held-out windows, a run on it writes a model, and a run that cannot say how much text it needs is refused."""
+    from accelerate.state import AcceleratorState
+
+    from mla_convert import selftext
+
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
+    cfg = finetune.load_config(tiny_run["recipe"], ["data=self", "max_tokens=256", f"output={tmp_path / 'run'}",
+                                                    "max_steps=2", "kd_weight=0.5"])  # fmt: skip
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_run["student"])
+    train, windows = finetune.prepare_data(cfg, tokenizer)
+    assert windows.shape == (4, 32) and train.shape[0] * 32 >= 2 * 32 * 2 * 2  # max_steps=2 of 128 tokens
+    from mla_convert.checkpoint import open_source
+
+    stream = selftext.self_tokens(open_source(str(tiny_run["teacher"])), 1, seed=0)  # the cache: the same text
+    assert torch.equal(train[0], stream[:32])
+    try:
+        final = finetune.run(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert provenance.load(final)["measurements"]["finetune"]["tokens"] == 2 * 32 * 2 * 2
+    with pytest.raises(UserError, match="max_tokens"):
+        finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self"]), tokenizer)
+    with pytest.raises(UserError, match="set teacher"):
+        finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self", "teacher=none",
+                                                                        "max_tokens=256"]), tokenizer)

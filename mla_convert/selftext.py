@@ -1,0 +1,195 @@
+"""Data-free text: token sequences sampled from the source model itself (`--calib-data self`, `finetune --data self`).
+
+The source samples `SAMPLE_TOKENS` new tokens per sequence at temperature `TEMPERATURE`, in seeded batches with its KV
+cache. An instruct model (its tokenizer has a chat template) answers the built-in requests of `PROMPTS` through that
+template, so the text is what it writes in use; a base model continues its BOS token. Each sample is the whole
+sequence the model saw (template, request, answer, up to and with its EOS), and the samples are joined into one token
+stream that is cut into windows.
+
+Generated batches are cached as plain JSON (token ids plus the decoded text, for reading), one file per source
+fingerprint, seed and sampling settings, under $MLA_CONVERT_CACHE/self-text (default ~/.cache/mla-convert): a second
+conversion reads them instead of sampling again, and a longer request samples only the batches it lacks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from mla_convert.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SELF = "self"
+# Temperature 1: the model's own distribution (untuned); length and batch chosen by sampling cost on 2 shared CPU
+# cores (64 x 512 a batch was far slower per token); benchmarks/quality.md, "What chose what".
+TEMPERATURE = 1.0
+SAMPLE_TOKENS = 256
+BATCH = 16
+CACHE_VERSION = 1  # bump when the sampling procedure changes: old cache files are then not read
+
+# Requests of many kinds (prose, technical documentation, code, dialogue, lists), so that the calibration text covers
+# more than one register. They are instructions, not data: the text is the model's own.
+PROMPTS = [
+    "Write a short encyclopedia article about a historical city.",
+    "Explain how to configure a network interface on a Linux server, with example commands.",
+    "Write a Python function that parses a CSV file, and explain how it works.",
+    "Tell me a story about a sailor who gets lost at sea.",
+    "What are the main causes of climate change? Answer in detail.",
+    "Write the installation section of the manual of a command-line tool.",
+    "Summarize the rules of chess for a beginner.",
+    "Write a letter to a friend describing your holiday in the mountains.",
+    "Explain the difference between a process and a thread, with a C example.",
+    "Describe the life of a famous painter.",
+    "Give me a recipe for bread and explain each step.",
+    "Write coding guidelines for a team that maintains a large C project.",
+    "Explain how vaccines train the immune system.",
+    "Write a dialogue between a teacher and a student about fractions.",
+    "Describe the geography and economy of a country in South America.",
+    "Write a bash script that backs up a folder every night, with comments.",
+    "Explain what a database index is and when to use one.",
+    "Write a review of a science fiction novel.",
+    "List ten tips for writing clear documentation, with a sentence on each.",
+    "Explain the causes and consequences of a major war of the 19th century.",
+    "Write a short poem about autumn, then explain its imagery.",
+    "How does public-key cryptography work? Give an example.",
+    "Write the README of an open-source library for date handling.",
+    "Describe how a bill becomes a law in a parliamentary democracy.",
+]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MLA_CONVERT_CACHE") or Path.home() / ".cache" / "mla-convert"
+    return Path(root).expanduser() / "self-text"
+
+
+def source_fingerprint(source) -> dict:
+    """What the sampled text depends on: the source's origin and its files (path, size, modification time)."""
+    files = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in source.files() if p.is_file()]
+    return {"origin": source.origin, "files": files}
+
+
+def causal_lm(source):
+    """The source as a transformers causal LM in float32 (its tensors read through `source`), for sampling."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
+    state = {name: source.get(name) for name in source.keys()}
+    missing, _ = model.load_state_dict(state, strict=False, assign=True)
+    for parent in list(model.modules()):  # rotary embeddings hold computed buffers (inv_freq): build them for real
+        for name, child in parent.named_children():
+            if "inv_freq" in dict(child.named_buffers(recurse=False)):
+                setattr(parent, name, type(child)(config=source.config))
+    if getattr(source.config, "tie_word_embeddings", False):
+        model.tie_weights()
+        missing = [m for m in missing if m != "lm_head.weight"]
+    if missing:
+        raise UserError(f"{source.origin} lacks {missing[0]} (and {len(missing) - 1} more tensors): the text sampled "
+                        "from it would be noise; pass --calib-data FILE")
+    model.generation_config.pad_token_id = None  # set per call; the source's own sampling defaults are not used
+    return model.eval()
+
+
+def prompts(tokenizer, first: int, count: int) -> list[list[int]]:
+    """Token ids of `count` prompts, the first being PROMPTS[first] (cycling): chat-templated requests for a model
+    with a chat template, else its BOS (or EOS) token alone."""
+    if getattr(tokenizer, "chat_template", None):
+        out = []
+        for i in range(first, first + count):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                                add_generation_prompt=True, tokenize=True)
+            out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+        return out
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise UserError("the source's tokenizer has neither a chat template nor a BOS/EOS token to start sampling "
+                        "from: pass --calib-data FILE")
+    return [[start]] * count
+
+
+@torch.no_grad()
+def sample_batch(model, tokenizer, index: int, seed: int, temperature: float, sample_tokens: int, batch: int):
+    """Batch `index` of the seeded sampling: `batch` token lists (prompt + answer, cut after the first EOS)."""
+    prompt = prompts(tokenizer, index * batch, batch)
+    width = max(len(p) for p in prompt)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt])
+    eos = tokenizer.eos_token_id
+    limit = getattr(model.config, "max_position_embeddings", None)
+    sample_tokens = min(sample_tokens, limit - width) if limit else sample_tokens
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + index)
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
+                             top_p=1.0, max_new_tokens=sample_tokens, pad_token_id=pad, eos_token_id=eos)  # fmt: skip
+    samples = []
+    for p, row in zip(prompt, out.tolist()):
+        answer = row[width:]
+        if eos is not None and eos in answer:
+            answer = answer[: answer.index(eos) + 1]
+        samples.append(p + answer)
+    return samples
+
+
+def self_tokens(source, n_tokens: int, seed: int, temperature: float = TEMPERATURE,
+                sample_tokens: int = SAMPLE_TOKENS, batch: int = BATCH) -> torch.Tensor:
+    """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring)."""
+    if not temperature > 0 or sample_tokens <= 0:
+        raise UserError("self-generated text needs a positive temperature and sample length")
+    settings, path = cache_entry(source, seed, temperature, sample_tokens, batch)
+    batches = read_cache(path, settings)
+    have = sum(len(s) for b in batches for s in b["tokens"])
+    if have < n_tokens:
+        tokenizer = source.tokenizer()
+        model = causal_lm(source)
+        log.info("sampling %d tokens of calibration text from the source (temperature %g, cached in %s)",
+                 n_tokens - have, temperature, path)
+        while have < n_tokens:
+            tokens = sample_batch(model, tokenizer, len(batches), seed, temperature, sample_tokens, batch)
+            batches.append({"tokens": tokens, "text": [tokenizer.decode(t) for t in tokens]})
+            have += sum(len(t) for t in tokens)
+            write_cache(path, settings, batches)  # after every batch: an interrupted run keeps what it sampled
+            log.info("sampled %d of %d tokens", have, n_tokens)
+        del model
+    return torch.tensor([t for b in batches for s in b["tokens"] for t in s], dtype=torch.long)
+
+
+def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch: int) -> tuple[dict, Path]:
+    """(the settings the sampled text depends on, the cache file that holds it)."""
+    settings = {"version": CACHE_VERSION, "source": source_fingerprint(source), "seed": seed,
+                "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
+    return settings, cache_dir() / f"{key}.json"
+
+
+def read_cache(path: Path, settings: dict) -> list[dict]:
+    """The cached batches of `path`, or [] when it is absent, unreadable or made with other settings."""
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        batches = data["batches"]
+        ok = data["settings"] == settings and all(
+            isinstance(t, int) for b in batches for s in b["tokens"] for t in s)  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        log.warning("ignoring the unreadable or foreign self-text cache %s (it is sampled again)", path)
+        return []
+    return batches
+
+
+def write_cache(path: Path, settings: dict, batches: list[dict]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"settings": settings, "batches": batches}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: the text is still used, only not kept
+        log.warning("cannot cache the self-generated text in %s (%s): set MLA_CONVERT_CACHE", path.parent, e)

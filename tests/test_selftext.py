@@ -1,0 +1,124 @@
+"""Data-free calibration (`--calib-data self`: text sampled from the source, seeded and cached) and weighted mixtures
+of calibration texts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mla_convert import selftext
+from mla_convert.calibration import calibration_tokens, parse_mixture, token_windows, window_counts
+from mla_convert.checkpoint import open_source
+from mla_convert.errors import UserError
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "self-text"
+
+
+def test_parse_mixture():
+    assert parse_mixture("self") == [("self", 1.0)]
+    assert parse_mixture("a.txt:0.25, self:0.75") == [("a.txt", 0.25), ("self", 0.75)]
+    # a datasets name's config and split are not weights; a weight may follow them
+    assert parse_mixture("wikitext:wikitext-2-raw-v1:validation") == [("wikitext:wikitext-2-raw-v1:validation", 1.0)]
+    assert parse_mixture("wikitext:wikitext-2-raw-v1:validation:2") == [("wikitext:wikitext-2-raw-v1:validation", 2.0)]
+    for bad in ("a.txt:0", "a.txt:-1", "a.txt:inf", "a.txt:nan", "self,,a.txt"):
+        with pytest.raises(UserError):
+            parse_mixture(bad)
+
+
+def test_window_counts():
+    assert window_counts([1, 1], 8) == [4, 4]
+    assert window_counts([1, 3], 8) == [2, 6]
+    assert window_counts([1, 1, 1], 8) == [3, 3, 2]
+    assert sum(window_counts([0.2, 0.3, 0.5], 7)) == 7
+    with pytest.raises(UserError, match="raise --calib-samples"):
+        window_counts([0.01, 1], 4)
+
+
+def test_self_text_is_seeded_and_cached(sources, cache, monkeypatch):
+    src = open_source(str(sources["llama-gqa"]))
+    a = selftext.self_tokens(src, 200, seed=0)
+    files = list(cache.glob("*.json"))
+    assert a.numel() >= 200 and len(files) == 1
+    record = json.loads(files[0].read_text())  # plain JSON: token ids and their text
+    assert record["settings"]["seed"] == 0 and all(isinstance(t, str) for b in record["batches"] for t in b["text"])
+    vocab = src.config.vocab_size
+    assert 0 <= int(a.min()) and int(a.max()) < vocab
+
+    calls = []
+    real = selftext.sample_batch
+    monkeypatch.setattr(selftext, "sample_batch", lambda *args: calls.append(args[2]) or real(*args))
+    assert torch.equal(selftext.self_tokens(src, 200, seed=0), a)  # read back, nothing sampled
+    assert calls == []
+    longer = selftext.self_tokens(src, a.numel() + 1, seed=0)  # samples only the batches it lacks
+    assert calls == [len(record["batches"])] and torch.equal(longer[: a.numel()], a)
+    assert not torch.equal(selftext.self_tokens(src, 200, seed=1)[:100], a[:100])  # another seed, other text
+
+
+def test_foreign_or_broken_cache_is_sampled_again(sources, cache):
+    src = open_source(str(sources["llama-gqa"]))
+    a = selftext.self_tokens(src, 100, seed=3)
+    path = next(cache.glob("*.json"))
+    path.write_text("{not json")
+    assert torch.equal(selftext.self_tokens(src, 100, seed=3), a)
+    record = json.loads(path.read_text())
+    record["batches"][0]["tokens"][0][0] = "x"  # not a token id
+    path.write_text(json.dumps(record))
+    assert torch.equal(selftext.self_tokens(src, 100, seed=3), a)
+
+
+def test_mixture_windows(sources, cache, calib_text):
+    """A weighted mixture: each part's windows in the weights' proportions, in order; `self` windows are the
+    consecutive sampled stream, a file's are its own random windows."""
+    src = open_source(str(sources["llama-gqa"]))
+    mixed = calibration_tokens(src, f"{calib_text}:1,self:3", 8, 16, seed=0)
+    assert mixed.shape == (8, 16)
+    text = token_windows(src.tokenizer(), calib_text.read_text(), 2, 16, 0)
+    assert torch.equal(mixed[:2], text)
+    stream = selftext.self_tokens(src, 6 * 16, seed=0)
+    assert torch.equal(mixed[2:], stream[: 6 * 16].view(6, 16))
+
+
+def test_chat_template_prompts():
+    """An instruct tokenizer's prompts go through its chat template; a base tokenizer starts from BOS."""
+
+    class Chat:
+        chat_template = "x"
+        bos_token_id = 1
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            assert add_generation_prompt and tokenize
+            return [7, len(messages[0]["content"]), 8]
+
+    class Base:
+        chat_template = None
+        bos_token_id = 5
+        eos_token_id = 6
+
+    out = selftext.prompts(Chat(), 1, 2)
+    assert out == [[7, len(selftext.PROMPTS[1]), 8], [7, len(selftext.PROMPTS[2]), 8]]
+    assert selftext.prompts(Base(), 0, 3) == [[5]] * 3
+
+
+def test_convert_data_free(sources, convert_tiny, cache):
+    """The default calibration is the source's own text: no file needed; the record names it."""
+    out = convert_tiny(sources["llama-gqa"], rank=8, rope_dims=8, calib_data="self")
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["options"]["calib_data"] == "self"
+    assert list(cache.glob("*.json"))
+    from mla_convert.convert import ConvertOptions
+
+    assert ConvertOptions().calib_data == "self"
+
+
+def test_eval_warns_on_any_text_of_a_mixture(sources, convert_tiny, cache, calib_text):
+    from mla_convert.evaluate import calibration_overlap
+
+    out = convert_tiny(sources["llama-gqa"], rank=8, rope_dims=8, calib_data=f"self:1,{calib_text}:1")
+    assert "calibrated on" in calibration_overlap(str(out), str(calib_text), calib_text.read_text())
+    assert calibration_overlap(str(out), "other.txt", "unrelated text") is None
