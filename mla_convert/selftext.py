@@ -146,6 +146,7 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float = TEMPERATU
     batches = read_cache(path, settings)
     have = sum(len(s) for b in batches for s in b["tokens"])
     if have < n_tokens:
+        check_memory(source)
         tokenizer = source.tokenizer()
         model = causal_lm(source)
         log.info("sampling %d tokens of calibration text from the source (temperature %g, cached in %s)",
@@ -158,6 +159,31 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float = TEMPERATU
             log.info("sampled %d of %d tokens", have, n_tokens)
         del model
     return torch.tensor([t for b in batches for s in b["tokens"] for t in s], dtype=torch.long)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel can give without swapping (Linux' MemAvailable), None where that is unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(source) -> None:
+    """Sampling holds the whole source in float32, unlike the conversion, which streams one layer at a time: refuse,
+    before loading it, a source that does not fit, and name the fix (a calibration file, or a cached self text)."""
+    embed = "model.embed_tokens.weight"
+    element = source.element_size(embed) if source.has(embed) else 4
+    need = source.nbytes() * 4 // max(element, 1)
+    have = available_memory()
+    if have is not None and need > 0.9 * have:
+        raise UserError(f"--calib-data self samples text from the whole source in float32 ({need / 2**30:.1f} GiB), "
+                        f"more than the {have / 2**30:.1f} GiB available here: pass --calib-data FILE (any text you "
+                        "do not evaluate on), or sample once on a larger machine (the text is cached, see "
+                        "MLA_CONVERT_CACHE)")
 
 
 def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch: int) -> tuple[dict, Path]:

@@ -122,3 +122,18 @@ def test_eval_warns_on_any_text_of_a_mixture(sources, convert_tiny, cache, calib
     out = convert_tiny(sources["llama-gqa"], rank=8, rope_dims=8, calib_data=f"self:1,{calib_text}:1")
     assert "calibrated on" in calibration_overlap(str(out), str(calib_text), calib_text.read_text())
     assert calibration_overlap(str(out), "other.txt", "unrelated text") is None
+
+
+def test_self_text_refuses_a_source_that_does_not_fit(sources, cache, monkeypatch):
+    """Sampling holds the whole source in float32 (conversion streams layers): refused before loading, with the fix."""
+    src = open_source(str(sources["llama-gqa"]))
+    need = src.nbytes() * 4 // src.element_size("model.embed_tokens.weight")
+    real_causal_lm = selftext.causal_lm
+    monkeypatch.setattr(selftext, "available_memory", lambda: need)  # just short of need / 0.9
+    monkeypatch.setattr(selftext, "causal_lm", lambda s: pytest.fail("the source was loaded"))
+    with pytest.raises(UserError, match="--calib-data FILE"):
+        selftext.self_tokens(src, 200, seed=0)
+    assert not list(cache.glob("*.json"))
+    monkeypatch.setattr(selftext, "causal_lm", real_causal_lm)
+    monkeypatch.setattr(selftext, "available_memory", lambda: 2 * need)
+    assert selftext.self_tokens(src, 200, seed=0).numel() >= 200
