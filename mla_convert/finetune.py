@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.selftext import SELF
 
@@ -58,7 +59,6 @@ CRASH_ENV = "MLA_FINETUNE_CRASH_AFTER_STEP"
 TRAINABLE = ("attention", "attention+norms", "all")
 SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Fields whose change alters which batch a step sees; a resume refuses a checkpoint written with other values.
 DATA_ORDER_FIELDS = ("data", "eval_data", "seq_len", "batch_size", "grad_accum", "seed", "eval_windows", "eval_seq_len")
 
@@ -947,12 +947,9 @@ def run(cfg: FinetuneConfig) -> Path:
             parent=parent,
         )
         provenance.save(final, record)
-        try:
-            from mla_convert import hub
+        from mla_convert.card import write_model_card
 
-            hub.write_model_card(final)
-        except (ImportError, AttributeError):
-            log.info("no model card writer (mla_convert.hub.write_model_card) available; skipped the card")
+        write_model_card(final)
         if len(set(checksums)) != 1:
             log.error("processes disagree on the trained weights: checksums %s", checksums)
     accelerator.wait_for_everyone()
