@@ -109,7 +109,7 @@ class Plan:
     heads: int
     groups: int
     head_dim: int
-    ranks: list[int]
+    kv_lora_rank: list[int]  # d_c per layer
     rope_dim: int
     dtype: str
     source_bytes: int
@@ -122,13 +122,13 @@ class Plan:
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
 
-    def set_ranks(self, ranks: list[int]) -> None:
+    def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
-        self.ranks = list(ranks)
+        self.kv_lora_rank = list(kv_lora_rank)
         heads, groups, head_dim, hidden, d_r = self.heads, self.groups, self.head_dim, self.hidden, self.rope_dim
         after = 0
         q_rows = heads * head_dim if self.qk_norm else heads * (head_dim + d_r)  # with q/k norms: the source's query
-        for layer, rank in enumerate(self.ranks):
+        for layer, rank in enumerate(self.kv_lora_rank):
             shapes = {
                 "q_proj": (q_rows, hidden),
                 "kv_a_proj": (rank + d_r, hidden),
@@ -152,7 +152,7 @@ class Plan:
         return 2 * self.groups * self.head_dim
 
     def kv_after(self, layer: int | None = None) -> float:
-        ranks = self.ranks if layer is None else [self.ranks[layer]]
+        ranks = self.kv_lora_rank if layer is None else [self.kv_lora_rank[layer]]
         return sum(r + self.rope_dim for r in ranks) / len(ranks)
 
     @property
@@ -165,7 +165,7 @@ class Plan:
 
     @property
     def kv_bytes_after(self) -> int:
-        return sum(r + self.rope_dim for r in self.ranks) * self.bytes_per_element
+        return sum(r + self.rope_dim for r in self.kv_lora_rank) * self.bytes_per_element
 
     @property
     def ratio(self) -> float:
@@ -234,7 +234,8 @@ class Plan:
 
     def describe(self) -> str:
         d_r = self.rope_dim
-        rank_text = str(self.ranks[0]) if len(set(self.ranks)) == 1 else f"{min(self.ranks)}..{max(self.ranks)}"
+        d_c = self.kv_lora_rank
+        rank_text = str(d_c[0]) if len(set(d_c)) == 1 else f"{min(d_c)}..{max(d_c)}"
         lines = [
             f"family {self.family} ({self.model_type}): {self.layers} layers, hidden {self.hidden}, "
             f"{self.heads} query / {self.groups} kv heads, head_dim {self.head_dim}",
@@ -366,7 +367,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         heads=heads,
         groups=groups,
         head_dim=head_dim,
-        ranks=ranks,
+        kv_lora_rank=ranks,
         rope_dim=d_r,
         dtype=dtype,
         source_bytes=source.nbytes(),
@@ -388,7 +389,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     plan.attn_params_before = per_layer_before * layers
     plan.qkv_bias = bool(qkv_bias)
     plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
-    plan.set_ranks(ranks)
+    plan.set_kv_lora_rank(ranks)
     plan.memory["shard_bytes"] = min(SHARD_BYTES, output_bytes(config, plan))  # the writer holds at most a shard
     if plan.ratio >= 1 and not options.force:
         raise UserError(
@@ -421,7 +422,7 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
         **carried,
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
-        kv_lora_rank=list(plan.ranks),
+        kv_lora_rank=list(plan.kv_lora_rank),
         qk_rope_head_dim=plan.rope_dim,
         qk_nope_head_dim=plan.head_dim,
         v_head_dim=plan.head_dim,
@@ -461,7 +462,7 @@ def convert_attention(
     Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair).
     """
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
-    rank = plan.ranks[layer]
+    rank = plan.kv_lora_rank[layer]
     maps = _layer_maps(tensors, plan, options, attention_scaling, cov, phase, keyed)
     k_nope, w_v = maps["k_nope"], maps["v"]
     up_k, up_v, down = lowrank.joint_or_split(
@@ -795,8 +796,8 @@ def convert(
                 clock.lap("factorization")
                 clock.report(bar, i)
             runner = None  # the hidden states are no longer needed
-            plan.set_ranks(allocate(plan, spectra, max_rank(config)))
-            log.info("rank allocation (energy): %s", plan.ranks)
+            plan.set_kv_lora_rank(allocate(plan, spectra, max_rank(config)))
+            log.info("rank allocation (energy): %s", plan.kv_lora_rank)
         bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
         for i in bar:
             bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
@@ -868,7 +869,7 @@ def convert(
             method=describe_method(options),
             options=dataclasses.asdict(options),
             kv_cache=plan.kv_cache_record(),
-            plan={"ranks": plan.ranks, "rope_dim": plan.rope_dim, "rope_pairs": rope_pairs},
+            plan={"ranks": plan.kv_lora_rank, "rope_dim": plan.rope_dim, "rope_pairs": rope_pairs},
             seed=options.seed,
             copied_files=copied,
         )
@@ -948,7 +949,7 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
         "transformers": transformers.__version__,
         "calibration_file": stat(calib) if calib is not None and calib.is_file() else None,
         "options": dataclasses.asdict(options),
-        "plan": {"ranks": plan.ranks, "rope_dim": plan.rope_dim, "dtype": plan.dtype},
+        "plan": {"ranks": plan.kv_lora_rank, "rope_dim": plan.rope_dim, "dtype": plan.dtype},
     }
 
 
@@ -982,7 +983,7 @@ def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
     """Share the plan's total latent dims among its layers by their spectra (`lowrank.allocate_ranks`): in units of 16
     or 8 where the uniform rank is a multiple of at least 4 of them (kernel-friendly shapes), else of 1, each layer
     keeping at least a quarter of the uniform rank."""
-    total = sum(plan.ranks)
+    total = sum(plan.kv_lora_rank)
     uniform = total // plan.layers
     unit = next(u for u in (16, 8, 1) if uniform % u == 0 and uniform >= 4 * u)
     floor = max(unit, uniform // 4 // unit * unit)
