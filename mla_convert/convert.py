@@ -110,7 +110,7 @@ class Plan:
     groups: int
     head_dim: int
     kv_lora_rank: list[int]  # d_c per layer
-    rope_dim: int
+    rope_dims: int
     dtype: str
     source_bytes: int
     calib_tokens: int
@@ -125,7 +125,7 @@ class Plan:
     def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
         self.kv_lora_rank = list(kv_lora_rank)
-        heads, groups, head_dim, hidden, d_r = self.heads, self.groups, self.head_dim, self.hidden, self.rope_dim
+        heads, groups, head_dim, hidden, d_r = self.heads, self.groups, self.head_dim, self.hidden, self.rope_dims
         after = 0
         q_rows = heads * head_dim if self.qk_norm else heads * (head_dim + d_r)  # with q/k norms: the source's query
         for layer, rank in enumerate(self.kv_lora_rank):
@@ -153,7 +153,7 @@ class Plan:
 
     def kv_after(self, layer: int | None = None) -> float:
         ranks = self.kv_lora_rank if layer is None else [self.kv_lora_rank[layer]]
-        return sum(r + self.rope_dim for r in ranks) / len(ranks)
+        return sum(r + self.rope_dims for r in ranks) / len(ranks)
 
     @property
     def bytes_per_element(self) -> int:
@@ -165,7 +165,7 @@ class Plan:
 
     @property
     def kv_bytes_after(self) -> int:
-        return sum(r + self.rope_dim for r in self.kv_lora_rank) * self.bytes_per_element
+        return sum(r + self.rope_dims for r in self.kv_lora_rank) * self.bytes_per_element
 
     @property
     def ratio(self) -> float:
@@ -233,7 +233,7 @@ class Plan:
         }
 
     def describe(self) -> str:
-        d_r = self.rope_dim
+        d_r = self.rope_dims
         d_c = self.kv_lora_rank
         rank_text = str(d_c[0]) if len(set(d_c)) == 1 else f"{min(d_c)}..{max(d_c)}"
         lines = [
@@ -368,7 +368,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         groups=groups,
         head_dim=head_dim,
         kv_lora_rank=ranks,
-        rope_dim=d_r,
+        rope_dims=d_r,
         dtype=dtype,
         source_bytes=source.nbytes(),
         calib_tokens=options.calib_samples * options.calib_seq_len if options.needs_statistics() else 0,
@@ -423,7 +423,7 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
         kv_lora_rank=list(plan.kv_lora_rank),
-        qk_rope_head_dim=plan.rope_dim,
+        qk_rope_head_dim=plan.rope_dims,
         qk_nope_head_dim=plan.head_dim,
         v_head_dim=plan.head_dim,
         rope_pairs=rope_pairs,
@@ -488,7 +488,7 @@ def convert_attention(
     if plan.qk_norm:  # the source's query and norm; per head to the nope and rope parts
         out["q_proj.weight"] = tensors["q"]
         out["q_norm.weight"] = tensors["q_norm"]
-        out["q_head_proj.weight"] = maps["q_head"].reshape(heads * (head_dim + plan.rope_dim), head_dim)
+        out["q_head_proj.weight"] = maps["q_head"].reshape(heads * (head_dim + plan.rope_dims), head_dim)
         if plan.qk_norm == "exact":
             out.update({"k_norm.weight": tensors["k_norm"], "k_rope_up": maps["k_rope_up"],
                         "k_rope_down": maps["k_rope_down"]})  # fmt: skip
@@ -554,7 +554,7 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
     the shared rope key, the nope key), the value map (weights with the bias as last column, float64), and the
     objective (input covariance, key and value row weights) that `lowrank.joint_or_split` takes."""
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
-    d_r = plan.rope_dim
+    d_r = plan.rope_dims
 
     def aug(name: str, rows: int) -> torch.Tensor:  # [rows, D+1]: weight with the bias as last column
         bias = tensors.get(f"{name}_bias")
@@ -754,7 +754,7 @@ def convert(
             log.warning("resuming in %s: %d of %d layers were converted already", stage, len(done), plan.layers)
         if options.needs_statistics() and runner is None:
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
-        rope_pairs: list[list[int]] = [[0] * (plan.rope_dim // 2) for _ in range(plan.layers)]
+        rope_pairs: list[list[int]] = [[0] * (plan.rope_dims // 2) for _ in range(plan.layers)]
 
         def layer_inputs(i: int, known: tuple | None = None):
             """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
@@ -869,7 +869,7 @@ def convert(
             method=describe_method(options),
             options=dataclasses.asdict(options),
             kv_cache=plan.kv_cache_record(),
-            plan={"ranks": plan.kv_lora_rank, "rope_dim": plan.rope_dim, "rope_pairs": rope_pairs},
+            plan={"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "rope_pairs": rope_pairs},
             seed=options.seed,
             copied_files=copied,
         )
@@ -949,7 +949,7 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
         "transformers": transformers.__version__,
         "calibration_file": stat(calib) if calib is not None and calib.is_file() else None,
         "options": dataclasses.asdict(options),
-        "plan": {"ranks": plan.kv_lora_rank, "rope_dim": plan.rope_dim, "dtype": plan.dtype},
+        "plan": {"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "dtype": plan.dtype},
     }
 
 
