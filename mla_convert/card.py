@@ -131,7 +131,7 @@ def _settings_section(steps: list[dict]) -> list[str]:
             low, high = min(ranks), max(ranks)
             rank_text = str(low) if low == high else f"{low}..{high} (mean {sum(ranks) / len(ranks):.1f})"
             lines.append(f"Latent dims per layer (d_c): {rank_text}; shared RoPE key dims (d_r): "
-                         f"{_fmt(plan.get('rope_dim'))}.")
+                         f"{_fmt(plan.get('rope_dims', plan.get('rope_dim')))}.")  # rope_dim: older folders
             lines.append("")
         options = step.get("options")
         if isinstance(options, dict) and options:
@@ -297,8 +297,9 @@ def _vllm_section(ref: str, config: dict) -> list[str]:
     """How to serve a native checkpoint in vLLM, or why it cannot be (a layout beyond vLLM's MLA kernels)."""
     from mla_convert.serving.layout import serving_notes
 
-    ranks = config.get("kv_lora_rank") or [0]
-    notes = serving_notes(ranks if isinstance(ranks, list) else [ranks], int(config.get("qk_rope_head_dim") or 0))
+    kv_lora_rank = config.get("kv_lora_rank") or [0]
+    kv_lora_rank = kv_lora_rank if isinstance(kv_lora_rank, list) else [kv_lora_rank]
+    notes = serving_notes(kv_lora_rank, int(config.get("qk_rope_head_dim") or 0))
     if notes:
         return [f"Not servable in vLLM as converted: {notes[0]}.", ""]
     return [

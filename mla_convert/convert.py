@@ -109,8 +109,8 @@ class Plan:
     heads: int
     groups: int
     head_dim: int
-    ranks: list[int]
-    rope_dim: int
+    kv_lora_rank: list[int]  # d_c per layer
+    rope_dims: int
     dtype: str
     source_bytes: int
     calib_tokens: int
@@ -122,13 +122,13 @@ class Plan:
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
 
-    def set_ranks(self, ranks: list[int]) -> None:
+    def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
-        self.ranks = list(ranks)
-        heads, groups, head_dim, hidden, d_r = self.heads, self.groups, self.head_dim, self.hidden, self.rope_dim
+        self.kv_lora_rank = list(kv_lora_rank)
+        heads, groups, head_dim, hidden, d_r = self.heads, self.groups, self.head_dim, self.hidden, self.rope_dims
         after = 0
         q_rows = heads * head_dim if self.qk_norm else heads * (head_dim + d_r)  # with q/k norms: the source's query
-        for layer, rank in enumerate(self.ranks):
+        for layer, rank in enumerate(self.kv_lora_rank):
             shapes = {
                 "q_proj": (q_rows, hidden),
                 "kv_a_proj": (rank + d_r, hidden),
@@ -152,8 +152,8 @@ class Plan:
         return 2 * self.groups * self.head_dim
 
     def kv_after(self, layer: int | None = None) -> float:
-        ranks = self.ranks if layer is None else [self.ranks[layer]]
-        return sum(r + self.rope_dim for r in ranks) / len(ranks)
+        ranks = self.kv_lora_rank if layer is None else [self.kv_lora_rank[layer]]
+        return sum(r + self.rope_dims for r in ranks) / len(ranks)
 
     @property
     def bytes_per_element(self) -> int:
@@ -165,7 +165,7 @@ class Plan:
 
     @property
     def kv_bytes_after(self) -> int:
-        return sum(r + self.rope_dim for r in self.ranks) * self.bytes_per_element
+        return sum(r + self.rope_dims for r in self.kv_lora_rank) * self.bytes_per_element
 
     @property
     def ratio(self) -> float:
@@ -233,8 +233,9 @@ class Plan:
         }
 
     def describe(self) -> str:
-        d_r = self.rope_dim
-        rank_text = str(self.ranks[0]) if len(set(self.ranks)) == 1 else f"{min(self.ranks)}..{max(self.ranks)}"
+        d_r = self.rope_dims
+        d_c = self.kv_lora_rank
+        rank_text = str(d_c[0]) if len(set(d_c)) == 1 else f"{min(d_c)}..{max(d_c)}"
         lines = [
             f"family {self.family} ({self.model_type}): {self.layers} layers, hidden {self.hidden}, "
             f"{self.heads} query / {self.groups} kv heads, head_dim {self.head_dim}",
@@ -366,8 +367,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         heads=heads,
         groups=groups,
         head_dim=head_dim,
-        ranks=ranks,
-        rope_dim=d_r,
+        kv_lora_rank=ranks,
+        rope_dims=d_r,
         dtype=dtype,
         source_bytes=source.nbytes(),
         calib_tokens=options.calib_samples * options.calib_seq_len if options.needs_statistics() else 0,
@@ -388,7 +389,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     plan.attn_params_before = per_layer_before * layers
     plan.qkv_bias = bool(qkv_bias)
     plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
-    plan.set_ranks(ranks)
+    plan.set_kv_lora_rank(ranks)
     plan.memory["shard_bytes"] = min(SHARD_BYTES, output_bytes(config, plan))  # the writer holds at most a shard
     if plan.ratio >= 1 and not options.force:
         raise UserError(
@@ -421,8 +422,8 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
         **carried,
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
-        kv_lora_rank=list(plan.ranks),
-        qk_rope_head_dim=plan.rope_dim,
+        kv_lora_rank=list(plan.kv_lora_rank),
+        qk_rope_head_dim=plan.rope_dims,
         qk_nope_head_dim=plan.head_dim,
         v_head_dim=plan.head_dim,
         rope_pairs=rope_pairs,
@@ -461,7 +462,7 @@ def convert_attention(
     Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair).
     """
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
-    rank = plan.ranks[layer]
+    rank = plan.kv_lora_rank[layer]
     maps = _layer_maps(tensors, plan, options, attention_scaling, cov, phase, keyed)
     k_nope, w_v = maps["k_nope"], maps["v"]
     up_k, up_v, down = lowrank.joint_or_split(
@@ -487,7 +488,7 @@ def convert_attention(
     if plan.qk_norm:  # the source's query and norm; per head to the nope and rope parts
         out["q_proj.weight"] = tensors["q"]
         out["q_norm.weight"] = tensors["q_norm"]
-        out["q_head_proj.weight"] = maps["q_head"].reshape(heads * (head_dim + plan.rope_dim), head_dim)
+        out["q_head_proj.weight"] = maps["q_head"].reshape(heads * (head_dim + plan.rope_dims), head_dim)
         if plan.qk_norm == "exact":
             out.update({"k_norm.weight": tensors["k_norm"], "k_rope_up": maps["k_rope_up"],
                         "k_rope_down": maps["k_rope_down"]})  # fmt: skip
@@ -553,7 +554,7 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
     the shared rope key, the nope key), the value map (weights with the bias as last column, float64), and the
     objective (input covariance, key and value row weights) that `lowrank.joint_or_split` takes."""
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
-    d_r = plan.rope_dim
+    d_r = plan.rope_dims
 
     def aug(name: str, rows: int) -> torch.Tensor:  # [rows, D+1]: weight with the bias as last column
         bias = tensors.get(f"{name}_bias")
@@ -753,7 +754,7 @@ def convert(
             log.warning("resuming in %s: %d of %d layers were converted already", stage, len(done), plan.layers)
         if options.needs_statistics() and runner is None:
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
-        rope_pairs: list[list[int]] = [[0] * (plan.rope_dim // 2) for _ in range(plan.layers)]
+        rope_pairs: list[list[int]] = [[0] * (plan.rope_dims // 2) for _ in range(plan.layers)]
 
         def layer_inputs(i: int, known: tuple | None = None):
             """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
@@ -795,8 +796,8 @@ def convert(
                 clock.lap("factorization")
                 clock.report(bar, i)
             runner = None  # the hidden states are no longer needed
-            plan.set_ranks(allocate(plan, spectra, max_rank(config)))
-            log.info("rank allocation (energy): %s", plan.ranks)
+            plan.set_kv_lora_rank(allocate(plan, spectra, max_rank(config)))
+            log.info("rank allocation (energy): %s", plan.kv_lora_rank)
         bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
         for i in bar:
             bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
@@ -868,7 +869,7 @@ def convert(
             method=describe_method(options),
             options=dataclasses.asdict(options),
             kv_cache=plan.kv_cache_record(),
-            plan={"ranks": plan.ranks, "rope_dim": plan.rope_dim, "rope_pairs": rope_pairs},
+            plan={"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "rope_pairs": rope_pairs},
             seed=options.seed,
             copied_files=copied,
         )
@@ -950,7 +951,7 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
         "transformers": transformers.__version__,
         "calibration_files": [stat(path) for path in calib if path.is_file()],
         "options": dataclasses.asdict(options),
-        "plan": {"ranks": plan.ranks, "rope_dim": plan.rope_dim, "dtype": plan.dtype},
+        "plan": {"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "dtype": plan.dtype},
     }
 
 
@@ -984,7 +985,7 @@ def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
     """Share the plan's total latent dims among its layers by their spectra (`lowrank.allocate_ranks`): in units of 16
     or 8 where the uniform rank is a multiple of at least 4 of them (kernel-friendly shapes), else of 1, each layer
     keeping at least a quarter of the uniform rank."""
-    total = sum(plan.ranks)
+    total = sum(plan.kv_lora_rank)
     uniform = total // plan.layers
     unit = next(u for u in (16, 8, 1) if uniform % u == 0 and uniform >= 4 * u)
     floor = max(unit, uniform // 4 // unit * unit)

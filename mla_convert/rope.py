@@ -54,7 +54,7 @@ class RopePlan:
         self.basis = self.mix.conj().transpose(-1, -2) if self.basis is None else self.basis.to(torch.complex128)
 
     @property
-    def rope_dim(self) -> int:
+    def rope_dims(self) -> int:
         return 2 * len(self.kept)
 
     @property
@@ -110,7 +110,7 @@ def _ordered(strategy: str, half: int, count: int) -> list[int]:
 
 
 def plan_rope(
-    rope_dim: int,
+    rope_dims: int,
     strategy: str,
     merge: bool,
     heads: int,
@@ -123,9 +123,9 @@ def plan_rope(
     """Choose the kept pairs of one layer. `q_energy`/`k_cov` (from `pair_energies`) are needed for 2-norm, attention
     and merging; `phase` [H, d_h/2] (from `attention_phases`) for attention."""
     half = head_dim // 2
-    pairs = rope_dim // 2
-    if rope_dim % 2 or not 0 <= rope_dim <= groups * head_dim:
-        raise UserError(f"--rope-dims must be even and at most {groups * head_dim} (kv heads x head_dim), got {rope_dim}")
+    pairs = rope_dims // 2
+    if rope_dims % 2 or not 0 <= rope_dims <= groups * head_dim:
+        raise UserError(f"--rope-dims must be even and at most {groups * head_dim} (kv heads x head_dim), got {rope_dims}")
     if strategy not in STRATEGIES:
         raise UserError(f"--rope-strategy must be one of {', '.join(STRATEGIES)}, got {strategy}")
     group_of = torch.arange(heads) // (heads // groups)
@@ -161,7 +161,7 @@ def plan_rope(
     # Without merging each kv head keeps the same number of its own pairs.
     if pairs % groups:
         raise UserError(
-            f"--rope-dims {rope_dim} without --rope-merge must be a multiple of 2 x kv heads ({2 * groups}); "
+            f"--rope-dims {rope_dims} without --rope-merge must be a multiple of 2 x kv heads ({2 * groups}); "
             "pass --rope-merge or change --rope-dims"
         )
     per_head = pairs // groups

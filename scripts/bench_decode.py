@@ -165,7 +165,7 @@ def _mla_projections(attn: MLAAttention, hidden, position_embeddings):
 def cd_step(attn: MLAAttention, cache: SlotCache, hidden, position_embeddings):
     """CD: converted weights, the expanded per-group K [B, G, S, d_n+d_r] and V [B, G, S, d_v] cached."""
     bsz = hidden.shape[0]
-    groups, d_n, d_v = attn.num_kv_groups, attn.qk_nope_head_dim, attn.v_head_dim
+    groups, d_n, d_v = attn.groups, attn.qk_nope_head_dim, attn.v_head_dim
     q_nope, q_rope, latent, k_rope = _mla_projections(attn, hidden, position_embeddings)
     kv = attn.kv_b_proj(latent[:, 0]).view(bsz, 1, groups, d_n + d_v).transpose(1, 2)  # [B, G, 1, d_n+d_v]
     k_nope, value = kv.split([d_n, d_v], dim=-1)
@@ -180,7 +180,7 @@ def a_cc_step(attn: MLAAttention, cache: SlotCache, hidden, position_embeddings)
     """A_CC: absorbed, with the query and the cached key concatenated ([q_latent, q_rope] . [c, k_r]): one score
     matmul, but the cache is copied into a concatenated key every step."""
     bsz, heads, d_c = hidden.shape[0], attn.num_heads, attn.kv_lora_rank
-    groups, per_group = attn.num_kv_groups, attn.num_key_value_groups
+    groups, per_group = attn.groups, attn.per_group
     q_nope, q_rope, latent, k_rope = _mla_projections(attn, hidden, position_embeddings)
     latent, k_rope = cache.update(latent, k_rope, attn.layer_idx)  # [B, 1, S, d_c], [B, 1, S, d_r]
     w_uk, w_uv = attn.absorbed_weights()
@@ -205,7 +205,7 @@ def layer_variants(source, mla, device):
     cfg = source.config
     src_layout = (cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)
     attn = mla.model.layers[0].self_attn
-    groups, d_n, d_r, d_v, d_c = (attn.num_kv_groups, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim,
+    groups, d_n, d_r, d_v, d_c = (attn.groups, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim,
                                   attn.kv_lora_rank)
 
     def with_config(**changes):
@@ -1065,7 +1065,7 @@ def main(argv=None):
         "head_dim": scfg.head_dim, "layers": scfg.num_hidden_layers, "d_c": attn.kv_lora_rank,
         "d_r": attn.qk_rope_head_dim, "src_elems": 2 * scfg.num_key_value_heads * scfg.head_dim,
         "mla_elems": attn.kv_lora_rank + attn.qk_rope_head_dim,
-        "cd_elems": attn.num_kv_groups * (attn.qk_nope_head_dim + attn.qk_rope_head_dim + attn.v_head_dim),
+        "cd_elems": attn.groups * (attn.qk_nope_head_dim + attn.qk_rope_head_dim + attn.v_head_dim),
         "copy_bw": copy_bw, "element_size": esize, "cpus": os.cpu_count(), "load_before": load_before,
     }
     if args.kernel_note:

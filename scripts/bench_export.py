@@ -160,7 +160,7 @@ def main() -> None:
     rec32 = records["float32"]
     prov = json.loads((native / "provenance.json").read_text())
     kv = prov.get("kv_cache", {})
-    ranks, d_r = prov["plan"]["ranks"], prov["plan"]["rope_dim"]
+    ranks, d_r = prov["plan"]["ranks"], prov["plan"]["rope_dims"]
     calib = os.path.relpath(args.calib, ROOT)
     lines = [
         "# DeepSeek-V3 export: stock transformers vs the native MLA model",

@@ -100,6 +100,15 @@ def server(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------------------------------------------- cards
 
 
+def test_card_reads_the_rope_dims_key_of_older_folders():
+    """provenance.json's plan names d_r `rope_dims`; folders written before issue 18 name it `rope_dim`."""
+    from mla_convert.card import _settings_section
+
+    for key in ("rope_dims", "rope_dim"):
+        text = "\n".join(_settings_section([{"kind": "convert", "plan": {"ranks": [8, 12], key: 16}}]))
+        assert "Latent dims per layer (d_c): 8..12 (mean 10.0); shared RoPE key dims (d_r): 16." in text
+
+
 def test_convert_card_names_method_budget_and_cache(converted, licensed_source):
     record = provenance.load(converted)
     kv = record["kv_cache"]

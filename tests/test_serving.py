@@ -46,8 +46,8 @@ def _served_model(folder: Path, layout):
 
 
 @pytest.mark.parametrize("kind,rope", [("llama-gqa", None), ("qwen2", None), ("llama-gqa", LLAMA3_ROPE)])
-@pytest.mark.parametrize("latent,rope_dims", [(256, 64), (512, 64)])
-def test_served_layout_is_exact(tmp_path, convert_tiny, kind, rope, latent, rope_dims):
+@pytest.mark.parametrize("kv_lora_rank,rope_dims", [(256, 64), (512, 64)])
+def test_served_layout_is_exact(tmp_path, convert_tiny, kind, rope, kv_lora_rank, rope_dims):
     """Padding, group repetition and the bias fold change nothing: logits and cached greedy decode equal."""
     from transformers import AutoModelForCausalLM
 
@@ -57,7 +57,7 @@ def test_served_layout_is_exact(tmp_path, convert_tiny, kind, rope, latent, rope
     src = tiny_source(kind, tmp_path / "src", seed=3, **overrides)
     out = convert_tiny(src, rank=24, rope_dims=8)  # lossy, with repeated rope pairs from the merge: any native model
     native = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    served = _served_model(out, ServedLayout(latent, rope_dims))
+    served = _served_model(out, ServedLayout(kv_lora_rank, rope_dims))
     ids = torch.randint(0, native.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = native(ids).logits, served(ids).logits

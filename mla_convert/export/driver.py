@@ -71,8 +71,8 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
         "rope_order": plan.fit.order,
         "rope_exact": plan.fit.exact,
         "rope_max_freq_rel_error": plan.fit.max_freq_rel_error,
-        "kv_lora_rank": plan.latent_out,
-        "qk_rope_head_dim": plan.rope_out,
+        "kv_lora_rank": plan.kv_lora_rank_out,
+        "qk_rope_head_dim": plan.rope_dims_out,
         "q_lora_rank": plan.q_lora_rank,
         "attention_bias": plan.attention_bias,
         "residual_scale": s,
@@ -121,7 +121,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
                 log.warning("the export differs from the native model by %.3g although no approximation was made "
                             "(dtype %s rounding?)", err, str(dtype).replace("torch.", ""))
         parent = provenance.load(folder)
-        kv_before = sum(plan.ranks) / layers + plan.rope
+        kv_before = sum(plan.kv_lora_rank) / layers + plan.rope_dims
         provenance.save(stage, provenance.new(
             "export",
             source=(parent or {}).get("source"),
@@ -129,7 +129,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
             options=dataclasses.asdict(options),
             kv_cache={
                 "elements_per_token_per_layer_before": kv_before,
-                "elements_per_token_per_layer_after": plan.latent_out + plan.rope_out,
+                "elements_per_token_per_layer_after": plan.kv_lora_rank_out + plan.rope_dims_out,
                 "dtype": str(dtype).replace("torch.", ""),
             },
             export=record,
@@ -190,13 +190,13 @@ def convert_to_target(source, output: Path | None, native_out: Path | None, opti
                             "range): pass --dtype bfloat16 or --dtype float32")
         for note in notes:
             say(note)
-        for note in deepseek_layout_notes(source.config, plan.ranks, plan.rope_dim):
+        for note in deepseek_layout_notes(source.config, plan.kv_lora_rank, plan.rope_dims):
             say(f"warning: {note}", err=True)
     if target != "deepseek":  # the native checkpoint serves through the vLLM plugin if its layout fits
         from mla_convert.serving.layout import serving_notes
 
         plan = convert(source, native_out, options, family, dry_run=True)
-        for note in serving_notes(plan.ranks, plan.rope_dim):
+        for note in serving_notes(plan.kv_lora_rank, plan.rope_dims):
             say(f"warning: {note}", err=True)
     plan = convert(source, native_out, options, family, overwrite=overwrite, dry_run=dry_run, progress=progress)
     say(plan.describe())

@@ -54,8 +54,8 @@ def export_layer(t: dict[str, torch.Tensor], plan: ExportPlan, layer: int, norm_
     `t` holds the native q_proj/kv_a_proj/kv_b_proj/o_proj weights and biases (float32); `norm_weight` is the
     layer's input_layernorm weight, which bounds the latent for the identity norm.
     """
-    H, G, d_n, d_v, d_r = plan.heads, plan.groups, plan.nope, plan.value, plan.rope
-    d_c, d_c_out, d_r_out = plan.ranks[layer], plan.latent_out, plan.rope_out
+    H, G, d_n, d_v, d_r = plan.heads, plan.groups, plan.nope, plan.value, plan.rope_dims
+    d_c, d_c_out, d_r_out = plan.kv_lora_rank[layer], plan.kv_lora_rank_out, plan.rope_dims_out
     order, stride = plan.fit.order[layer], plan.rope_stride
     per_group = H // G
     f64 = torch.float64

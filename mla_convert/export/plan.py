@@ -49,11 +49,11 @@ class ExportPlan:
     groups: int
     nope: int  # d_n
     value: int  # d_v
-    rope: int  # native d_r
-    rope_out: int  # exported qk_rope_head_dim
+    rope_dims: int  # native d_r
+    rope_dims_out: int  # exported qk_rope_head_dim
     rope_stride: int  # DeepSeek pair index step between native pairs (rope padding)
-    ranks: list[int]  # native d_c per layer
-    latent_out: int  # exported kv_lora_rank
+    kv_lora_rank: list[int]  # native d_c per layer
+    kv_lora_rank_out: int  # exported kv_lora_rank (after --pad-latent)
     q_scale: float  # softmax scale folded into the query
     rope_score_scale: float  # the source RoPE type's cos/sin factor, squared (1 for default)
     residual_scale: float  # s = sqrt(EXPORT_EPS / source eps)
@@ -89,52 +89,55 @@ def out_dtype(options: ExportOptions, config) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _pad_layout(options: ExportOptions, latent: int, rope: int) -> tuple[int, int]:
+def _pad_layout(options: ExportOptions, kv_lora_rank: int, rope_dims: int) -> tuple[int, int]:
     """(kv_lora_rank, qk_rope_head_dim) after --pad-latent; refuses a padding that cannot be exact."""
     if options.pad_latent == "none":
-        return latent, rope
+        return kv_lora_rank, rope_dims
     if options.pad_latent not in PAD_CHOICES:
         raise UserError(f"--pad-latent must be one of {', '.join(PAD_CHOICES)}, got {options.pad_latent}")
-    rope_out = FLASHMLA_LAYOUT[1]
-    if rope > rope_out or (rope_out // 2) % (rope // 2):
+    rope_dims_out = FLASHMLA_LAYOUT[1]
+    if rope_dims > rope_dims_out or (rope_dims_out // 2) % (rope_dims // 2):
         raise UserError(
-            f"--pad-latent {options.pad_latent} needs qk_rope_head_dim 64, reachable from {rope} only when {rope} "
-            "divides 64 (the padded pairs must stay geometric); convert with --rope-dims 8, 16, 32 or 64"
+            f"--pad-latent {options.pad_latent} needs qk_rope_head_dim 64, reachable from {rope_dims} only when "
+            f"{rope_dims} divides 64 (the padded pairs must stay geometric); convert with --rope-dims 8, 16, 32 or 64"
         )
-    if options.pad_latent == "flashmla" or latent > VLLM_MLA_HEAD_SIZES[0] - rope_out:
+    if options.pad_latent == "flashmla" or kv_lora_rank > VLLM_MLA_HEAD_SIZES[0] - rope_dims_out:
         target = FLASHMLA_LAYOUT[0]
     else:
-        target = VLLM_MLA_HEAD_SIZES[0] - rope_out
-    if latent > target:
-        raise UserError(f"kv_lora_rank {latent} is above {target}: no exact padding to a layout vLLM's MLA accepts")
-    return target, rope_out
+        target = VLLM_MLA_HEAD_SIZES[0] - rope_dims_out
+    if kv_lora_rank > target:
+        raise UserError(f"kv_lora_rank {kv_lora_rank} is above {target}: no exact padding to a layout vLLM's MLA "
+                        "accepts")
+    return target, rope_dims_out
 
 
-def serving_notes(latent: int, rope: int, native_per_token: float, heads: int, nope: int) -> list[str]:
+def serving_notes(kv_lora_rank: int, rope_dims: int, native_per_token: float, heads: int, nope: int) -> list[str]:
     """Warnings about what vLLM/SGLang will do with a (kv_lora_rank, qk_rope_head_dim) layout."""
     notes = []
-    size = latent + rope
+    size = kv_lora_rank + rope_dims
     if size not in VLLM_MLA_HEAD_SIZES:
-        expanded = 2 * heads * (nope + rope)
+        expanded = 2 * heads * (nope + rope_dims)
         notes.append(
             f"kv_lora_rank + qk_rope_head_dim = {size}: vLLM's MLA backends accept only {VLLM_MLA_HEAD_SIZES} and "
             f"refuse this model; with VLLM_MLA_DISABLE=1 vLLM falls back to per-head K/V ({expanded} values per "
             f"token per layer instead of {size}); re-export with --pad-latent vllm for an exact padded layout"
         )
-    if (latent, rope) != FLASHMLA_LAYOUT:
-        notes.append(f"FlashMLA needs kv_lora_rank 512 + qk_rope_head_dim 64 (this export: {latent} + {rope}); "
-                     "engines pick another MLA kernel (vLLM: Triton MLA / FlashInfer / FlashAttention MLA)")
+    if (kv_lora_rank, rope_dims) != FLASHMLA_LAYOUT:
+        notes.append(f"FlashMLA needs kv_lora_rank 512 + qk_rope_head_dim 64 (this export: {kv_lora_rank} + "
+                     f"{rope_dims}); engines pick another MLA kernel (vLLM: Triton MLA / FlashInfer / "
+                     "FlashAttention MLA)")
     if size > native_per_token:
         notes.append(f"the exported cache holds {size} values per token per layer, more than the native "
                      f"model's {native_per_token:g} (padding to one rank for all layers)")
     return notes
 
 
-def deepseek_layout_notes(config, ranks: list[int], rope_dims: int) -> list[str]:
-    """serving_notes for the layout a conversion with these ranks will export to (no padding)."""
+def deepseek_layout_notes(config, kv_lora_rank: list[int], rope_dims: int) -> list[str]:
+    """serving_notes for the layout a conversion with this per-layer kv_lora_rank will export to (no padding)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return serving_notes(max(ranks), rope_dims, sum(ranks) / len(ranks) + rope_dims, heads, head_dim)
+    native_per_token = sum(kv_lora_rank) / len(kv_lora_rank) + rope_dims
+    return serving_notes(max(kv_lora_rank), rope_dims, native_per_token, heads, head_dim)
 
 
 def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> ExportPlan:
@@ -156,8 +159,8 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
 
     check_servable(config, "DeepSeek-V3's MLA")
     heads, groups = config.num_attention_heads, config.num_key_value_heads
-    rope, nope, value = config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
-    if rope == 0:
+    rope_dims, nope, value = config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+    if rope_dims == 0:
         raise UserError("this model has no RoPE dims (qk_rope_head_dim 0); DeepSeek engines need a rope key: "
                         "convert with --rope-dims 8 or more")
     approximations, warnings = [], []
@@ -177,9 +180,9 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
                 "nearest geometric frequencies with the logit error measured"
             )
         approximations.append(message)
-    ranks = list(config.kv_lora_rank)
-    latent_out, rope_out = _pad_layout(options, max(ranks), rope)
-    stride = rope_out // rope
+    kv_lora_rank = list(config.kv_lora_rank)
+    kv_lora_rank_out, rope_dims_out = _pad_layout(options, max(kv_lora_rank), rope_dims)
+    stride = rope_dims_out // rope_dims
     has = {key: any(_nonzero(b.get(key)) for b in layer_biases) for key in ("q", "k_rope", "o")}
     if any(has.values()):
         names = [n for n, v in (("query", has["q"]), ("rope key", has["k_rope"]), ("output/value", has["o"])) if v]
@@ -200,17 +203,18 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
             )
     q_lora_rank = q_lora_mode = None
     if has["q"]:
-        hidden, q_rows = config.hidden_size, heads * (nope + rope_out)
+        hidden, q_rows = config.hidden_size, heads * (nope + rope_dims_out)
         q_lora_mode = "input" if hidden + 1 <= q_rows else "output"
         q_lora_rank = hidden + 1 if q_lora_mode == "input" else q_rows
-    native_per_token = sum(ranks) / len(ranks) + rope
-    warnings += serving_notes(latent_out, rope_out, native_per_token, heads, nope)
+    native_per_token = sum(kv_lora_rank) / len(kv_lora_rank) + rope_dims
+    warnings += serving_notes(kv_lora_rank_out, rope_dims_out, native_per_token, heads, nope)
     if config.hidden_act != "silu":
         warnings.append(f"hidden_act {config.hidden_act}: vLLM's DeepSeek MLP supports only silu")
     return ExportPlan(
-        heads=heads, groups=groups, nope=nope, value=value, rope=rope, rope_out=rope_out, rope_stride=stride,
-        ranks=ranks, latent_out=latent_out,
-        q_scale=config.softmax_scale * math.sqrt(nope + rope_out),
+        heads=heads, groups=groups, nope=nope, value=value, rope_dims=rope_dims, rope_dims_out=rope_dims_out,
+        rope_stride=stride,
+        kv_lora_rank=kv_lora_rank, kv_lora_rank_out=kv_lora_rank_out,
+        q_scale=config.softmax_scale * math.sqrt(nope + rope_dims_out),
         rope_score_scale=attention_scaling**2,
         residual_scale=math.sqrt(EXPORT_EPS / config.rms_norm_eps),
         fit=fit, q_bias=has["q"], k_rope_bias=has["k_rope"], o_bias=has["o"],
@@ -235,9 +239,9 @@ def deepseek_config(config, plan: ExportPlan, dtype: torch.dtype) -> dict:
         n_shared_experts=1, n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
         first_k_dense_replace=layers,
         routed_scaling_factor=1.0,  # vLLM divides fp16 hidden states by it: 1.0 keeps the norms' eps unchanged
-        kv_lora_rank=plan.latent_out,
+        kv_lora_rank=plan.kv_lora_rank_out,
         q_lora_rank=plan.q_lora_rank,
-        qk_rope_head_dim=plan.rope_out,
+        qk_rope_head_dim=plan.rope_dims_out,
         qk_nope_head_dim=plan.nope,
         v_head_dim=plan.value,
         hidden_act=config.hidden_act,

@@ -53,8 +53,9 @@ class MLAAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
-        self.num_kv_groups = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_kv_groups  # query heads per kv group (sdpa/eager)
+        self.groups = config.num_key_value_heads  # G
+        self.per_group = self.num_heads // self.groups  # H/G query heads per kv group
+        self.num_key_value_groups = self.per_group  # alias only: transformers' sdpa/eager attention reads this name
         self.kv_lora_rank = config.kv_lora_rank[layer_idx]
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -75,12 +76,12 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(hidden, self.num_heads * d_q, bias=bias)
         if self.qk_norm == "exact":
             self.k_norm = LlamaRMSNorm(config.head_dim, eps=config.rms_norm_eps)
-            keys = self.num_kv_groups * config.head_dim
+            keys = self.groups * config.head_dim
             self.register_buffer("k_rope_up", torch.zeros(keys, self.qk_rope_head_dim))  # R [G*d_h, d_r]
             self.register_buffer("k_rope_down", torch.zeros(self.qk_rope_head_dim, keys))  # K [d_r, G*d_h]
         self.kv_a_proj = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, self.num_kv_groups * (self.qk_nope_head_dim + self.v_head_dim), bias=bias
+            self.kv_lora_rank, self.groups * (self.qk_nope_head_dim + self.v_head_dim), bias=bias
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=config.o_proj_bias)
         # A plain list, not a buffer: from_pretrained does not restore non-persistent buffers of custom modules.
@@ -165,13 +166,13 @@ class MLAAttention(nn.Module):
     def _expanded(self, q_nope, q_rope, latent, k_rope, attention_mask, key_position_embeddings=None, **kwargs):
         bsz, _, kv_len, _ = latent.shape
         d_n, d_r = self.qk_nope_head_dim, self.qk_rope_head_dim
-        kv = self.kv_b_proj(latent[:, 0]).view(bsz, kv_len, self.num_kv_groups, d_n + self.v_head_dim)
+        kv = self.kv_b_proj(latent[:, 0]).view(bsz, kv_len, self.groups, d_n + self.v_head_dim)
         k_nope, value = kv.transpose(1, 2).split([d_n, self.v_head_dim], dim=-1)  # [B, G, S, d_n], [B, G, S, d_v]
         if self.qk_norm == "exact":
             if key_position_embeddings is None:
                 raise ValueError("qk_norm exact needs the key positions' rotary embeddings (MLAModel passes them)")
             k_nope, k_rope = self._normalized_keys(k_nope, k_rope, key_position_embeddings)
-        key = torch.cat((k_nope, k_rope.expand(-1, self.num_kv_groups, -1, -1)), dim=-1)  # [B, G, S, d_n+d_r]
+        key = torch.cat((k_nope, k_rope.expand(-1, self.groups, -1, -1)), dim=-1)  # [B, G, S, d_n+d_r]
         query = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, d_n+d_r]
         implementation = self.config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -202,7 +203,7 @@ class MLAAttention(nn.Module):
         """Exact per-head key norm: k_nope [B, G, S, d_h] and the cached pre-norm, unrotated rope key k_rope
         [B, 1, S, d_r] -> the normalized key's nope part [B, G, S, d_h] and its rope key [B, 1, S, d_r], rotated at
         the key positions (`key_position_embeddings`: cos/sin [B|1, S, d_h] of the source head dim)."""
-        groups, d_r = self.num_kv_groups, self.qk_rope_head_dim
+        groups, d_r = self.groups, self.qk_rope_head_dim
         up = self.k_rope_up.view(groups, -1, d_r)  # R_g [G, d_h, d_r]
         key = k_nope + torch.einsum("bsr,gdr->bgsd", k_rope[:, 0], up)  # each group's source key, before its norm
         key = self.k_norm(key)
@@ -213,12 +214,12 @@ class MLAAttention(nn.Module):
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`W_uk` [G, d_n, d_c] and `W_uv` [G, d_v, d_c], views of `kv_b_proj.weight`."""
-        w = self.kv_b_proj.weight.view(self.num_kv_groups, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.groups, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
     def _absorbed(self, q_nope, q_rope, latent, k_rope, attention_mask, filled=None):
         bsz, _, q_len, _ = q_nope.shape
-        groups, per_group = self.num_kv_groups, self.num_key_value_groups
+        groups, per_group = self.groups, self.per_group
         w_uk, w_uv = self.absorbed_weights()
         # The nope key bias adds a per-query constant to every score: softmax cancels it, so it is left out here.
         q_latent = torch.einsum("bgrtn,gnc->bgrtc", q_nope.view(bsz, groups, per_group, q_len, -1), w_uk)

@@ -35,12 +35,12 @@ PAD_PAIR = 0  # source frequency index given to padded rope pairs (their rows ar
 
 @dataclass(frozen=True)
 class ServedLayout:
-    latent: int  # d_c': kv_lora_rank of the engine's cache (every layer)
-    rope: int  # d_r': qk_rope_head_dim of the engine's cache
+    kv_lora_rank: int  # d_c': kv_lora_rank of the engine's cache (every layer)
+    rope_dims: int  # d_r': qk_rope_head_dim of the engine's cache
 
     @property
     def elements_per_token_per_layer(self) -> int:
-        return self.latent + self.rope
+        return self.kv_lora_rank + self.rope_dims
 
 
 def check_servable(config, what: str = "vLLM's MLA kernels and the DeepSeek-V3 export") -> None:
@@ -51,45 +51,45 @@ def check_servable(config, what: str = "vLLM's MLA kernels and the DeepSeek-V3 e
                         "cannot hold: run it in transformers (eval --engine transformers, generate)")
 
 
-def served_layout(ranks: list[int], rope: int, layouts: tuple[tuple[int, int], ...]) -> ServedLayout:
+def served_layout(kv_lora_rank: list[int], rope_dims: int, layouts: tuple[tuple[int, int], ...]) -> ServedLayout:
     """The smallest layout of `layouts` that holds every layer's latent and the rope key (zero-padded, exact)."""
-    need = max(ranks)
-    for latent, rope_out in sorted(layouts, key=sum):
-        if need <= latent and rope <= rope_out:
-            return ServedLayout(latent, rope_out)
+    need = max(kv_lora_rank)
+    for kv_lora_rank_out, rope_dims_out in sorted(layouts, key=sum):
+        if need <= kv_lora_rank_out and rope_dims <= rope_dims_out:
+            return ServedLayout(kv_lora_rank_out, rope_dims_out)
     raise UserError(
         f"no MLA cache layout of the engine ({', '.join(f'{a}+{b}' for a, b in layouts)}) holds this model's latent "
-        f"{need} + rope key {rope}: convert with --rank {max(a for a, _ in layouts)} or less and --rope-dims "
+        f"{need} + rope key {rope_dims}: convert with --rank {max(a for a, _ in layouts)} or less and --rope-dims "
         f"{max(b for _, b in layouts)} or less"
     )
 
 
-def serving_notes(ranks: list[int], rope: int) -> list[str]:
+def serving_notes(kv_lora_rank: list[int], rope_dims: int) -> list[str]:
     """Warnings for a conversion plan that vLLM's MLA kernels cannot serve (the plugin pads anything smaller)."""
-    if max(ranks) <= SERVED_LATENT_MAX and rope <= SERVED_ROPE_MAX:
+    if max(kv_lora_rank) <= SERVED_LATENT_MAX and rope_dims <= SERVED_ROPE_MAX:
         return []
-    return [f"latent {max(ranks)} + rope key {rope}: vLLM's MLA kernels take at most {SERVED_LATENT_MAX} + "
+    return [f"latent {max(kv_lora_rank)} + rope key {rope_dims}: vLLM's MLA kernels take at most {SERVED_LATENT_MAX} + "
             f"{SERVED_ROPE_MAX}, so this model will not serve in vLLM (transformers only); pass --rope-dims "
             f"{SERVED_ROPE_MAX} or less and a --rank / --kv-budget within {SERVED_LATENT_MAX} to serve it"]
 
 
 def served_config(config, layout: ServedLayout) -> dict:
     """Fields of an MLAConfig that describe the served model (for a native model equal to what the engine runs)."""
-    pad = (layout.rope - config.qk_rope_head_dim) // 2
+    pad = (layout.rope_dims - config.qk_rope_head_dim) // 2
     return {
         "num_key_value_heads": config.num_attention_heads,
-        "kv_lora_rank": [layout.latent] * config.num_hidden_layers,
-        "qk_rope_head_dim": layout.rope,
+        "kv_lora_rank": [layout.kv_lora_rank] * config.num_hidden_layers,
+        "qk_rope_head_dim": layout.rope_dims,
         "rope_pairs": [list(p) + [PAD_PAIR] * pad for p in config.rope_pairs],
         "attention_bias": bool(config.attention_bias),
         "o_proj_bias": bool(config.attention_bias or config.o_proj_bias),
     }
 
 
-def _pad_rope_rows(x: torch.Tensor, rope: int, rope_out: int) -> torch.Tensor:
+def _pad_rope_rows(x: torch.Tensor, rope_dims: int, rope_dims_out: int) -> torch.Tensor:
     """[..., d_r] rotate_half dims -> [..., d_r']: pair j stays at rows (j, j + d_r'/2), the rest zero."""
-    half, half_out = rope // 2, rope_out // 2
-    out = x.new_zeros(*x.shape[:-1], rope_out)
+    half, half_out = rope_dims // 2, rope_dims_out // 2
+    out = x.new_zeros(*x.shape[:-1], rope_dims_out)
     out[..., :half] = x[..., :half]
     out[..., half_out : half_out + half] = x[..., half:]
     return out
@@ -103,7 +103,7 @@ def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: S
     heads, groups = config.num_attention_heads, config.num_key_value_heads
     d_n, d_v, d_r = config.qk_nope_head_dim, config.v_head_dim, config.qk_rope_head_dim
     d_c = config.kv_lora_rank[layer]
-    d_c_out, d_r_out = layout.latent, layout.rope
+    d_c_out, d_r_out = layout.kv_lora_rank, layout.rope_dims
     per_group = heads // groups
     t = {k: v.float() for k, v in tensors.items()}
     out = {}
