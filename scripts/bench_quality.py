@@ -434,7 +434,7 @@ def main() -> None:
             ranks = prov["plan"]["ranks"]
             row = have or {"method": method, "budget": budget, "windows": args.windows, "calib": args.calib,
                            "d_c": sum(ranks) / len(ranks), "d_c_range": [min(ranks), max(ranks)],
-                           "d_r": prov["plan"]["rope_dim"], "convert_s": round(wall, 1),
+                           "d_r": prov["plan"]["rope_dims"], "convert_s": round(wall, 1),
                            "convert_rss_mb": round(rss / 2**20), "options": prov["options"],
                            "command": shown(" ".join(["mla-convert llama", *options, "--calib-data", calib]))
                            if not args.folder else f"{method} ({args.folder.name})"}  # fmt: skip
