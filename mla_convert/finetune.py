@@ -327,7 +327,7 @@ def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1) -> tuple[torch.
         text = tokenizer.decode(ids.tolist())
     else:
         text = data.load_text(cfg.data)
-        ids = data.tokenize(tokenizer, text)  # [N]
+        ids = data.tokenize(tokenizer, text, data.TRAIN_CHUNK_LINES)  # [N]
     held = cfg.eval_windows * cfg.eval_seq_len
     if cfg.eval_data is None:
         if ids.numel() < held + cfg.seq_len:
@@ -339,7 +339,7 @@ def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1) -> tuple[torch.
             raise UserError("eval_data is the training text: give held-out text, or leave eval_data unset")
         eval_text = data.load_text(cfg.eval_data)
         data.check_disjoint(text, eval_text, cfg.data, cfg.eval_data)
-        train_ids, eval_ids = ids, data.tokenize(tokenizer, eval_text)
+        train_ids, eval_ids = ids, data.tokenize(tokenizer, eval_text, data.TRAIN_CHUNK_LINES)
     train = data.pack(train_ids, cfg.seq_len)
     windows = data.pack(eval_ids, cfg.eval_seq_len)[: cfg.eval_windows]
     return train, windows
