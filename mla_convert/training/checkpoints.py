@@ -14,9 +14,6 @@ from mla_convert.selftext import SELF
 from mla_convert.training.recipe import FINAL_DIR, FinetuneConfig, METRICS_FILE, PLOT_FILE, STATE_FILE
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints
-
-
 def complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every complete step_N in `out`, oldest first."""
     found = []
@@ -176,7 +173,7 @@ def _is_run_folder(out: Path) -> bool:
             or (out / METRICS_FILE).is_file())
 
 
-def _prepare_output(cfg: FinetuneConfig, out: Path, is_main: bool) -> None:
+def prepare_output(cfg: FinetuneConfig, out: Path, is_main: bool) -> None:
     """Main process only: refuse or clear an output that a resume cannot use. overwrite=true deletes only a run
     folder this trainer wrote, never a foreign one."""
     if not out.exists() or not any(out.iterdir()):

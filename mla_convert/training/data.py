@@ -12,9 +12,6 @@ from mla_convert.training.recipe import FinetuneConfig
 from mla_convert.training.models import teacher_spec
 
 
-# ---------------------------------------------------------------------------------------------- data order
-
-
 class DataOrder:
     """Which packed sequences a (step, micro-step, rank) reads: a pure function of the seed, so resume repeats it.
 

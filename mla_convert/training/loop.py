@@ -22,13 +22,13 @@ from mla_convert.training.recipe import (
 )
 from mla_convert.training.data import DataOrder, prepare_data
 from mla_convert.training.models import (
-    _torch_dtype, load_student, load_teacher, lr_lambda, select_trainable, teacher_spec,
+    load_student, load_teacher, lr_lambda, select_trainable, teacher_spec, torch_dtype,
 )
 from mla_convert.training.losses import kd_loss, lm_loss
 from mla_convert.training.checkpoints import (
-    _prepare_output, check_output, complete_checkpoints, load_trainer_state, save_trainer_state,
+    check_output, complete_checkpoints, load_trainer_state, prepare_output, save_trainer_state,
 )
-from mla_convert.training.metrics import Metrics, _peak_memory_bytes, plot
+from mla_convert.training.metrics import Metrics, peak_memory_bytes, plot
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Trainer:
         cfg = self.cfg
         self.out = out = check_output(cfg)
         if self.is_main:
-            _prepare_output(cfg, out, self.is_main)
+            prepare_output(cfg, out, self.is_main)
         self.accelerator.wait_for_everyone()
         checkpoints = complete_checkpoints(out) if cfg.resume else []
         self.resume_step, self.resume_dir = checkpoints[-1] if checkpoints else (0, None)
@@ -127,7 +127,7 @@ class Trainer:
         model.config.use_cache = False
         self.teacher = None
         if cfg.kd_weight > 0:
-            self.teacher = load_teacher(teacher_spec(cfg), _torch_dtype(cfg.teacher_dtype, self.device)).to(self.device)
+            self.teacher = load_teacher(teacher_spec(cfg), torch_dtype(cfg.teacher_dtype, self.device)).to(self.device)
             t_vocab = self.teacher.get_output_embeddings().weight.shape[0]
             s_vocab = model.get_output_embeddings().weight.shape[0]
             if t_vocab != s_vocab:
@@ -318,7 +318,7 @@ class Trainer:
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.params]  # FSDP2: gather the shards
         checksum = torch.tensor([sum(p.detach().double().sum().item() for p in full)], dtype=torch.float64, device=device)
         checksums = accelerator.gather(checksum).cpu().tolist()
-        peak = accelerator.gather(torch.tensor([_peak_memory_bytes(device)], device=device)).cpu().tolist()
+        peak = accelerator.gather(torch.tensor([peak_memory_bytes(device)], device=device)).cpu().tolist()
         timing = accelerator.gather(torch.tensor([[self.teacher_s, self.student_s]], dtype=torch.float64,
                                                  device=device)).cpu()  # [world, 2]
         final = out / FINAL_DIR

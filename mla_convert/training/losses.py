@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-
 import torch
-
-
-# ---------------------------------------------------------------------------------------------------- losses
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

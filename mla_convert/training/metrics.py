@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 
-
-def _peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: allocated CUDA memory on a GPU, the resident set size on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

@@ -12,10 +12,7 @@ from mla_convert.errors import UserError
 from mla_convert.training.recipe import FinetuneConfig
 
 
-# -------------------------------------------------------------------------------------------------- models
-
-
-def _torch_dtype(name: str, device: torch.device) -> torch.dtype:
+def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]

@@ -8,7 +8,6 @@ import math
 import os
 from pathlib import Path
 
-
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 
@@ -141,9 +140,6 @@ class FinetuneConfig:
                 wanted = " or ".join(names[k] for k in kinds if k in names)
                 raise UserError(f"{f.name} must be {wanted}, got {value!r}")
         return out
-
-
-# ------------------------------------------------------------------------------------------------- recipes
 
 
 # An installed wheel carries recipes/ as data files: <prefix>/share/mla-convert/recipes (pyproject data-files).
