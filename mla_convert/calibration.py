@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from mla_convert.data import load_text  # one loader for every text: calibration, training, eval
+from mla_convert.data import load_text, tokenize  # one loader and one tokenizer for every text
 from mla_convert.errors import UserError
 from mla_convert.selftext import SELF
 
@@ -84,7 +84,7 @@ def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: in
 
 def token_windows(tokenizer, text: str, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
     """`n_samples` random windows of `seq_len` tokens from the tokenized text (fixed seed). -> [N, T] long."""
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    ids = tokenize(tokenizer, text)  # [N]
     available = ids.numel() - seq_len
     if available <= 0:
         raise UserError(f"calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")

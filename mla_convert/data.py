@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 # any two texts. 64 characters errs towards missing short overlaps rather than flagging unrelated texts.
 MIN_OVERLAP_LINE_CHARS = 64
 
+# Lines per tokenizer call when fine-tuning data is tokenized (see `tokenize`).
+TRAIN_CHUNK_LINES = 2000
+
 
 def check_text_spec(spec: str) -> None:
     """Fail fast, reading nothing, on a text spec that names a local folder or a local file that does not exist."""
@@ -75,9 +78,14 @@ def load_text(spec: str) -> str:
     return "\n\n".join(ds["text"])
 
 
-def tokenize(tokenizer, text: str, chunk_lines: int = 2000) -> torch.Tensor:
-    """Token ids of `text` [N] (no special tokens). Tokenized in chunks of whole lines, so a long file never becomes
-    one giant tokenizer call; a chunk boundary always falls after a newline."""
+def tokenize(tokenizer, text: str, chunk_lines: int | None = None) -> torch.Tensor:
+    """Token ids of `text` [N] (no special tokens): the one tokenizing step of calibration, training and evaluation.
+
+    chunk_lines=None tokenizes the text in one call (calibration windows, evaluation). A number tokenizes it in
+    chunks of that many whole lines, so a long training file never becomes one giant tokenizer call; a chunk
+    boundary always falls after a newline (fine-tuning uses TRAIN_CHUNK_LINES)."""
+    if chunk_lines is None:
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     lines = text.splitlines(keepends=True)
     ids: list[int] = []
     for start in range(0, len(lines), chunk_lines):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from mla_convert.data import tokenize  # noqa: F401  (evaluate.tokenize: the eval CLI and scripts tokenize here)
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 
@@ -67,10 +68,6 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
         raise UserError(f"cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): re-copy or "
                         "re-create the folder") from None
     return model.to(device).eval(), tokenizer, str(path)
-
-
-def tokenize(tokenizer, text: str) -> torch.Tensor:
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
 def eval_windows(ids: torch.Tensor, seq_len: int, windows: int) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""Student and teacher models, which parameters train, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from mla_convert.dtypes import DTYPES
+from mla_convert.errors import UserError
+from mla_convert.training.recipe import FinetuneConfig
+
+
+def torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_student(path: str, dtype: torch.dtype):
+    import mla_convert  # noqa: F401  (registers the MLA model with the Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot load the student {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
+                        "pass a model folder (e.g. the output of mla-convert llama)") from None
+
+
+def teacher_spec(cfg: FinetuneConfig) -> str | None:
+    """The teacher to load: `teacher` as given, or for "auto" the source recorded in the student's provenance."""
+    from mla_convert import provenance
+
+    if cfg.teacher != "auto":
+        return cfg.teacher
+    record = provenance.load(cfg.model) if Path(cfg.model).is_dir() else None
+    source = (record or {}).get("source") or {}
+    if not source.get("model"):
+        raise UserError(f"teacher=auto needs {cfg.model}/provenance.json naming the source model: "
+                        "set teacher to the source folder or .gguf file")
+    return source["model"]
+
+
+def load_teacher(spec: str, dtype: torch.dtype):
+    """The teacher model (eval mode, no grads) from a folder, a .gguf file, "embedded", or a hub id."""
+    from mla_convert import evaluate
+
+    path = Path(spec).expanduser()
+    if spec == "embedded" or path.exists():
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        model, _, _ = evaluate.load_model(None if spec == "embedded" else str(path), dtype=name)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load the teacher {spec} ({type(e).__name__}): pass a local folder or .gguf") from None
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def select_trainable(model, which: str) -> list[str]:
+    """Freeze everything but the chosen parameters; returns the names that train."""
+    names = []
+    for name, param in model.named_parameters():
+        module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # "model.layers.0.input_layernorm.weight" -> "input_layernorm"
+        attention = ".self_attn." in name
+        train = which == "all" or attention or (which == "attention+norms" and "norm" in module)
+        param.requires_grad_(train)
+        if train:
+            names.append(name)
+    if not names:
+        raise UserError(f"train={which} selects no parameters of this model: use train=all")
+    return names
+
+
+def lr_lambda(cfg: FinetuneConfig, total_steps: int):
+    warmup = int(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
+
+    def factor(step: int) -> float:  # step = optimizer steps done so far
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.schedule == "constant" or total_steps <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+    return factor
