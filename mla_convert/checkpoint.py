@@ -143,6 +143,17 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
+def file_stamp(path: Path) -> list:
+    """[resolved path, size, modification time in ns]: what says a file is unchanged since a run read it."""
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def _entry_dtype(entry) -> torch.dtype | None:
+    """The torch dtype of a safetensors header entry, None for a dtype plain reads do not handle."""
+    return SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+
+
 def _shard_header(path: Path) -> tuple[int, dict]:
     """(where the data starts, {name: {"dtype", "shape", "data_offsets"}}) from a safetensors file's header."""
     try:
@@ -204,7 +215,7 @@ class SafetensorsSource(Source):
     def element_size(self, name: str) -> int:
         path = self.folder / self.weight_map[name]
         entry = _shard_header(path)[1].get(name)
-        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        dtype = _entry_dtype(entry)
         return dtype.itemsize if dtype is not None else 2  # the 8-bit and other rare dtypes: as for 16 bits
 
     def get_raw(self, name: str) -> torch.Tensor:
@@ -217,7 +228,7 @@ class SafetensorsSource(Source):
             self._open, self._open_name = _shard_header(path), path.name
         start, entries = self._open
         entry = entries.get(name)
-        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        dtype = _entry_dtype(entry)
         try:
             if dtype is None:  # a dtype plain reads do not handle (or a header the reader cannot follow): copy out
                 with safe_open(str(path), framework="pt") as f:

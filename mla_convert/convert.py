@@ -20,7 +20,7 @@ import torch
 
 from mla_convert import lowrank, provenance, rope
 from mla_convert.card import write_model_card
-from mla_convert.checkpoint import AUX_FILES, SHARD_BYTES, ShardedWriter, Source, resume_dir, staged_output
+from mla_convert.checkpoint import AUX_FILES, SHARD_BYTES, ShardedWriter, Source, file_stamp, resume_dir, staged_output
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for
@@ -933,10 +933,6 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
 
     from mla_convert import __version__
 
-    def stat(path: Path) -> list:
-        st = path.stat()
-        return [str(path.resolve()), st.st_size, st.st_mtime_ns]
-
     from mla_convert.calibration import parse_mixture
 
     calib = [Path(name).expanduser() for name, _ in parse_mixture(options.calib_data)] if options.calib_data else []
@@ -945,11 +941,13 @@ def _fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),  # the thread count changes the order of float sums, so the bytes
         "source": source.origin,
-        "source_files": [stat(p) for p in source.files()],
+        "source_files": [file_stamp(p) for p in source.files()],
         # the calibration tokens depend on the tokenizer, the calibration forward on transformers' decoder classes
-        "tokenizer_files": [stat(source.folder / n) for n in AUX_FILES if source.folder and (source.folder / n).is_file()],
+        "tokenizer_files": [
+            file_stamp(source.folder / n) for n in AUX_FILES if source.folder and (source.folder / n).is_file()
+        ],
         "transformers": transformers.__version__,
-        "calibration_files": [stat(path) for path in calib if path.is_file()],
+        "calibration_files": [file_stamp(path) for path in calib if path.is_file()],
         "options": dataclasses.asdict(options),
         "plan": {"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "dtype": plan.dtype},
     }

@@ -70,8 +70,9 @@ def cache_dir() -> Path:
 
 def source_fingerprint(source) -> dict:
     """What the sampled text depends on: the source's origin and its files (path, size, modification time)."""
-    files = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in source.files() if p.is_file()]
-    return {"origin": source.origin, "files": files}
+    from mla_convert.checkpoint import file_stamp
+
+    return {"origin": source.origin, "files": [file_stamp(p) for p in source.files() if p.is_file()]}
 
 
 def causal_lm(source):
