@@ -133,6 +133,7 @@ def _settings_section(steps: list[dict]) -> list[str]:
             lines.append(f"Latent dims per layer (d_c): {rank_text}; shared RoPE key dims (d_r): "
                          f"{_fmt(plan.get('rope_dims', plan.get('rope_dim')))}.")  # rope_dim: older folders
             lines.append("")
+            lines += _refine_lines(plan.get("refine"))
         options = step.get("options")
         if isinstance(options, dict) and options:
             lines += ["| option | value |", "|---|---|"]
@@ -141,6 +142,17 @@ def _settings_section(steps: list[dict]) -> list[str]:
         if step.get("seed") is not None and not (isinstance(options, dict) and "seed" in options):
             lines += [f"Seed: {step['seed']}.", ""]
     return lines
+
+
+def _refine_lines(record) -> list[str]:
+    """The refinement's effect (mla_convert.refine): held-out attention-output error, mean over layers."""
+    if not isinstance(record, list) or not record:
+        return []
+    before = sum(r["before"] for r in record) / len(record)
+    after = sum(r["after"] if r["kept"] else r["before"] for r in record) / len(record)
+    kept = sum(bool(r["kept"]) for r in record)
+    return [f"Refinement: {kept} of {len(record)} layers improved; relative error of the attention outputs on a "
+            f"held-out calibration sequence, mean over layers, {before:.4g} -> {after:.4g}.", ""]
 
 
 def _kv_rows(steps: list[dict], config: dict) -> tuple[list[tuple[str, object, object]], str]:

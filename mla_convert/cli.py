@@ -131,6 +131,8 @@ def _convert(
     value_inputs: str,
     key_inputs: str,
     latent_rounds: int,
+    refine_steps: Optional[str],
+    refine_lr: float,
     seed: int,
     device: str,
     dtype: Optional[str],
@@ -185,6 +187,8 @@ def _convert(
         value_inputs=value_inputs,
         key_inputs=key_inputs,
         latent_rounds=latent_rounds,
+        refine_steps=_parse_refine_steps(refine_steps),
+        refine_lr=refine_lr,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -217,6 +221,15 @@ def _refuse_qk_norm_serving(target: str, qk_norm: str) -> None:
     typer.echo("note: --qk-norm exact keeps the per-token key norm: expanded attention at every step in transformers; "
                "vLLM and the DeepSeek-V3 export refuse it (--qk-norm calibrated: absorbed decode, measured error)",
                err=True)
+
+
+def _parse_refine_steps(value: Optional[str]) -> Optional[int]:
+    if value is None or value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"--refine-steps must be auto or a number of steps, got {value!r}") from None
 
 
 def _make_convert_command(family: Optional[str], help_text: str):
@@ -296,6 +309,13 @@ def _make_convert_command(family: Optional[str], help_text: str):
             0, "--latent-rounds", help="With --value-inputs attended: rounds of refining the shared latent so that keys "
             "(on token inputs) and values (on attended inputs) are both fit (0: only the value up-projection is refit)."
         ),
+        refine_steps: Optional[str] = typer.Option(
+            "auto", "--refine-steps", help="After the factorization, train each converted attention layer this many "
+            "Adam steps so that its outputs match the source attention's on the calibration text (real softmax and "
+            "RoPE; kept only where a held-out calibration sequence improves). auto (default): 100 on a GPU, and on "
+            "the CPU when the plan estimates at most 30 min; 0: off. Measured in benchmarks/quality.md."
+        ),
+        refine_lr: float = typer.Option(3e-4, "--refine-lr", help="Learning rate of --refine-steps (Adam, cosine)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mla_convert import lowrank, provenance, rope
+from mla_convert import lowrank, provenance, refine, rope
 from mla_convert.card import write_model_card
 from mla_convert.checkpoint import AUX_FILES, SHARD_BYTES, ShardedWriter, Source, file_stamp, resume_dir, staged_output
 from mla_convert.dtypes import DTYPES
@@ -73,6 +73,10 @@ class ConvertOptions:
     value_inputs: str = "attended"  # token | attended: fit the value up-projection on the inputs attention averages
     key_inputs: str = "attended"  # token | attended: weight each calibration token by the attention its key receives
     latent_rounds: int = 0  # with value_inputs attended: rounds refining the shared latent for both input kinds
+    # gradient steps per layer matching the source attention's outputs (mla_convert.refine); None: auto (see
+    # refine.resolve_steps), resolved in `convert` so that provenance records the number that ran
+    refine_steps: int | None = None
+    refine_lr: float = 3e-4
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -91,6 +95,7 @@ class ConvertOptions:
             or self.key_inputs != "token"
             or self.dropped_rope == "expected"
             or self.qk_norm == "calibrated"  # the keys' RMS (only sources with q/k norms read it)
+            or (self.refine_steps or 0) > 0
         )
 
     def needs_attention_profile(self) -> bool:
@@ -121,6 +126,9 @@ class Plan:
     qk_norm: str | None = None  # None: the source has no per-head q/k norms; else ConvertOptions.qk_norm
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
+    refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
+    refine_seconds: float = 0.0
+    refine_record: list = field(default_factory=list)  # per layer: held-out error before/after, kept
 
     def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
@@ -247,6 +255,8 @@ class Plan:
             f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
             f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
+            f"refinement: {self.refine_steps} steps per layer" + (
+                f" (about {self.refine_seconds / 60:.0f} min on a 2-core CPU)" if self.refine_steps else ""),
             f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.2f} GiB"
             f" (x{MEMORY_SAFETY} of: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in self.memory_parts().items() if v)
             + ")",
@@ -339,6 +349,12 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     if options.latent_rounds and (options.value_inputs != "attended" or options.factorization != "joint"):
         raise UserError("--latent-rounds refines a joint latent for attended values: use it with --value-inputs "
                         "attended and --factorization joint (or drop it)")
+    if options.refine_steps is not None and options.refine_steps < 0:
+        raise UserError(f"--refine-steps must be 0 or more, got {options.refine_steps}")
+    if not options.refine_lr > 0:
+        raise UserError(f"--refine-lr must be positive, got {options.refine_lr}")
+    if options.refine_steps and options.calib_data is None:
+        raise UserError("--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)")
     if options.key_inputs not in INPUT_KINDS:
         raise UserError(f"--key-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.key_inputs}")
     if options.rank_allocation not in RANK_ALLOCATIONS:
@@ -730,6 +746,11 @@ def convert(
         log.info("--factorization split: values keep their per-token fit (--value-inputs token)")
         options = dataclasses.replace(options, value_inputs="token")
     plan = make_plan(source, family, options)
+    steps = refine.resolve_steps(options.refine_steps, plan, options.device, options.calib_seq_len) if (
+        options.calib_data) else 0
+    options = dataclasses.replace(options, refine_steps=steps)
+    plan.refine_steps = steps
+    plan.refine_seconds = refine.estimate_seconds(plan, steps, min(options.calib_seq_len, refine.SEQ_LEN))
     if dry_run:
         return plan
     config = source.config
@@ -742,6 +763,8 @@ def convert(
     runner = _calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
     if runner is not None:
         runner.to(device)  # the calibration hidden states stay on the device for the whole run
+        if options.refine_steps > 0 and options.calib_propagate == "converted":
+            runner.keep_reference()  # sequential refinement: each layer aims at the source's stream
     check_room(Path(out), output_bytes(config, plan))  # before the staging folder and the calibration forwards
     with staged_output(out, overwrite, inputs, fingerprint=_fingerprint(source, options, plan)) as stage:
         kept = resume_dir(stage)  # one file per converted layer: what a killed run keeps for the next one
@@ -807,7 +830,8 @@ def convert(
                 rope_pairs[i] = _read_layer(kept / _layer_file(i), tensors=False)[1]
                 if runner is not None and i == 0:
                     past = _read_activations(kept)  # the hidden states after the last layer a run finished, if kept
-                    if past is not None and all(j in done for j in range(past[0] + 1)):
+                    # (not with the source's stream beside the converted one: only the converted is kept)
+                    if past is not None and runner.reference is None and all(j in done for j in range(past[0] + 1)):
                         skip_through, runner.hidden = past[0], past[1].to(device)
                 if runner is not None and i > skip_through:
                     layer_tensors = _on(_raw_layer(source, i, family), device)
@@ -816,12 +840,21 @@ def convert(
                                        for n, t in _read_layer(kept / _layer_file(i))[0].items()
                                        if n.startswith(f"{prefix}self_attn.")}
                         runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
+                        if runner.reference is not None:
+                            cls = family.decoder_layer_class(config.model_type)
+                            runner.advance(_module_from(lambda: cls(config, i), layer_tensors), reference=True)
                     else:
                         cls = family.decoder_layer_class(config.model_type)
                         runner.advance(_module_from(lambda: cls(config, i), layer_tensors))
                 continue
             clock = LayerClock(device)
             prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i, stats.pop(i, None))
+            targets = None
+            if runner is not None and options.refine_steps > 0:
+                if source_layer is None:  # statistics were taken in an earlier pass: the layer is built again
+                    cls = family.decoder_layer_class(config.model_type)
+                    source_layer = _module_from(lambda: cls(config, i), _on(layer_tensors, device))
+                targets = refine.attention_targets(source_layer, runner)
             if runner is not None and options.calib_propagate == "source":
                 runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
                 source_layer = None
@@ -829,6 +862,11 @@ def convert(
             with torch.device(device):
                 mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
             clock.lap("factorization")
+            if targets is not None:
+                mla_tensors = _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets,
+                                       runner.position_embeddings, options, device)
+                targets = None
+                clock.lap("refine")
             # unchanged tensors (MLP, norms) go out as read, in the source's dtype: never through float32
             out_tensors = {prefix + n: t for n, t in layer_tensors.items() if not n.startswith("self_attn.")}
             out_tensors.update({f"{prefix}self_attn.{n}": t.cpu() for n, t in mla_tensors.items()})
@@ -837,6 +875,8 @@ def convert(
                 if options.calib_propagate == "converted":
                     runner.advance(_converted_layer(config, plan, family, rope_pairs, i, _on(layer_tensors, device),
                                                     mla_tensors))
+                    if runner.reference is not None:
+                        runner.advance(source_layer, reference=True)
                 if i < plan.layers - 1:
                     _write_activations(kept, i, runner.hidden.cpu())
                 clock.lap("calibration")
@@ -869,7 +909,8 @@ def convert(
             method=describe_method(options),
             options=dataclasses.asdict(options),
             kv_cache=plan.kv_cache_record(),
-            plan={"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "rope_pairs": rope_pairs},
+            plan={"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "rope_pairs": rope_pairs,
+                  "refine": plan.refine_record},
             seed=options.seed,
             copied_files=copied,
         )
@@ -1018,6 +1059,9 @@ def describe_method(options: ConvertOptions) -> str:
                                                      if options.latent_rounds else "")
     if options.rank_allocation == "energy":
         fact += ", latent dims shared among layers by their spectra"
+    if options.refine_steps:
+        fact += (f"; each layer then trained {options.refine_steps} steps to match the source attention's outputs"
+                 + (" along the converted model's stream" if options.calib_propagate == "converted" else ""))
     return f"{rope_text}, {fact}"
 
 
@@ -1050,6 +1094,18 @@ def _converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_ten
     tensors = {k: v for k, v in layer_tensors.items() if not k.startswith("self_attn.")}
     tensors.update({f"self_attn.{k}": v for k, v in mla_tensors.items()})
     return _module_from(lambda: MLADecoderLayer(cfg, i), tensors)
+
+
+def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets, position_embeddings, options,
+             device) -> dict[str, torch.Tensor]:
+    """The layer's MLA attention tensors after `refine.refine_attention` on the calibration targets."""
+    layer = _converted_layer(config, plan, family, rope_pairs, i, _on(layer_tensors, device), mla_tensors)
+    record = refine.refine_attention(layer.self_attn, *targets, position_embeddings, options.refine_steps,
+                                     options.refine_lr, seed=options.seed + i)
+    log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],
+             "kept" if record["kept"] else "not kept")
+    plan.refine_record.append({"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}})
+    return {k: v.detach() for k, v in layer.self_attn.state_dict().items()}
 
 
 def _calibration_runner(source: Source, options: ConvertOptions):

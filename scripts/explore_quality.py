@@ -1,13 +1,16 @@
 #!/usr/bin/env python
-"""Quick one-shot quality probe used to choose the defaults (benchmarks/quality.md, "Exploration").
+"""Quick one-shot quality probe used to choose the defaults (benchmarks/quality.md, "Probes").
 
-    python scripts/explore_quality.py SOURCE_DIR NAME key=value ...   (ConvertOptions fields, JSON values)
-    e.g. W=2 python scripts/explore_quality.py out/smollm2-src A kv_budget=0.5 rope_dims=64 calib_samples=16
+    W=2 python scripts/explore_quality.py NAME key=value ...   (ConvertOptions fields, JSON values)
+    e.g. W=2 python scripts/explore_quality.py C_r16 kv_budget=96 rope_dims=16
 
-SOURCE_DIR is a safetensors copy of the embedded SmolLM2-135M (the GGUF de-quantized once; `--dump-source DIR` makes
-it), so each probe skips the GGUF load. Converts in process, scores the first W (env, default 4) 2048-token windows of
-WikiText-2 raw test, prints one JSON line. Calibration: WikiText-2 validation. Fewer windows than the benchmark: a
-probe, not a result; the numbers that count are bench_quality.py's.
+Converts the embedded SmolLM2-135M in process with the data-free default calibration (`self`: its sampled text is
+cached, so every probe calibrates on the same tokens) unless `calib_data=` says otherwise, and scores the first W
+(env, default 2) 2048-token windows of the development split, `wiki-dev` (the second half of wiki.valid.tokens; see
+scripts/bench_quality.py). Never evaluation text: choices are made here, results are measured by bench_quality.py.
+Appends one JSON line to benchmarks/quality_probes.jsonl (series C) and prints it.
+
+`--dump-source DIR` writes a safetensors copy of the embedded model (for probes of other tools).
 """
 
 import json
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def dump_source(folder: str) -> None:
@@ -45,28 +48,34 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import mla_convert  # noqa: F401
+    from bench_quality import TEXTS, prepare_texts
     from mla_convert import evaluate
     from mla_convert.checkpoint import open_source
     from mla_convert.convert import ConvertOptions, convert
 
-    src, name, windows = sys.argv[1], sys.argv[2], int(os.environ.get("W", "4"))
-    opts = dict(calib_data=str(DATA / "wiki.valid.tokens"), dtype="float32")
-    for kv in sys.argv[3:]:
+    name, windows = sys.argv[1], int(os.environ.get("W", "2"))
+    opts = dict(dtype="float32")
+    for kv in sys.argv[2:]:
         key, value = kv.split("=", 1)
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
             pass
         opts[key] = value
+    prepare_texts()
     out = ROOT / "out" / f"probe-{name}"
     start = time.time()
-    convert(open_source(src), out, ConvertOptions(**opts), overwrite=True, progress=False)
+    convert(open_source(None), out, ConvertOptions(**opts), overwrite=True, progress=False)
     seconds = time.time() - start
-    ids = evaluate.tokenize(AutoTokenizer.from_pretrained(src), (DATA / "wiki.test.raw").read_text())
+    ids = evaluate.tokenize(AutoTokenizer.from_pretrained(out), TEXTS["wiki-dev"].read_text())
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     result = evaluate.perplexity(model, ids, 2048, windows, progress=False)
-    shown = {k: v for k, v in opts.items() if k not in ("calib_data", "dtype")}
-    print(json.dumps({"name": name, "ppl": round(result["perplexity"], 3), "W": windows, "convert_s": round(seconds, 1), **shown}))
+    shown = {k: v for k, v in opts.items() if k != "dtype"}
+    row = {"name": name, "series": "C", "ppl": round(result["perplexity"], 3), "W": windows,
+           "convert_s": round(seconds, 1), **shown}  # fmt: skip
+    print(json.dumps(row))
+    with (ROOT / "benchmarks" / "quality_probes.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
     shutil.rmtree(out, ignore_errors=True)
 
 

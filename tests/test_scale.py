@@ -150,4 +150,4 @@ def test_progress_reports_each_layers_calibration_and_factorization(sources, con
         convert_tiny(sources["llama-gqa"], rank=16)
     timings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("layer ")]
     assert [t.split(":")[0] for t in timings] == ["layer 0", "layer 1"]
-    assert all("calibration" in t and "factorization" in t for t in timings)
+    assert all("calibration" in t and "factorization" in t and "refine" in t for t in timings)  # refined by default

@@ -1,0 +1,152 @@
+"""Local refinement of a converted attention layer (`--refine-steps`): after the closed-form factorization, the MLA
+attention's weights are trained by gradient descent so that its output (after o_proj) matches the source attention's
+on the calibration activations, through the real softmax and RoPE.
+
+The closed form minimizes a quadratic proxy (K/V error under input statistics); the rank and RoPE truncation it leaves
+behind is a nonlinear error in attention outputs. This step measures that error directly and reduces it, layer by
+layer, without labels or a data set: inputs and targets are the calibration text's hidden states (the source's own
+sampled text by default). Shapes do not change (the cache and the serving formats are untouched).
+
+Safeguards: one calibration sequence is held out; the refined weights are kept only if they lower its error (a layer
+that the closed form already reproduces, e.g. at full rank, has nothing to gain: it is left bit-exact).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EXACT = 1e-9  # relative error below which a layer is already exact (float32 round-off): not refined
+# Chosen on the development split (benchmarks/quality.md, "Refinement"): 100 Adam steps at 3e-4 (cosine) on
+# 2 x 1024-token windows a step. Windows start at each sequence's first token: crops that start mid-sequence put the
+# attention sink on an arbitrary token and train the layer on a pattern it never meets (held-out error went up).
+DEFAULT_STEPS = 100
+DEFAULT_LR = 3e-4
+SEQ_LEN = 1024
+BATCH = 2
+# `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS. The rate
+# is what 2 shared CPU cores sustained on SmolLM2-135M (about 1.7e11 flop/s: 100 steps a layer in ~17 s), rounded
+# down; an 8B model's estimate is hours there, so it is not refined on a CPU unless asked.
+CPU_FLOPS = 1e11
+AUTO_CPU_SECONDS = 1800
+
+
+def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH) -> float:
+    """Forward + backward flops of one refinement step of one layer: the projections (2 x tokens x parameters) and
+    the score and value products over causal windows, both x3 for the backward pass."""
+    params = plan.attn_params_after / plan.layers
+    width = plan.head_dim + plan.rope_dims + plan.head_dim  # q.k and p.v per score
+    scores = 2 * batch * plan.heads * seq_len**2 * width
+    return 3 * (2 * batch * seq_len * params + scores)
+
+
+def estimate_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
+    return steps * plan.layers * step_flops(plan, seq_len) / rate
+
+
+def resolve_steps(requested: int | None, plan, device: str, seq_len: int) -> int:
+    """The refinement steps per layer: `requested`, or (None, auto) DEFAULT_STEPS on a GPU or where the CPU estimate
+    is at most AUTO_CPU_SECONDS, else 0 (with a warning that says what refining would cost)."""
+    if requested is not None:
+        return requested
+    if not device.startswith("cpu"):
+        return DEFAULT_STEPS
+    seconds = estimate_seconds(plan, DEFAULT_STEPS, min(seq_len, SEQ_LEN))
+    if seconds <= AUTO_CPU_SECONDS:
+        return DEFAULT_STEPS
+    log.warning("not refining the converted layers: on this CPU it would take about %.1f h (estimate); pass "
+                "--refine-steps %d to refine anyway, or convert with --device cuda", seconds / 3600, DEFAULT_STEPS)
+    return 0
+
+
+def attention_targets(source_layer, runner) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y): the layer's attention inputs (after its input norm) [N, T, D] on the runner's hidden states, and what
+    the converted attention should output there, float32, on their device.
+
+    Local (the runner follows the source): y is the source attention's output on the same inputs. Sequential (the
+    runner follows the converted layers and carries the source's stream as `reference`): y is what brings the
+    converted residual stream to the source's after this attention, h_src + attn_src(h_src) - h_conv, so each layer
+    also takes back what the layers before it lost."""
+    x = runner.attention_input(source_layer)
+    cos, sin = runner.position_embeddings
+    ys = []
+    with torch.no_grad():
+        inputs = x if runner.reference is None else runner.attention_input(source_layer, reference=True)
+        for chunk in inputs.split(runner.batch):
+            pe = (cos.expand(chunk.shape[0], -1, -1), sin.expand(chunk.shape[0], -1, -1))
+            ys.append(source_layer.self_attn(chunk, position_embeddings=pe, attention_mask=None)[0])
+        y = torch.cat(ys)
+        if runner.reference is not None:
+            y += runner.reference - runner.hidden
+    return x, y
+
+
+def _relative_error(attn, x, y, pe, batch: int) -> float:
+    num = den = 0.0
+    with torch.no_grad():
+        for xs, ys in zip(x.split(batch), y.split(batch)):
+            p = (pe[0].expand(xs.shape[0], -1, -1), pe[1].expand(xs.shape[0], -1, -1))
+            out = attn(xs, position_embeddings=p, attention_mask=None)[0]
+            num += (out - ys).pow(2).sum().item()
+            den += ys.pow(2).sum().item()
+    return num / max(den, 1e-30)
+
+
+def refine_attention(
+    attn: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    steps: int,
+    lr: float,
+    seq_len: int = SEQ_LEN,
+    batch: int = BATCH,
+    seed: int = 0,
+) -> dict:
+    """Train `attn` (an MLAAttention, float32, in place) so that attn(x) matches y, on the first `seq_len` tokens of
+    `batch` random sequences of the first N-1 a step; the last sequence is held out (scored over its whole length). Adam with a cosine schedule on the
+    relative squared error. Returns {"before", "after", "kept"}: the held-out relative errors, and whether the trained
+    weights were kept (else `attn` is restored)."""
+    n, total, _ = x.shape
+    held = slice(n - 1, n) if n > 1 else slice(0, 1)
+    train = slice(0, max(n - 1, 1))
+    before = _relative_error(attn, x[held], y[held], position_embeddings, 1)
+    record = {"before": before, "after": before, "kept": False}
+    if before < EXACT or steps <= 0:
+        return record
+    saved = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+    params = [p for p in attn.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(params, lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = min(seq_len, total)
+    xt, yt = x[train], y[train]
+    cos, sin = position_embeddings
+    pe = (cos[:, :seq_len].expand(batch, -1, -1), sin[:, :seq_len].expand(batch, -1, -1))
+    scale = yt.pow(2).mean().clamp_min(1e-30)
+    attn.train()
+    for _ in range(steps):
+        rows = torch.randint(0, xt.shape[0], (batch,), generator=gen)
+        xb, yb = xt[rows, :seq_len], yt[rows, :seq_len]
+        out = attn(xb, position_embeddings=pe, attention_mask=None)[0]
+        loss = (out - yb).pow(2).mean() / scale
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    attn.eval()
+    for p in params:
+        p.requires_grad_(False)
+    after = _relative_error(attn, x[held], y[held], position_embeddings, 1)
+    record["after"] = after
+    if after < before:
+        record["kept"] = True
+    else:
+        attn.load_state_dict(saved)
+    return record

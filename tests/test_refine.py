@@ -1,0 +1,149 @@
+"""Refinement of the converted layers (`--refine-steps`, mla_convert.refine)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import mla_convert  # noqa: F401
+from mla_convert import refine
+from mla_convert.cli import app
+from mla_convert.convert import Plan, max_rank
+from tiny import tiny_text
+
+from conftest import assert_user_error
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def _plan(folder) -> dict:
+    return json.loads((folder / "provenance.json").read_text())["plan"]
+
+
+def _kl_to_source(src, folder, ids) -> float:
+    """Mean KL(source || model) of the next-token distributions over `ids`."""
+    mla = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p = src(ids).logits.log_softmax(-1)
+        q = mla(ids).logits.log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+def test_full_rank_is_left_exact(sources, convert_tiny):
+    """A layer the closed form reproduces has nothing to gain: refinement leaves it bit-exact."""
+    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32)
+    full = dict(rank=max_rank(src.config), rope_dims=src.config.num_key_value_heads * src.config.head_dim, force=True)
+    plain = convert_tiny(sources["llama-gqa"], refine_steps=0, **full)
+    refined = convert_tiny(sources["llama-gqa"], refine_steps=20, **full)
+    a, b = _weights(plain), _weights(refined)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    record = _plan(refined)["refine"]
+    assert len(record) == src.config.num_hidden_layers
+    assert all(r["before"] < refine.EXACT and not r["kept"] for r in record)
+
+
+@pytest.mark.parametrize("propagate", ["source", "converted"])
+def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny, propagate):
+    """At a low rank and few RoPE pairs, the refined model's next-token distributions are closer to the source's on
+    text no calibration read, and the record says what each layer gained."""
+    kind = "llama-gqa"
+    src = AutoModelForCausalLM.from_pretrained(sources[kind], dtype=torch.float32).eval()
+    lossy = dict(rank=4, rope_dims=4, calib_samples=16, calib_seq_len=64, calib_propagate=propagate)
+    plain = convert_tiny(sources[kind], refine_steps=0, **lossy)
+    refined = convert_tiny(sources[kind], refine_steps=150, refine_lr=3e-3, **lossy)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sources[kind])
+    ids = tok(tiny_text(600, seed=9), return_tensors="pt").input_ids[:, :128]
+    assert _kl_to_source(src, refined, ids) < 0.95 * _kl_to_source(src, plain, ids)
+    record = _plan(refined)["refine"]
+    assert any(r["kept"] for r in record)
+    assert all(r["after"] < r["before"] for r in record if r["kept"])
+    assert _plan(plain)["refine"] == []  # not run: nothing recorded
+    card = (refined / "README.md").read_text()
+    assert "Refinement:" in card
+
+
+class _Scaled(torch.nn.Module):
+    """A stand-in attention: out = x W (the refinement only needs attn(x, position_embeddings=, attention_mask=))."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.w = torch.nn.Parameter(weight.clone())
+
+    def forward(self, x, position_embeddings=None, attention_mask=None):
+        return x @ self.w, None
+
+
+def _inputs(n=4, t=16, d=8):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, t, d, generator=gen)
+    target = torch.randn(d, d, generator=gen)
+    pe = (torch.ones(1, t, 2), torch.zeros(1, t, 2))
+    return x, x @ target, pe, target
+
+
+def test_refine_fits_and_keeps_what_helps():
+    x, y, pe, target = _inputs()
+    attn = _Scaled(target + 0.3 * torch.randn(target.shape, generator=torch.Generator().manual_seed(1)))
+    record = refine.refine_attention(attn, x, y, pe, steps=200, lr=3e-2, seq_len=16, batch=2)
+    assert record["kept"] and record["after"] < 0.05 * record["before"]
+
+
+def test_refine_restores_the_weights_when_the_held_out_error_does_not_drop():
+    x, y, pe, target = _inputs()
+    start = target + 0.3 * torch.randn(target.shape, generator=torch.Generator().manual_seed(1))
+    attn = _Scaled(start)
+    record = refine.refine_attention(attn, x, y, pe, steps=20, lr=50.0, seq_len=16, batch=2)  # diverges
+    assert not record["kept"] and record["after"] >= record["before"]
+    assert torch.equal(attn.w.detach(), start)
+    assert not attn.w.requires_grad
+
+
+def _shaped_plan(layers, hidden, heads, groups, head_dim, rank, rope_dims) -> Plan:
+    plan = Plan(family="llama", model_type="llama", layers=layers, hidden=hidden, heads=heads, groups=groups,
+                head_dim=head_dim, kv_lora_rank=[rank] * layers, rope_dims=rope_dims, dtype="bfloat16",
+                source_bytes=0, calib_tokens=0)  # fmt: skip
+    plan.set_kv_lora_rank(plan.kv_lora_rank)
+    return plan
+
+
+def test_auto_steps_follow_the_estimated_cost(caplog):
+    small = _shaped_plan(30, 576, 9, 3, 64, 64, 32)  # SmolLM2-135M at 25%
+    big = _shaped_plan(32, 4096, 32, 8, 128, 512, 64)  # Llama-3-8B shapes
+    assert refine.estimate_seconds(small, refine.DEFAULT_STEPS) <= refine.AUTO_CPU_SECONDS
+    assert refine.resolve_steps(None, small, "cpu", 2048) == refine.DEFAULT_STEPS
+    with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
+        assert refine.resolve_steps(None, big, "cpu", 2048) == 0
+    assert "--refine-steps" in caplog.text
+    assert refine.resolve_steps(None, big, "cuda", 2048) == refine.DEFAULT_STEPS
+    assert refine.resolve_steps(7, big, "cpu", 2048) == 7
+    # the estimate grows with the model: an 8B layer is over ten times a 135M one
+    assert refine.step_flops(big) > 10 * refine.step_flops(small)
+
+
+@pytest.mark.parametrize("value,needle", [("many", "--refine-steps must be auto or a number"),
+                                          ("-3", "--refine-steps must be 0 or more")])
+def test_bad_refine_steps_is_one_clear_line(sources, tmp_path, value, needle):
+    result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "-o", str(tmp_path / "out"),
+                                      "--kv-budget", "0.5", "--refine-steps", value])
+    assert_user_error(result.exit_code, result.output, needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_refine_without_calibration_text_is_refused(sources, tmp_path):
+    result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "-o", str(tmp_path / "out"),
+                                      "--kv-budget", "0.5", "--calib-data", "none", "--refine-steps", "10"])
+    assert_user_error(result.exit_code, result.output, "--refine-steps", "--calib-data")
