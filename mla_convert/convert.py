@@ -76,7 +76,7 @@ class ConvertOptions:
     # gradient steps per layer matching the source attention's outputs (mla_convert.refine); None: auto (see
     # refine.resolve_steps), resolved in `convert` so that provenance records the number that ran
     refine_steps: int | None = None
-    refine_lr: float = 3e-4
+    refine_lr: float = refine.DEFAULT_LR
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)

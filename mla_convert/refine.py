@@ -21,7 +21,7 @@ import torch
 log = logging.getLogger(__name__)
 
 EXACT = 1e-9  # relative error below which a layer is already exact (float32 round-off): not refined
-# Chosen on the development split (benchmarks/quality.md, "Refinement"): 100 Adam steps at 3e-4 (cosine) on
+# Chosen on the development split (benchmarks/quality.md, probes of series C): 100 Adam steps at 3e-4 (cosine) on
 # 2 x 1024-token windows a step. Windows start at each sequence's first token: crops that start mid-sequence put the
 # attention sink on an arbitrary token and train the layer on a pattern it never meets (held-out error went up).
 DEFAULT_STEPS = 100
