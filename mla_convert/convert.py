@@ -750,7 +750,7 @@ def convert(
         options.calib_data) else 0
     options = dataclasses.replace(options, refine_steps=steps)
     plan.refine_steps = steps
-    plan.refine_seconds = refine.estimate_seconds(plan, steps, min(options.calib_seq_len, refine.SEQ_LEN))
+    plan.refine_seconds = refine.estimate_seconds(plan, steps, options.calib_seq_len)
     if dry_run:
         return plan
     config = source.config
@@ -791,8 +791,7 @@ def convert(
             if runner is not None:
                 from mla_convert.calibration import second_moment
 
-                cls = family.decoder_layer_class(config.model_type)
-                source_layer = _module_from(lambda: cls(config, i), _on(layer_tensors, device))
+                source_layer = _source_layer(config, family, i, _on(layer_tensors, device))
                 with torch.device(device):  # factory calls (eye, zeros, ones) land beside their inputs
                     cov = second_moment(runner.attention_input(source_layer))
                     if options.needs_attention_statistics():
@@ -840,20 +839,16 @@ def convert(
                                        for n, t in _read_layer(kept / _layer_file(i))[0].items()
                                        if n.startswith(f"{prefix}self_attn.")}
                         runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
-                        if runner.reference is not None:
-                            cls = family.decoder_layer_class(config.model_type)
-                            runner.advance(_module_from(lambda: cls(config, i), layer_tensors), reference=True)
-                    else:
-                        cls = family.decoder_layer_class(config.model_type)
-                        runner.advance(_module_from(lambda: cls(config, i), layer_tensors))
+                    if options.calib_propagate == "source" or runner.reference is not None:  # the source's stream
+                        runner.advance(_source_layer(config, family, i, layer_tensors),
+                                       reference=runner.reference is not None)
                 continue
             clock = LayerClock(device)
             prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i, stats.pop(i, None))
             targets = None
             if runner is not None and options.refine_steps > 0:
                 if source_layer is None:  # statistics were taken in an earlier pass: the layer is built again
-                    cls = family.decoder_layer_class(config.model_type)
-                    source_layer = _module_from(lambda: cls(config, i), _on(layer_tensors, device))
+                    source_layer = _source_layer(config, family, i, _on(layer_tensors, device))
                 targets = refine.attention_targets(source_layer, runner)
             if runner is not None and options.calib_propagate == "source":
                 runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
@@ -1084,6 +1079,12 @@ def _attention_tensors(layer_tensors: dict, family: Family, layer: int, prefix: 
                 raise UserError(f"tensor {prefix}{getattr(family, norm)}.weight is missing: is the checkpoint complete?")
             out[norm] = weight
     return out
+
+
+def _source_layer(config, family: Family, i: int, layer_tensors: dict[str, torch.Tensor]):
+    """Layer i of the source as a transformers decoder layer (float32 inference module) on `layer_tensors`."""
+    cls = family.decoder_layer_class(config.model_type)
+    return _module_from(lambda: cls(config, i), layer_tensors)
 
 
 def _converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors):

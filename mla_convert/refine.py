@@ -45,7 +45,8 @@ def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH) -> float:
 
 
 def estimate_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
-    return steps * plan.layers * step_flops(plan, seq_len) / rate
+    """`steps` per layer at `rate` flop/s; windows of `seq_len` calibration tokens, at most SEQ_LEN (as trained)."""
+    return steps * plan.layers * step_flops(plan, min(seq_len, SEQ_LEN)) / rate
 
 
 def resolve_steps(requested: int | None, plan, device: str, seq_len: int) -> int:
@@ -55,7 +56,7 @@ def resolve_steps(requested: int | None, plan, device: str, seq_len: int) -> int
         return requested
     if not device.startswith("cpu"):
         return DEFAULT_STEPS
-    seconds = estimate_seconds(plan, DEFAULT_STEPS, min(seq_len, SEQ_LEN))
+    seconds = estimate_seconds(plan, DEFAULT_STEPS, seq_len)
     if seconds <= AUTO_CPU_SECONDS:
         return DEFAULT_STEPS
     log.warning("not refining the converted layers: on this CPU it would take about %.1f h (estimate); pass "
@@ -85,15 +86,11 @@ def attention_targets(source_layer, runner) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
-def _relative_error(attn, x, y, pe, batch: int) -> float:
-    num = den = 0.0
+def _relative_error(attn, x, y, position_embeddings) -> float:
+    """||attn(x) - y||^2 / ||y||^2 over one sequence x [1, T, D] (position embeddings [1, T, d])."""
     with torch.no_grad():
-        for xs, ys in zip(x.split(batch), y.split(batch)):
-            p = (pe[0].expand(xs.shape[0], -1, -1), pe[1].expand(xs.shape[0], -1, -1))
-            out = attn(xs, position_embeddings=p, attention_mask=None)[0]
-            num += (out - ys).pow(2).sum().item()
-            den += ys.pow(2).sum().item()
-    return num / max(den, 1e-30)
+        out = attn(x, position_embeddings=position_embeddings, attention_mask=None)[0]
+        return (out - y).pow(2).sum().item() / max(y.pow(2).sum().item(), 1e-30)
 
 
 def refine_attention(
@@ -108,18 +105,18 @@ def refine_attention(
     seed: int = 0,
 ) -> dict:
     """Train `attn` (an MLAAttention, float32, in place) so that attn(x) matches y, on the first `seq_len` tokens of
-    `batch` random sequences of the first N-1 a step; the last sequence is held out (scored over its whole length). Adam with a cosine schedule on the
-    relative squared error. Returns {"before", "after", "kept"}: the held-out relative errors, and whether the trained
+    `batch` random sequences of the first N-1 a step; the last sequence is held out (scored over its whole length).
+    Adam with a cosine schedule on the relative squared error. Returns {"before", "after", "kept"}: the held-out relative errors, and whether the trained
     weights were kept (else `attn` is restored)."""
     n, total, _ = x.shape
-    held = slice(n - 1, n) if n > 1 else slice(0, 1)
+    held = slice(n - 1, n)  # with one sequence it is also the training sequence
     train = slice(0, max(n - 1, 1))
-    before = _relative_error(attn, x[held], y[held], position_embeddings, 1)
+    before = _relative_error(attn, x[held], y[held], position_embeddings)
     record = {"before": before, "after": before, "kept": False}
     if before < EXACT or steps <= 0:
         return record
     saved = {k: v.detach().clone() for k, v in attn.state_dict().items()}
-    params = [p for p in attn.parameters()]
+    params = list(attn.parameters())
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(params, lr=lr)
@@ -143,7 +140,7 @@ def refine_attention(
     attn.eval()
     for p in params:
         p.requires_grad_(False)
-    after = _relative_error(attn, x[held], y[held], position_embeddings, 1)
+    after = _relative_error(attn, x[held], y[held], position_embeddings)
     record["after"] = after
     if after < before:
         record["kept"] = True
