@@ -12,13 +12,13 @@ import torch
 
 from mla_convert.data import load_text, tokenize  # one loader and one tokenizer for every text
 from mla_convert.errors import UserError
-from mla_convert.selftext import SELF
+from mla_convert.selftext import DOC_BATCH, SELF_DOC, STYLES
 
 log = logging.getLogger(__name__)
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float]]:
-    """A calibration spec -> [(text spec or "self", weight)]: parts joined by commas, each `NAME` or `NAME:WEIGHT`
+    """A calibration spec -> [(text spec, "self" or "self-doc", weight)]: parts joined by commas, each `NAME` or `NAME:WEIGHT`
     (a trailing `:number` is a weight; a datasets name's `:config:split` is not a number). Weights are relative."""
     parts = []
     for part in spec.split(","):
@@ -45,7 +45,7 @@ def check_calib_spec(spec: str, n_samples: int | None = None) -> list[tuple[str,
 
     parts = parse_mixture(spec)
     for name, _ in parts:
-        if name != SELF:
+        if name not in STYLES:
             check_text_spec(name)
     if n_samples is not None and n_samples > 0:
         window_counts([w for _, w in parts], n_samples)
@@ -67,15 +67,17 @@ def window_counts(weights: list[float], n_samples: int) -> list[int]:
 
 def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
     """The calibration windows [N, T] of a spec (see `parse_mixture`): random windows of each text, consecutive
-    windows of text sampled from the source for `self`, in the weights' proportions, in the order given."""
+    windows of text sampled from the source for `self` (chat answers, joined) and `self-doc` (one document a window),
+    in the weights' proportions, in the order given."""
     from mla_convert.selftext import self_tokens
 
     parts = check_calib_spec(spec, n_samples)
     counts = window_counts([w for _, w in parts], n_samples)
     out = []
     for (name, _), count in zip(parts, counts):
-        if name == SELF:
-            ids = self_tokens(source, count * seq_len, seed)
+        if name in STYLES:
+            document = dict(sample_tokens=seq_len, batch=DOC_BATCH, style=STYLES[name]) if name == SELF_DOC else {}
+            ids = self_tokens(source, count * seq_len, seed, **document)
             out.append(ids[: count * seq_len].view(count, seq_len))
         else:
             out.append(token_windows(source.tokenizer(), load_text(name), count, seq_len, seed))

@@ -1,10 +1,16 @@
 """Data-free text: token sequences sampled from the source model itself (`--calib-data self`, `finetune --data self`).
 
-The source samples `SAMPLE_TOKENS` new tokens per sequence at temperature `TEMPERATURE`, in seeded batches with its KV
-cache. An instruct model (its tokenizer has a chat template) answers the built-in requests of `PROMPTS` through that
-template, so the text is what it writes in use; a base model continues its BOS token. Each sample is the whole
-sequence the model saw (template, request, answer, up to and with its EOS), and the samples are joined into one token
-stream that is cut into windows.
+Two styles, sampled at temperature `TEMPERATURE` in seeded batches with the source's KV cache:
+
+- `self` (chat): `SAMPLE_TOKENS` new tokens per sequence. An instruct model (its tokenizer has a chat template) answers
+  the built-in requests of `PROMPTS` through that template, so the text is what it writes in use; a base model
+  continues its BOS token. Each sample is the whole sequence the model saw (template, request, answer, up to and with
+  its EOS).
+- `self-doc` (document): one unbroken document per calibration window, continued from the BOS token alone with EOS
+  suppressed until the window is full, so the statistics see one text over every distance a window spans (chat
+  answers are a few hundred tokens each: in a 2048-token window most distances cross from one answer to another).
+
+The samples are joined into one token stream that is cut into windows.
 
 Generated batches are cached as plain JSON (token ids plus the decoded text, for reading), one file per source
 fingerprint, seed and sampling settings, under $MLA_CONVERT_CACHE/self-text (default ~/.cache/mla-convert): a second
@@ -25,12 +31,15 @@ from mla_convert.errors import UserError
 
 log = logging.getLogger(__name__)
 
-SELF = "self"
+SELF = "self"  # chat style
+SELF_DOC = "self-doc"  # document style
+STYLES = {SELF: "chat", SELF_DOC: "document"}
 # Temperature 1: the model's own distribution (untuned); length and batch chosen by sampling cost on 2 shared CPU
 # cores (64 x 512 a batch was far slower per token); benchmarks/quality.md, "What chose what".
 TEMPERATURE = 1.0
 SAMPLE_TOKENS = 256
 BATCH = 16
+DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
 CACHE_VERSION = 1  # bump when the sampling procedure changes: old cache files are then not read
 
 # Requests of many kinds (prose, technical documentation, code, dialogue, lists), so that the calibration text covers
@@ -97,10 +106,10 @@ def causal_lm(source):
     return model.eval()
 
 
-def prompts(tokenizer, first: int, count: int) -> list[list[int]]:
+def prompts(tokenizer, first: int, count: int, style: str = "chat") -> list[list[int]]:
     """Token ids of `count` prompts, the first being PROMPTS[first] (cycling): chat-templated requests for a model
-    with a chat template, else its BOS (or EOS) token alone."""
-    if getattr(tokenizer, "chat_template", None):
+    with a chat template (chat style), else its BOS (or EOS) token alone."""
+    if style == "chat" and getattr(tokenizer, "chat_template", None):
         out = []
         for i in range(first, first + count):
             ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
@@ -115,45 +124,50 @@ def prompts(tokenizer, first: int, count: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def sample_batch(model, tokenizer, index: int, seed: int, temperature: float, sample_tokens: int, batch: int):
-    """Batch `index` of the seeded sampling: `batch` token lists (prompt + answer, cut after the first EOS)."""
-    prompt = prompts(tokenizer, index * batch, batch)
+def sample_batch(model, tokenizer, index: int, seed: int, temperature: float, sample_tokens: int, batch: int,
+                 style: str = "chat"):
+    """Batch `index` of the seeded sampling: `batch` token lists (chat: prompt + answer, cut after the first EOS;
+    document: BOS + `sample_tokens` - 1 tokens, EOS suppressed)."""
+    prompt = prompts(tokenizer, index * batch, batch, style)
     width = max(len(p) for p in prompt)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt])
     eos = tokenizer.eos_token_id
     limit = getattr(model.config, "max_position_embeddings", None)
-    sample_tokens = min(sample_tokens, limit - width) if limit else sample_tokens
+    new = sample_tokens - width if style == "document" else sample_tokens  # a document is sample_tokens long
+    new = min(new, limit - width) if limit else new
+    length = {"min_new_tokens": new} if style == "document" else {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + index)
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
-                             top_p=1.0, max_new_tokens=sample_tokens, pad_token_id=pad, eos_token_id=eos)  # fmt: skip
+                             top_p=1.0, max_new_tokens=new, pad_token_id=pad, eos_token_id=eos, **length)  # fmt: skip
     samples = []
     for p, row in zip(prompt, out.tolist()):
         answer = row[width:]
-        if eos is not None and eos in answer:
+        if style == "chat" and eos is not None and eos in answer:
             answer = answer[: answer.index(eos) + 1]
         samples.append(p + answer)
     return samples
 
 
 def self_tokens(source, n_tokens: int, seed: int, temperature: float = TEMPERATURE,
-                sample_tokens: int = SAMPLE_TOKENS, batch: int = BATCH) -> torch.Tensor:
-    """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring)."""
+                sample_tokens: int = SAMPLE_TOKENS, batch: int = BATCH, style: str = "chat") -> torch.Tensor:
+    """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring). In the
+    document style every `sample_tokens` ids are one document."""
     if not temperature > 0 or sample_tokens <= 0:
         raise UserError("self-generated text needs a positive temperature and sample length")
-    settings, path = cache_entry(source, seed, temperature, sample_tokens, batch)
+    settings, path = cache_entry(source, seed, temperature, sample_tokens, batch, style)
     batches = read_cache(path, settings)
     have = sum(len(s) for b in batches for s in b["tokens"])
     if have < n_tokens:
         check_memory(source)
         tokenizer = source.tokenizer()
         model = causal_lm(source)
-        log.info("sampling %d tokens of calibration text from the source (temperature %g, cached in %s)",
-                 n_tokens - have, temperature, path)
+        log.info("sampling %d tokens of %s text from the source (temperature %g, cached in %s)",
+                 n_tokens - have, style, temperature, path)
         while have < n_tokens:
-            tokens = sample_batch(model, tokenizer, len(batches), seed, temperature, sample_tokens, batch)
+            tokens = sample_batch(model, tokenizer, len(batches), seed, temperature, sample_tokens, batch, style)
             batches.append({"tokens": tokens, "text": [tokenizer.decode(t) for t in tokens]})
             have += sum(len(t) for t in tokens)
             write_cache(path, settings, batches)  # after every batch: an interrupted run keeps what it sampled
@@ -187,10 +201,13 @@ def check_memory(source) -> None:
                         "MLA_CONVERT_CACHE)")
 
 
-def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch: int) -> tuple[dict, Path]:
+def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch: int,
+                style: str = "chat") -> tuple[dict, Path]:
     """(the settings the sampled text depends on, the cache file that holds it)."""
     settings = {"version": CACHE_VERSION, "source": source_fingerprint(source), "seed": seed,
                 "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
+    if style != "chat":  # keyed only when not chat: the chat caches written before styles existed stay valid
+        settings["style"] = style
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     return settings, cache_dir() / f"{key}.json"
 

@@ -84,6 +84,27 @@ def test_mixture_windows(sources, cache, calib_text):
     assert torch.equal(mixed[2:], stream[: 6 * 16].view(6, 16))
 
 
+def test_document_windows(sources, cache, monkeypatch):
+    """`self-doc`: every window is one document sampled from the BOS token alone, as long as the window (EOS
+    suppressed), cached apart from the chat text; mixed with `self` by weight."""
+    src = open_source(str(sources["llama-gqa"]))
+    tok = src.tokenizer()
+    start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    monkeypatch.setattr(selftext, "DOC_BATCH", 2)
+    docs = calibration_tokens(src, "self-doc", 3, 24, seed=0)
+    assert docs.shape == (3, 24)
+    assert docs[:, 0].tolist() == [start] * 3  # each window starts its own document
+    assert tok.eos_token_id is None or not (docs[:, 1:] == tok.eos_token_id).any()  # none ends early
+    records = [json.loads(f.read_text()) for f in cache.glob("*.json")]
+    assert [r["settings"]["style"] for r in records] == ["document"]
+    assert all(len(s) == 24 for r in records for b in r["batches"] for s in b["tokens"])
+
+    mixed = calibration_tokens(src, "self:1,self-doc:3", 4, 24, seed=0)
+    assert torch.equal(mixed[1:], docs)  # the document windows (cached) after the chat window
+    assert torch.equal(mixed[:1], selftext.self_tokens(src, 24, seed=0)[:24].view(1, 24))
+    assert len(list(cache.glob("*.json"))) == 2  # chat and document text in their own files
+
+
 def test_chat_template_prompts():
     """An instruct tokenizer's prompts go through its chat template; a base tokenizer starts from BOS."""
 
