@@ -316,7 +316,8 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "RoPE; kept only where a held-out calibration sequence improves). auto (default): 100 on a GPU, and on "
             "the CPU when the plan estimates at most 30 min; 0: off. Measured in benchmarks/quality.md."
         ),
-        refine_lr: float = typer.Option(3e-4, "--refine-lr", help="Learning rate of --refine-steps (Adam, cosine)."),
+        refine_lr: float = typer.Option(  # refine.DEFAULT_LR, written out: that module imports torch
+            1e-3, "--refine-lr", help="Learning rate of --refine-steps (Adam, cosine)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

@@ -134,6 +134,8 @@ def method_options(method: str, budget: int) -> list[str]:
         return ["--kv-budget", str(budget)]
     if method == "mla-convert-norefine":  # the default's closed form alone (the default before refinement existed)
         return ["--kv-budget", str(budget), "--refine-steps", "0"]
+    if method == "mla-convert-lr3e-4":  # the default's first refinement learning rate (the default before 1e-3)
+        return ["--kv-budget", str(budget), "--refine-lr", "3e-4"]
     if method.startswith("custom:"):  # custom:OPTIONS (space separated), for ablations
         return method[len("custom:") :].split() + (["--kv-budget", str(budget)] if "--rank" not in method else [])
     raise SystemExit(f"unknown method {method}")

@@ -147,3 +147,15 @@ def test_refine_without_calibration_text_is_refused(sources, tmp_path):
     result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "-o", str(tmp_path / "out"),
                                       "--kv-budget", "0.5", "--calib-data", "none", "--refine-steps", "10"])
     assert_user_error(result.exit_code, result.output, "--refine-steps", "--calib-data")
+
+
+def test_cli_learning_rate_default_is_the_library_default():
+    """`--refine-lr` spells out refine.DEFAULT_LR (cli.py does not import torch): the two must not drift apart."""
+    import typer
+
+    from mla_convert.convert import ConvertOptions
+
+    group = typer.main.get_command(app)
+    for name in ("convert", "llama", "qwen"):
+        (option,) = [p for p in group.commands[name].params if p.name == "refine_lr"]
+        assert option.default == refine.DEFAULT_LR == ConvertOptions().refine_lr
