@@ -67,7 +67,7 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "(source 25.7); windows cut mid-sequence 160.1; sequential targets 120.0 (a tie: not the default, it costs a "
     "second stream); with refinement d_r 16 scores 137.9 against 122.4 for the default d_r 32, so the RoPE split "
     "stays; 200 steps instead of 100 scored 113.2 (twice the refinement time), and 100 steps at a learning rate of "
-    "1e-3 instead of 3e-4 scored 113.0 at no extra time: the default since (rows `mla-convert-lr3e-4` hold the "
+    "1e-3 instead of 3e-4 scored 113.0 at no extra time (3e-3: 123.5): the default since (rows `mla-convert-lr3e-4` hold the "
     "earlier default). Calibration text sampled as one unbroken document per window (`self-doc`, from the BOS token) "
     "scored 119.3 against 113.0 for the chat answers (probe C_selfdoc_lr1e3, same refinement): `self` stays the "
     "default, `self-doc` an option. The closed-form options (steps 1-4 in the README) are the earlier probes' (series A and B, on test "
