@@ -12,14 +12,15 @@ import torch
 
 from mla_convert.data import load_text, tokenize  # one loader and one tokenizer for every text
 from mla_convert.errors import UserError
-from mla_convert.selftext import DOC_BATCH, SELF_DOC, STYLES
+from mla_convert.selftext import SELF_DOC, STYLES
 
 log = logging.getLogger(__name__)
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float]]:
-    """A calibration spec -> [(text spec, "self" or "self-doc", weight)]: parts joined by commas, each `NAME` or `NAME:WEIGHT`
-    (a trailing `:number` is a weight; a datasets name's `:config:split` is not a number). Weights are relative."""
+    """A calibration spec -> [(name, weight)], name a text spec, "self" or "self-doc": parts joined by commas, each
+    `NAME` or `NAME:WEIGHT` (a trailing `:number` is a weight; a datasets name's `:config:split` is not a number).
+    Weights are relative."""
     parts = []
     for part in spec.split(","):
         name, weight = part.strip(), 1.0
@@ -76,7 +77,7 @@ def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: in
     out = []
     for (name, _), count in zip(parts, counts):
         if name in STYLES:
-            document = dict(sample_tokens=seq_len, batch=DOC_BATCH, style=STYLES[name]) if name == SELF_DOC else {}
+            document = dict(sample_tokens=seq_len, style=STYLES[name]) if name == SELF_DOC else {}  # one per window
             ids = self_tokens(source, count * seq_len, seed, **document)
             out.append(ids[: count * seq_len].view(count, seq_len))
         else:

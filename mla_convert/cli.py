@@ -278,10 +278,10 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "--calib-data",
             help="Calibration text: 'self' (text sampled from the source itself, seeded and cached: no data set "
             "needed; chat answers through its chat template), 'self-doc' (sampled documents, one unbroken document "
-            "per window, from the BOS token), a local .txt/.raw/.tokens/.jsonl file or a datasets name[:config[:split]]; 'none' for "
-            "weight-only statistics. Mix several with weights: repeat the option or join with commas, each NAME or "
-            "NAME:WEIGHT (e.g. --calib-data wiki.valid.tokens:0.5 --calib-data self:0.5; the windows are shared "
-            "by weight). Never the text you evaluate on. Default: self.",
+            "per window, from the BOS token), a local .txt/.raw/.tokens/.jsonl file or a datasets "
+            "name[:config[:split]]; 'none' for weight-only statistics. Mix several with weights: repeat the option "
+            "or join with commas, each NAME or NAME:WEIGHT (e.g. --calib-data wiki.valid.tokens:0.5 --calib-data "
+            "self:0.5; the windows are shared by weight). Never the text you evaluate on. Default: self.",
             show_default=False,
         ),
         calib_samples: int = typer.Option(8, "--calib-samples", help="Calibration windows."),

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 EXACT = 1e-9  # relative error below which a layer is already exact (float32 round-off): not refined
 # Chosen on the development split (benchmarks/quality.md, probes of series C): 100 Adam steps at 1e-3 (cosine) on
-# 2 x 1024-token windows a step (at 25%: 3e-4 scored 122.4, 1e-3 113.0, 3e-3 123.5; 200 steps at 3e-4 113.2). Windows start at each sequence's first token: crops that start mid-sequence put the
-# attention sink on an arbitrary token and train the layer on a pattern it never meets (held-out error went up).
+# 2 x 1024-token windows a step (at 25%: 3e-4 scored 122.4, 1e-3 113.0, 3e-3 123.5; 200 steps at 3e-4 113.2).
+# Windows start at each sequence's first token: crops that start mid-sequence put the attention sink on an arbitrary
+# token and train the layer on a pattern it never meets (held-out error went up).
 DEFAULT_STEPS = 100
 DEFAULT_LR = 1e-3
 SEQ_LEN = 1024
@@ -106,8 +107,8 @@ def refine_attention(
 ) -> dict:
     """Train `attn` (an MLAAttention, float32, in place) so that attn(x) matches y, on the first `seq_len` tokens of
     `batch` random sequences of the first N-1 a step; the last sequence is held out (scored over its whole length).
-    Adam with a cosine schedule on the relative squared error. Returns {"before", "after", "kept"}: the held-out relative errors, and whether the trained
-    weights were kept (else `attn` is restored)."""
+    Adam with a cosine schedule on the relative squared error. Returns {"before", "after", "kept"}: the held-out
+    relative errors, and whether the trained weights were kept (else `attn` is restored)."""
     n, total, _ = x.shape
     held = slice(n - 1, n)  # with one sequence it is also the training sequence
     train = slice(0, max(n - 1, 1))

@@ -152,9 +152,11 @@ def sample_batch(model, tokenizer, index: int, seed: int, temperature: float, sa
 
 
 def self_tokens(source, n_tokens: int, seed: int, temperature: float = TEMPERATURE,
-                sample_tokens: int = SAMPLE_TOKENS, batch: int = BATCH, style: str = "chat") -> torch.Tensor:
-    """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring). In the
-    document style every `sample_tokens` ids are one document."""
+                sample_tokens: int = SAMPLE_TOKENS, batch: int | None = None, style: str = "chat") -> torch.Tensor:
+    """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring), in
+    batches of `batch` samples (default BATCH, DOC_BATCH for documents). In the document style every `sample_tokens`
+    ids are one document."""
+    batch = batch or (DOC_BATCH if style == "document" else BATCH)
     if not temperature > 0 or sample_tokens <= 0:
         raise UserError("self-generated text needs a positive temperature and sample length")
     settings, path = cache_entry(source, seed, temperature, sample_tokens, batch, style)

@@ -94,7 +94,7 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "**Fine-tuning at 25%, no data set** (rows `...+finetune-self-4k`): `mla-convert finetune --config "
     "recipes/smollm2-135m-self.yaml model=out/bench-quality/mlaconvert-96-self max_tokens=4096 eval_every=0 "
     "output=runs/refined1e3-96-self-4k` (LM + distillation from the source on 4,096 tokens the source sampled itself, "
-    "CPU, about 3 minutes), recorded with `--folder`. From the refined default it closes 14% (WikiText-2, 115.45 -> "
+    "CPU, 188 s of training by the loop's log), recorded with `--folder`. From the refined default it closes 14% (WikiText-2, 115.45 -> "
     "102.31), 6% (Debian Reference, 58.04 -> 55.42) and 23% (GNU Coding Standards, 55.04 -> 46.38) of the gap to the "
     "source (the loop's held-out sampled text 42.4 -> 35.3). From the earlier default (refined at 3e-4) the same run "
     "closed 16% / 8% / 26% (126.88 -> 110.59, 62.05 -> 58.24, 59.58 -> 48.61), and from the closed form alone 34% / "
