@@ -133,6 +133,7 @@ def _convert(
     latent_rounds: int,
     refine_steps: Optional[str],
     refine_lr: float,
+    refine_seq_len: int,
     seed: int,
     device: str,
     dtype: Optional[str],
@@ -189,6 +190,7 @@ def _convert(
         latent_rounds=latent_rounds,
         refine_steps=_parse_refine_steps(refine_steps),
         refine_lr=refine_lr,
+        refine_seq_len=refine_seq_len,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -318,6 +320,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
         ),
         refine_lr: float = typer.Option(  # refine.DEFAULT_LR, written out: that module imports torch
             1e-3, "--refine-lr", help="Learning rate of --refine-steps (Adam, cosine)."),
+        refine_seq_len: int = typer.Option(  # refine.SEQ_LEN, written out
+            1024, "--refine-seq-len", help="Tokens per refinement window, from each calibration sequence's start "
+            "(at most --calib-seq-len); each step trains on 2048 tokens (two windows of 1024, one of 2048)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

@@ -77,6 +77,7 @@ class ConvertOptions:
     # refine.resolve_steps), resolved in `convert` so that provenance records the number that ran
     refine_steps: int | None = None
     refine_lr: float = refine.DEFAULT_LR
+    refine_seq_len: int = refine.SEQ_LEN  # tokens per refinement window (from each sequence's start)
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -353,6 +354,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--refine-steps must be 0 or more, got {options.refine_steps}")
     if not options.refine_lr > 0:
         raise UserError(f"--refine-lr must be positive, got {options.refine_lr}")
+    if options.refine_seq_len < 16:
+        raise UserError(f"--refine-seq-len must be at least 16 tokens, got {options.refine_seq_len}")
     if options.refine_steps and options.calib_data is None:
         raise UserError("--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)")
     if options.key_inputs not in INPUT_KINDS:
@@ -746,11 +749,11 @@ def convert(
         log.info("--factorization split: values keep their per-token fit (--value-inputs token)")
         options = dataclasses.replace(options, value_inputs="token")
     plan = make_plan(source, family, options)
-    steps = refine.resolve_steps(options.refine_steps, plan, options.device, options.calib_seq_len) if (
-        options.calib_data) else 0
+    window = min(options.refine_seq_len, options.calib_seq_len)
+    steps = refine.resolve_steps(options.refine_steps, plan, options.device, window) if options.calib_data else 0
     options = dataclasses.replace(options, refine_steps=steps)
     plan.refine_steps = steps
-    plan.refine_seconds = refine.estimate_seconds(plan, steps, options.calib_seq_len)
+    plan.refine_seconds = refine.estimate_seconds(plan, steps, window)
     if dry_run:
         return plan
     config = source.config
@@ -1101,8 +1104,10 @@ def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, ta
              device) -> dict[str, torch.Tensor]:
     """The layer's MLA attention tensors after `refine.refine_attention` on the calibration targets."""
     layer = _converted_layer(config, plan, family, rope_pairs, i, _on(layer_tensors, device), mla_tensors)
+    window = min(options.refine_seq_len, options.calib_seq_len)
     record = refine.refine_attention(layer.self_attn, *targets, position_embeddings, options.refine_steps,
-                                     options.refine_lr, seed=options.seed + i)
+                                     options.refine_lr, seq_len=window, batch=refine.batch_for(window),
+                                     seed=options.seed + i)
     log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],
              "kept" if record["kept"] else "not kept")
     plan.refine_record.append({"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}})

@@ -29,6 +29,7 @@ DEFAULT_STEPS = 100
 DEFAULT_LR = 1e-3
 SEQ_LEN = 1024
 BATCH = 2
+STEP_TOKENS = SEQ_LEN * BATCH  # tokens a step: a longer window (`--refine-seq-len`) takes fewer sequences a step
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS. The rate
 # is what 2 shared CPU cores sustained on SmolLM2-135M (about 1.7e11 flop/s: 100 steps a layer in ~17 s), rounded
 # down; an 8B model's estimate is hours there, so it is not refined on a CPU unless asked.
@@ -45,9 +46,14 @@ def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH) -> float:
     return 3 * (2 * batch * seq_len * params + scores)
 
 
+def batch_for(seq_len: int) -> int:
+    """Sequences a step for windows of `seq_len` tokens: STEP_TOKENS a step (at least one sequence)."""
+    return max(1, STEP_TOKENS // seq_len)
+
+
 def estimate_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
-    """`steps` per layer at `rate` flop/s; windows of `seq_len` calibration tokens, at most SEQ_LEN (as trained)."""
-    return steps * plan.layers * step_flops(plan, min(seq_len, SEQ_LEN)) / rate
+    """`steps` per layer at `rate` flop/s over windows of `seq_len` tokens (the refinement window, as trained)."""
+    return steps * plan.layers * step_flops(plan, seq_len, batch_for(seq_len)) / rate
 
 
 def resolve_steps(requested: int | None, plan, device: str, seq_len: int) -> int:

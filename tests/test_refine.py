@@ -124,7 +124,10 @@ def test_auto_steps_follow_the_estimated_cost(caplog):
     small = _shaped_plan(30, 576, 9, 3, 64, 64, 32)  # SmolLM2-135M at 25%
     big = _shaped_plan(32, 4096, 32, 8, 128, 512, 64)  # Llama-3-8B shapes
     assert refine.estimate_seconds(small, refine.DEFAULT_STEPS) <= refine.AUTO_CPU_SECONDS
-    assert refine.resolve_steps(None, small, "cpu", 2048) == refine.DEFAULT_STEPS
+    assert refine.resolve_steps(None, small, "cpu", refine.SEQ_LEN) == refine.DEFAULT_STEPS
+    # a longer window costs more a step: the same tokens, but each score row twice as long
+    assert refine.estimate_seconds(small, 100, 2048) > refine.estimate_seconds(small, 100, 1024)
+    assert refine.batch_for(2048) == 1 and refine.batch_for(512) == 2 * refine.BATCH
     with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
         assert refine.resolve_steps(None, big, "cpu", 2048) == 0
     assert "--refine-steps" in caplog.text
@@ -159,3 +162,19 @@ def test_cli_learning_rate_default_is_the_library_default():
     for name in ("convert", "llama", "qwen"):
         (option,) = [p for p in group.commands[name].params if p.name == "refine_lr"]
         assert option.default == refine.DEFAULT_LR == ConvertOptions().refine_lr
+        (window,) = [p for p in group.commands[name].params if p.name == "refine_seq_len"]
+        assert window.default == refine.SEQ_LEN == ConvertOptions().refine_seq_len
+
+
+def test_refinement_window_reaches_the_loop(sources, convert_tiny):
+    """`refine_seq_len` sets the window each step trains on (windows past the calibration length are the whole
+    sequence): a different window trains different weights, and provenance records the one used."""
+    lossy = dict(rank=4, rope_dims=4, calib_samples=4, calib_seq_len=64, refine_steps=5, refine_lr=3e-3)
+    short = convert_tiny(sources["llama-gqa"], refine_seq_len=16, **lossy)
+    whole = convert_tiny(sources["llama-gqa"], refine_seq_len=64, **lossy)
+    longer = convert_tiny(sources["llama-gqa"], refine_seq_len=4096, **lossy)  # capped at the 64 calibrated
+    a, b, c = _weights(short), _weights(whole), _weights(longer)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(b[k], c[k]) for k in b)
+    options = json.loads((whole / "provenance.json").read_text())["options"]
+    assert options["refine_seq_len"] == 64
