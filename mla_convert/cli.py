@@ -315,7 +315,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         refine_steps: Optional[str] = typer.Option(
             "auto", "--refine-steps", help="After the factorization, train each converted attention layer this many "
             "Adam steps so that its outputs match the source attention's on the calibration text (real softmax and "
-            "RoPE; kept only where a held-out calibration sequence improves). auto (default): 100 on a GPU, and on "
+            "RoPE; kept only where a held-out calibration sequence improves). auto (default): 200 on a GPU, and on "
             "the CPU when the plan estimates at most 30 min; 0: off. Measured in benchmarks/quality.md."
         ),
         refine_lr: float = typer.Option(  # refine.DEFAULT_LR, written out: that module imports torch

@@ -21,11 +21,12 @@ import torch
 log = logging.getLogger(__name__)
 
 EXACT = 1e-9  # relative error below which a layer is already exact (float32 round-off): not refined
-# Chosen on the development split (benchmarks/quality.md, probes of series C): 100 Adam steps at 1e-3 (cosine) on
-# 2 x 1024-token windows a step (at 25%: 3e-4 scored 122.4, 1e-3 113.0, 3e-3 123.5; 200 steps at 3e-4 113.2).
+# Chosen on the development split (benchmarks/quality.md, probes of series C): 200 Adam steps at 1e-3 (cosine) on
+# 2 x 1024-token windows a step. At 25%, 100 steps: 3e-4 scored 122.4, 1e-3 113.0, 3e-3 123.5; 200 steps at 1e-3 102.9
+# (at 3e-4 113.2); 200 steps on one 2048-token window a step 99.3, at 1.5x the time (`--refine-seq-len 2048`).
 # Windows start at each sequence's first token: crops that start mid-sequence put the attention sink on an arbitrary
 # token and train the layer on a pattern it never meets (held-out error went up).
-DEFAULT_STEPS = 100
+DEFAULT_STEPS = 200
 DEFAULT_LR = 1e-3
 SEQ_LEN = 1024
 BATCH = 2
@@ -33,7 +34,7 @@ STEP_TOKENS = SEQ_LEN * BATCH  # tokens a step: a longer window (`--refine-seq-l
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS. The rate
 # is what 2 shared CPU cores sustained on SmolLM2-135M (about 1.7e11 flop/s: 100 steps a layer in ~17 s), rounded
 # down; an 8B model's estimate is hours there, so it is not refined on a CPU unless asked.
-CPU_FLOPS = 1e11
+CPU_FLOPS = 1.5e11
 AUTO_CPU_SECONDS = 1800
 
 

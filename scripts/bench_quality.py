@@ -67,8 +67,12 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "(source 25.7); windows cut mid-sequence 160.1; sequential targets 120.0 (a tie: not the default, it costs a "
     "second stream); with refinement d_r 16 scores 137.9 against 122.4 for the default d_r 32, so the RoPE split "
     "stays; 200 steps instead of 100 scored 113.2 (twice the refinement time), and 100 steps at a learning rate of "
-    "1e-3 instead of 3e-4 scored 113.0 at no extra time (3e-3: 123.5): the default since (rows `mla-convert-lr3e-4` hold the "
-    "earlier default). Calibration text sampled as one unbroken document per window (`self-doc`, from the BOS token) "
+    "1e-3 instead of 3e-4 scored 113.0 at no extra time (3e-3: 123.5; rows `mla-convert-lr3e-4` hold that earlier "
+    "default); 200 steps at 1e-3 scored 102.9 (probe C_refine_lr1e3_s200, 1217 s of conversion against 648 s for 100 "
+    "steps): the default since (rows `mla-convert-s100` hold the 100-step default). One 2048-token window a step "
+    "instead of two of 1024 (`--refine-seq-len 2048`: the windows then reach the positions past 1024 that a 2048-token "
+    "evaluation window holds) scored 99.3 at 1.5x the time (1881 s, probe C_refine_lr1e3_s200_w2048): an option, not "
+    "the default. Calibration text sampled as one unbroken document per window (`self-doc`, from the BOS token) "
     "scored 119.3 against 113.0 for the chat answers (probe C_selfdoc_lr1e3, same refinement): `self` stays the "
     "default, `self-doc` an option. The closed-form options (steps 1-4 in the README) are the earlier probes' (series A and B, on test "
     "windows at 50%, before a development split existed); they were not re-chosen on `wiki-dev`, nor were the "
@@ -142,6 +146,8 @@ def method_options(method: str, budget: int) -> list[str]:
         return ["--kv-budget", str(budget)]
     if method == "mla-convert-norefine":  # the default's closed form alone (the default before refinement existed)
         return ["--kv-budget", str(budget), "--refine-steps", "0"]
+    if method == "mla-convert-s100":  # the default's first number of refinement steps (the default before 200)
+        return ["--kv-budget", str(budget), "--refine-steps", "100"]
     if method == "mla-convert-lr3e-4":  # the default's first refinement learning rate (the default before 1e-3)
         return ["--kv-budget", str(budget), "--refine-lr", "3e-4"]
     if method.startswith("custom:"):  # custom:OPTIONS (space separated), for ablations
