@@ -32,8 +32,8 @@ SEQ_LEN = 1024
 BATCH = 2
 STEP_TOKENS = SEQ_LEN * BATCH  # tokens a step: a longer window (`--refine-seq-len`) takes fewer sequences a step
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS. The rate
-# is what 2 shared CPU cores sustained on SmolLM2-135M (about 1.7e11 flop/s: 100 steps a layer in ~17 s), rounded
-# down; an 8B model's estimate is hours there, so it is not refined on a CPU unless asked.
+# is what 2 CPU cores sustained on SmolLM2-135M (1.6e11-1.7e11 flop/s: 100 steps a layer in ~18 s, 200 in ~37 s),
+# rounded down; an 8B model's estimate is hours there, so it is not refined on a CPU unless asked.
 CPU_FLOPS = 1.5e11
 AUTO_CPU_SECONDS = 1800
 
