@@ -281,8 +281,9 @@ def write_report(path: Path, meta, attn, rows, plot_path):
            "out; memory stalls and cache sharing still count)" if meta["clock"] == "cpu" else "in wall-clock time")
         + "; ratios are MLA / source within this run.",
         f"- Run time {meta['minutes']:.1f} min. Load average (1 min) {meta['load_start']:.1f} at the start and "
-        f"{meta['load_end']:.1f} at the end, on {meta['cores']} CPUs: the machine was shared with other jobs, so "
-        "absolute times are noisy; compare the ratios.",
+        f"{meta['load_end']:.1f} at the end, on {meta['cores']} CPUs (the benchmark itself adds 1)"
+        + (": the machine was shared with other jobs, so absolute times are noisy; compare the ratios."
+           if max(meta["load_start"], meta["load_end"] - 1) > 0.5 else ": no other long job ran."),
         "",
         "## Attention core, one layer (causal, batch 1)",
         "",
