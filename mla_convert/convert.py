@@ -749,9 +749,9 @@ def convert(
         log.info("--factorization split: values keep their per-token fit (--value-inputs token)")
         options = dataclasses.replace(options, value_inputs="token")
     plan = make_plan(source, family, options)
-    window = min(options.refine_seq_len, options.calib_seq_len)
+    window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
     steps = refine.resolve_steps(options.refine_steps, plan, options.device, window) if options.calib_data else 0
-    options = dataclasses.replace(options, refine_steps=steps)
+    options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window)
     plan.refine_steps = steps
     plan.refine_seconds = refine.estimate_seconds(plan, steps, window)
     if dry_run:
@@ -1104,10 +1104,8 @@ def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, ta
              device) -> dict[str, torch.Tensor]:
     """The layer's MLA attention tensors after `refine.refine_attention` on the calibration targets."""
     layer = _converted_layer(config, plan, family, rope_pairs, i, _on(layer_tensors, device), mla_tensors)
-    window = min(options.refine_seq_len, options.calib_seq_len)
     record = refine.refine_attention(layer.self_attn, *targets, position_embeddings, options.refine_steps,
-                                     options.refine_lr, seq_len=window, batch=refine.batch_for(window),
-                                     seed=options.seed + i)
+                                     options.refine_lr, seq_len=options.refine_seq_len, seed=options.seed + i)
     log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],
              "kept" if record["kept"] else "not kept")
     plan.refine_record.append({"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}})

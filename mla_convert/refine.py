@@ -109,11 +109,11 @@ def refine_attention(
     steps: int,
     lr: float,
     seq_len: int = SEQ_LEN,
-    batch: int = BATCH,
+    batch: int | None = None,
     seed: int = 0,
 ) -> dict:
     """Train `attn` (an MLAAttention, float32, in place) so that attn(x) matches y, on the first `seq_len` tokens of
-    `batch` random sequences of the first N-1 a step; the last sequence is held out (scored over its whole length).
+    `batch` (default: `batch_for(seq_len)`) random sequences of the first N-1 a step; the last sequence is held out (scored over its whole length).
     Adam with a cosine schedule on the relative squared error. Returns {"before", "after", "kept"}: the held-out
     relative errors, and whether the trained weights were kept (else `attn` is restored)."""
     n, total, _ = x.shape
@@ -131,6 +131,7 @@ def refine_attention(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     gen = torch.Generator().manual_seed(seed)
     seq_len = min(seq_len, total)
+    batch = batch or batch_for(seq_len)
     xt, yt = x[train], y[train]
     cos, sin = position_embeddings
     pe = (cos[:, :seq_len].expand(batch, -1, -1), sin[:, :seq_len].expand(batch, -1, -1))
