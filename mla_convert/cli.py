@@ -286,7 +286,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "self:0.5; the windows are shared by weight). Never the text you evaluate on. Default: self.",
             show_default=False,
         ),
-        calib_samples: int = typer.Option(8, "--calib-samples", help="Calibration windows."),
+        calib_samples: int = typer.Option(16, "--calib-samples", help="Calibration windows."),
         calib_seq_len: int = typer.Option(
             2048, "--calib-seq-len", help="Tokens per calibration window (the attention profiles see distances up to "
             "this; match the contexts you serve)."

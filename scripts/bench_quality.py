@@ -158,6 +158,8 @@ def method_options(method: str, budget: int) -> list[str]:
         return ["--kv-budget", str(budget), "--refine-steps", "0"]
     if method == "mla-convert-s100":  # the default's first number of refinement steps (the default before 200)
         return ["--kv-budget", str(budget), "--refine-steps", "100"]
+    if method == "mla-convert-c8":  # the default's first calibration length, 8 x 2048 (the default before 16)
+        return ["--kv-budget", str(budget), "--calib-samples", "8"]
     if method == "mla-convert-lr3e-4":  # the default's first refinement learning rate (the default before 1e-3)
         return ["--kv-budget", str(budget), "--refine-lr", "3e-4"]
     if method.startswith("custom:"):  # custom:OPTIONS (space separated), for ablations

@@ -152,18 +152,28 @@ def test_refine_without_calibration_text_is_refused(sources, tmp_path):
     assert_user_error(result.exit_code, result.output, "--refine-steps", "--calib-data")
 
 
-def test_cli_learning_rate_default_is_the_library_default():
-    """`--refine-lr` spells out refine.DEFAULT_LR (cli.py does not import torch): the two must not drift apart."""
+def test_cli_defaults_are_the_library_defaults():
+    """cli.py spells out the defaults of ConvertOptions (it does not import torch): every option it sets must equal the
+    library's (None: left to the library, resolved per family; `auto` refinement is the library's None)."""
+    import dataclasses
+
     import typer
 
     from mla_convert.convert import ConvertOptions
 
+    library = ConvertOptions()
+    fields = {f.name for f in dataclasses.fields(ConvertOptions)}
     group = typer.main.get_command(app)
+    checked = set()
     for name in ("convert", "llama", "qwen"):
-        (option,) = [p for p in group.commands[name].params if p.name == "refine_lr"]
-        assert option.default == refine.DEFAULT_LR == ConvertOptions().refine_lr
-        (window,) = [p for p in group.commands[name].params if p.name == "refine_seq_len"]
-        assert window.default == refine.SEQ_LEN == ConvertOptions().refine_seq_len
+        for option in group.commands[name].params:
+            if option.name not in fields or option.default is None:
+                continue
+            expected = "auto" if option.name == "refine_steps" and library.refine_steps is None else None
+            assert option.default == (expected or getattr(library, option.name)), (name, option.name)
+            checked.add(option.name)
+    assert {"calib_samples", "calib_seq_len", "refine_lr", "refine_seq_len", "refine_steps"} <= checked
+    assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
 
 
 def test_refinement_window_reaches_the_loop(sources, convert_tiny):
