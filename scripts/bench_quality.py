@@ -113,7 +113,10 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "with `--folder`, closes 27% (WikiText-2, 93.90 -> 75.10), 15% (Debian Reference, 48.90 -> 43.58) and 25% (GNU "
     "Coding Standards, 49.69 -> 41.73) of the gap to the source: 3.20x / 3.16x / 2.36x (the loop's held-out sampled "
     "text 49.7 -> 40.8; its held-out windows are the last of the cached stream, which grew with the calibration "
-    "probes, hence another start than below).",
+    "probes, hence another start than below). The issue's longest run, 65,536 tokens (rows "
+    "`mla-convert+finetune-self-64k`, `max_tokens=65536 output=runs/c16-96-self-64k`, 585 s of training), closes 38% "
+    "(93.90 -> 67.18), 23% (48.90 -> 40.65) and 26% (49.69 -> 41.38): 2.86x / 2.95x / 2.34x the source (held-out "
+    "sampled text 41.6 -> 26.7).",
     "",
     "**Fine-tuning from the 8-window default** (rows `mla-convert-c8+finetune-self-4k`): `mla-convert finetune "
     "--config recipes/smollm2-135m-self.yaml model=out/bench-quality/mlaconvert-96-self max_tokens=4096 "
@@ -125,8 +128,7 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "recipe's own length, 16,384 tokens (rows `mla-convert-c8+finetune-self-16k`, `max_tokens=16384 "
     "output=runs/refined200-96-self-16k`, 155 s of training), closes 32% (106.27 -> 79.73), 17% (54.04 -> 47.29) and "
     "27% (51.33 -> 42.29): 3.39x / 3.43x / 2.39x the source (held-out sampled text 37.3 -> 27.5; its held-out "
-    "windows are the last of a longer stream, hence another start). Runs of 32k-64k tokens were not measured: they "
-    "need 4-12 more batches of sampled text (about 285 s a batch on these cores). The same "
+    "windows are the last of a longer stream, hence another start). The same "
     "run from the 100-step default (then at out/bench-quality/mlaconvert-96-self, output runs/refined1e3-96-self-4k, "
     "188 s on shared cores) closed 14% / 6% / 23% (115.45 -> 102.31, 58.04 -> 55.42, 55.04 -> 46.38), from the "
     "default refined at 3e-4 16% / 8% / 26% (126.88 -> 110.59, 62.05 -> 58.24, 59.58 -> 48.61), and from the closed "
