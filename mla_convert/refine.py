@@ -113,8 +113,8 @@ def refine_attention(
     seed: int = 0,
 ) -> dict:
     """Train `attn` (an MLAAttention, float32, in place) so that attn(x) matches y, on the first `seq_len` tokens of
-    `batch` (default: `batch_for(seq_len)`) random sequences of the first N-1 a step; the last sequence is held out (scored over its whole length).
-    Adam with a cosine schedule on the relative squared error. Returns {"before", "after", "kept"}: the held-out
+    `batch` (default: `batch_for(seq_len)`) random sequences of the first N-1 a step; the last sequence is held out
+    (scored over its whole length). Adam with a cosine schedule on the relative squared error. Returns {"before", "after", "kept"}: the held-out
     relative errors, and whether the trained weights were kept (else `attn` is restored)."""
     n, total, _ = x.shape
     held = slice(n - 1, n)  # with one sequence it is also the training sequence
