@@ -493,6 +493,7 @@ def generate_command(
     from transformers.generation.streamers import BaseStreamer
 
     from mla_convert import evaluate
+    from mla_convert.modeling.compat import output_cache
 
     evaluate.check_device(device)
 
@@ -535,7 +536,7 @@ def generate_command(
         seconds = time.perf_counter() - start
         per_token = evaluate.kv_cache_bytes_per_token(net)
     new = out.sequences[0, ids.shape[1] :]
-    cache = out.past_key_values
+    cache = output_cache(out)
     cached = cache.get_seq_length() if cache is not None else 0
     total = evaluate.cache_bytes(cache)
     typer.echo(tokenizer.decode(new, skip_special_tokens=True))

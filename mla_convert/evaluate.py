@@ -111,9 +111,11 @@ def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, windows: int = 16,
 @torch.no_grad()
 def kv_cache_bytes_per_token(model, tokens: int = 8) -> int:
     """Bytes the model's KV cache really holds per token (all layers), measured on a short forward."""
+    from mla_convert.modeling.compat import output_cache
+
     device = next(model.parameters()).device
     ids = torch.full((1, tokens), 1, dtype=torch.long, device=device)
-    cache = model(input_ids=ids, use_cache=True).past_key_values
+    cache = output_cache(model(input_ids=ids, use_cache=True))
     return cache_bytes(cache) // tokens
 
 

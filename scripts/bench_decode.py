@@ -66,6 +66,7 @@ sys.path.insert(0, str(ROOT))
 import mla_convert.modeling  # noqa: E402,F401  (registers model_type "mla")
 from mla_convert.evaluate import cache_bytes  # noqa: E402
 from mla_convert.modeling import MLAConfig, MLAForCausalLM  # noqa: E402
+from mla_convert.modeling.compat import cache_kwargs  # noqa: E402
 from mla_convert.modeling.modeling_mla import MLAAttention, rotate  # noqa: E402
 
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json); max_position_embeddings raised so 32K contexts are legal.
@@ -194,7 +195,7 @@ def a_cc_step(attn: MLAAttention, cache: SlotCache, hidden, position_embeddings)
 
 
 def module_step(attn, cache, hidden, position_embeddings):
-    return attn(hidden, position_embeddings=position_embeddings, attention_mask=None, past_key_values=cache)[0]
+    return attn(hidden, position_embeddings=position_embeddings, attention_mask=None, **cache_kwargs(cache))[0]
 
 
 def layer_variants(source, mla, device):
@@ -468,7 +469,7 @@ def bench_models(source, mla, args, device, dtype, log):
                     positions = torch.full((batch, 1), context, dtype=torch.long, device=device)
 
                     def step():
-                        model(tokens, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        model(tokens, position_ids=positions, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
                         rewind(cache, context)
 
                     if name.endswith("graph"):
@@ -486,7 +487,7 @@ def bench_models(source, mla, args, device, dtype, log):
                     row["kv_bytes"][name] = cache_tensor_bytes(cache)
 
                     def step():
-                        model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        model(tokens, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
                         cache.crop(-1)  # drop the appended row: every timed step sees the same context
 
                 calls = count_kernel_calls(step) if name in ("MLA triton", "MLA static") and device.type == "cuda" \

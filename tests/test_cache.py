@@ -10,6 +10,7 @@ from mla_convert.checkpoint import open_source
 from mla_convert.convert import ConvertOptions, make_plan
 from mla_convert.evaluate import kv_cache_bytes_per_token
 from mla_convert.families import family_for
+from mla_convert.modeling.compat import cache_kwargs, output_cache
 
 
 def test_cache_tensors_are_latent_and_rope_key(sources, convert_tiny):
@@ -17,7 +18,7 @@ def test_cache_tensors_are_latent_and_rope_key(sources, convert_tiny):
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(3, 300, (3, 11))
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = output_cache(model(ids, use_cache=True))
     assert len(cache.layers) == model.config.num_hidden_layers
     for layer in cache.layers:
         assert tuple(layer.keys.shape) == (3, 1, 11, 10)  # latent c: one "head"
@@ -87,15 +88,15 @@ def _tiny_mla():
 def _decode(model, cache, ids, mask, steps=4):
     """Prefill `ids` (left-padded per `mask`), then greedy steps over `cache`: stacked logits of every step."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
     logits = [out.logits[:, -1]]
     for _ in range(steps):
         nxt = out.logits[:, -1:].argmax(-1)
         mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)
         positions = positions[:, -1:] + 1
-        out = model(nxt, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = model(nxt, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
         logits.append(out.logits[:, -1])
-    return torch.stack(logits), out.past_key_values
+    return torch.stack(logits), output_cache(out)
 
 
 def test_static_cache_holds_latent_and_rope_key_and_decodes_as_the_dynamic_one():
@@ -136,10 +137,10 @@ def test_static_cache_decode_step_compiles_without_graph_breaks():
     caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
     with torch.no_grad():
         for cache in caches:
-            out = model(ids, past_key_values=cache, use_cache=True)
+            out = model(ids, **cache_kwargs(cache), use_cache=True)
 
         def step(token, position, cache):
-            return model(token, position_ids=position, past_key_values=cache, use_cache=True).logits
+            return model(token, position_ids=position, **cache_kwargs(cache), use_cache=True).logits
 
         compiled = torch.compile(step, fullgraph=True, backend="eager")
         token = out.logits[:, -1:].argmax(-1)
@@ -148,3 +149,29 @@ def test_static_cache_decode_step_compiles_without_graph_breaks():
             got, want = compiled(token, position, caches[0]), step(token, position, caches[1])
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             token = got[:, -1:].argmax(-1)
+
+
+def test_the_cache_passes_under_either_name(sources, convert_tiny):
+    """transformers 5.24 renamed `past_key_values` to `cache` (generate passes `cache=`): both names reach the cache,
+    the output carries it under the installed release's name, and two different caches at once are refused."""
+    from transformers import DynamicCache
+
+    from mla_convert.modeling.compat import CACHE_KWARG
+
+    model = AutoModelForCausalLM.from_pretrained(convert_tiny(sources["llama-gqa"], rank=10, rope_dims=6)).eval()
+    ids = torch.randint(3, 300, (1, 9))
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        for name in ("cache", "past_key_values"):
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :-1], **{name: cache}, use_cache=True)
+            assert cache.get_seq_length() == 8  # the prefill went into the cache given under `name`
+            step = model(ids[:, -1:], **{name: cache}, use_cache=True)
+            assert getattr(step, CACHE_KWARG) is cache
+            torch.testing.assert_close(step.logits[:, -1], full, rtol=1e-5, atol=1e-5)
+        try:
+            model(ids, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+        except ValueError as e:
+            assert "not both" in str(e)
+        else:
+            raise AssertionError("two caches were accepted")

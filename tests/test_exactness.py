@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import mla_convert  # noqa: F401
 from mla_convert.convert import max_rank
+from mla_convert.modeling.compat import cache_kwargs, output_cache
 
 KINDS = ["llama-gqa", "llama-mha", "mistral", "qwen2", "two-shards"]
 REL_TOL = 1e-4
@@ -55,10 +56,10 @@ def test_token_by_token_with_cache_matches_source(pairs, kind):
         reference = src(ids).logits
         out = mla(ids[:, :5], use_cache=True)
         steps = [out.logits]
-        cache = out.past_key_values
+        cache = output_cache(out)
         for t in range(5, ids.shape[1]):
-            out = mla(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = mla(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
+            cache = output_cache(out)
             steps.append(out.logits)
     assert rel_err(reference, torch.cat(steps, dim=1)) < REL_TOL
 

@@ -22,6 +22,7 @@ import torch
 
 from mla_convert.dtypes import DTYPES
 from mla_convert.kernels import mla_decode, mla_decode_reference
+from mla_convert.modeling.compat import cache_kwargs, output_cache
 
 # (name, B, H, S, d_c, d_r, dtype, num_splits, lengths or None for "random in [1, S]")
 CASES = [
@@ -206,13 +207,13 @@ def _model_decode_logits(kernel: str, cache: str = "dynamic"):
         past = StaticCache(config=model.config, max_cache_len=16)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+        out = model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(past), use_cache=True)
         steps = []
         for _ in range(3):
             nxt = out.logits[:, -1:].argmax(-1)
             mask = torch.cat((mask, torch.ones(2, 1, dtype=torch.long)), dim=1)
             positions = positions[:, -1:] + 1
-            out = model(nxt, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
+            out = model(nxt, attention_mask=mask, position_ids=positions, **cache_kwargs(output_cache(out)),
                         use_cache=True)
             steps.append(out.logits[:, -1])
     return torch.stack(steps)
@@ -392,7 +393,7 @@ def test_cuda_model_decode_uses_kernel_and_matches_torch(monkeypatch):
         model.config.mla_decode_kernel = kernel
         with torch.no_grad():
             out = model(ids, use_cache=True)
-            out = model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+            out = model(ids[:, :1], **cache_kwargs(output_cache(out)), use_cache=True)
         logits[kernel] = out.logits
         if kernel == "auto":  # the decode step ran the kernel in every layer; the prefill did not
             assert len(calls) == TINY_MLA["num_hidden_layers"]

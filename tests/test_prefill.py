@@ -11,6 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mla_convert.modeling import MLAConfig, MLAForCausalLM
+from mla_convert.modeling.compat import cache_kwargs, output_cache
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
@@ -70,8 +71,8 @@ def test_padded_prefill_then_absorbed_decode_matches_one_forward():
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
         out = model(ids[:, :12], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], output_cache(out)
         for t in range(12, 20):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)

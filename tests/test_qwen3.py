@@ -17,6 +17,7 @@ from mla_convert.convert import ConvertOptions, make_plan, max_rank
 from mla_convert.errors import UserError
 from mla_convert.evaluate import kv_cache_bytes_per_token
 from mla_convert.families import family_for
+from mla_convert.modeling.compat import cache_kwargs, output_cache
 
 
 def run(*args):
@@ -65,10 +66,10 @@ def test_full_rank_cached_decode_is_exact(source, exact):
     with torch.no_grad():
         reference = source(ids).logits
         out = exact(ids[:, :5], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], output_cache(out)
         for t in range(5, ids.shape[1]):
-            out = exact(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = exact(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
+            cache = output_cache(out)
             steps.append(out.logits)
     assert rel_err(reference, torch.cat(steps, dim=1)) < REL_TOL
 
@@ -86,7 +87,7 @@ def test_cache_holds_latent_and_rope_key_only(sources, source, exact):
     config = exact.config
     ids = tokens(batch=3, length=11)
     with torch.no_grad():
-        cache = exact(ids, use_cache=True).past_key_values
+        cache = output_cache(exact(ids, use_cache=True))
     d_c, d_r = config.kv_lora_rank[0], config.qk_rope_head_dim
     for layer in cache.layers:
         assert tuple(layer.keys.shape) == (3, 1, 11, d_c) and tuple(layer.values.shape) == (3, 1, 11, d_r)

@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from mla_convert.modeling.compat import cache_kwargs, output_cache, take_cache
 from mla_convert.modeling.configuration_mla import MLAConfig
 
 
@@ -97,7 +98,7 @@ class MLAAttention(nn.Module):
             index = self._rope_index[cos.device] = torch.tensor(dims, dtype=torch.long, device=cos.device)
         return cos[..., index], sin[..., index]  # [B, T, d_r]
 
-    def use_absorbed(self, q_len: int, past_key_values: Cache | None) -> bool:
+    def use_absorbed(self, q_len: int, cache: Cache | None) -> bool:
         """"auto": the absorbed form for one new token with a cache (decode). Decided from shapes only: asking a
         static cache its length would wait on the device and break a captured step (a one-token prompt takes the
         absorbed form over its one cached row, which is exact too)."""
@@ -105,7 +106,7 @@ class MLAAttention(nn.Module):
         if self.qk_norm == "exact":
             return False  # the per-token key norm needs each group's key: expanded form only
         if mode == "auto":
-            return q_len == 1 and past_key_values is not None
+            return q_len == 1 and cache is not None
         return mode == "absorbed"
 
     def forward(
@@ -113,16 +114,17 @@ class MLAAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        cache = take_cache(cache, kwargs)
         bsz, q_len, _ = hidden_states.shape
         d_n, d_r, d_c = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
-        absorbed = self.use_absorbed(q_len, past_key_values)  # decided before the cache grows
+        absorbed = self.use_absorbed(q_len, cache)  # decided before the cache grows
 
         # the rotary embeddings of every key's position (qk_norm exact); without a past, the step's own
         key_position_embeddings = kwargs.pop("key_position_embeddings", None)
-        if key_position_embeddings is None and past_key_values is None:
+        if key_position_embeddings is None and cache is None:
             key_position_embeddings = position_embeddings
         if self.qk_norm:
             q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, -1)).transpose(1, 2)
@@ -140,9 +142,9 @@ class MLAAttention(nn.Module):
             if self.qk_norm != "exact":  # exact qk norm: cached before norm and rotation (see _normalized_keys)
                 k_rope = rotate(k_rope, cos, sin)
         filled = None  # a static cache's count of written rows (0-d tensor on the cache's device), else None
-        if past_key_values is not None:
-            latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)  # [B, 1, S, d_c], [B, 1, S, d_r]
-            layers = getattr(past_key_values, "layers", None)  # None: a duck-typed cache (benchmarks)
+        if cache is not None:
+            latent, k_rope = cache.update(latent, k_rope, self.layer_idx)  # [B, 1, S, d_c], [B, 1, S, d_r]
+            layers = getattr(cache, "layers", None)  # None: a duck-typed cache (benchmarks)
             layer = layers[self.layer_idx] if layers is not None else None
             if isinstance(layer, StaticLayer) and not layer.is_sliding:
                 # The buffers hold the cache's capacity; rows at or past `filled` are unwritten. Where reading the
@@ -307,13 +309,14 @@ class MLADecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, position_embeddings=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, cache=None, position_embeddings=None, **kwargs):
+        cache = take_cache(cache, kwargs)
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -326,7 +329,7 @@ class MLAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["MLADecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn = False  # nope+rope and value head dims differ
     _supports_flex_attn = False
@@ -348,51 +351,46 @@ class MLAModel(MLAPreTrainedModel):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds=None,
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        cache = take_cache(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         if self.config.qk_norm == "exact":  # the keys are rotated at attention time: their positions, every step
             kwargs["key_position_embeddings"] = self.rotary_emb(
-                hidden_states, position_ids=key_positions(position_ids, past_key_values)
+                hidden_states, position_ids=key_positions(position_ids, cache)
             )
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
                 attention_mask=mask,
-                past_key_values=past_key_values,
                 position_embeddings=position_embeddings,
+                **cache_kwargs(cache),  # the installed release's name: gradient checkpointing drops it by name
                 position_ids=position_ids,
                 **kwargs,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **cache_kwargs(cache))
 
 
-def key_positions(position_ids: torch.Tensor, past_key_values: Cache | None) -> torch.Tensor:
+def key_positions(position_ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:
     """Positions of every key a step attends to [B|1, S]: the step's own without a past; with one, the cached keys
     are taken to precede the step's last token contiguously (as in generation, left padding included: padded rows
     are masked, and RoPE scores depend on position differences only)."""
-    past = past_key_values.get_seq_length() if past_key_values is not None else 0
+    past = cache.get_seq_length() if cache is not None else 0
     if past == 0:
         return position_ids
     total = past + position_ids.shape[1]
@@ -414,18 +412,19 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds=None,
         labels=None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        cache = take_cache(cache, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -436,7 +435,7 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_kwargs(output_cache(outputs)))
 
 
 AutoConfig.register("mla", MLAConfig, exist_ok=True)
