@@ -822,7 +822,10 @@ def convert(
                     runner.advance(source_layer)
                 clock.lap("factorization")
                 clock.report(bar, i)
-            runner = None  # the hidden states are no longer needed
+            # refinement trains each layer on its inputs: a second pass from the embeddings (the statistics pass
+            # moved the stream past the last layer); without refinement the hidden states are no longer needed
+            runner = (_calibration_runner(source, options).to(device)
+                      if runner is not None and options.refine_steps > 0 else None)
             plan.set_kv_lora_rank(allocate(plan, spectra, max_rank(config)))
             log.info("rank allocation (energy): %s", plan.kv_lora_rank)
         bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")

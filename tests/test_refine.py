@@ -54,13 +54,15 @@ def test_full_rank_is_left_exact(sources, convert_tiny):
     assert all(r["before"] < refine.EXACT and not r["kept"] for r in record)
 
 
-@pytest.mark.parametrize("propagate", ["source", "converted"])
-def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny, propagate):
+@pytest.mark.parametrize("propagate,allocation", [("source", "uniform"), ("converted", "uniform"), ("source", "energy")])
+def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny, propagate, allocation):
     """At a low rank and few RoPE pairs, the refined model's next-token distributions are closer to the source's on
-    text no calibration read, and the record says what each layer gained."""
+    text no calibration read, and the record says what each layer gained (with the energy allocation too, whose
+    statistics pass runs before any layer is converted)."""
     kind = "llama-gqa"
     src = AutoModelForCausalLM.from_pretrained(sources[kind], dtype=torch.float32).eval()
-    lossy = dict(rank=4, rope_dims=4, calib_samples=16, calib_seq_len=64, calib_propagate=propagate)
+    lossy = dict(rank=4, rope_dims=4, calib_samples=16, calib_seq_len=64, calib_propagate=propagate,
+                 rank_allocation=allocation)
     plain = convert_tiny(sources[kind], refine_steps=0, **lossy)
     refined = convert_tiny(sources[kind], refine_steps=150, refine_lr=3e-3, **lossy)
     from transformers import AutoTokenizer
@@ -69,6 +71,7 @@ def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, conv
     ids = tok(tiny_text(600, seed=9), return_tensors="pt").input_ids[:, :128]
     assert _kl_to_source(src, refined, ids) < 0.95 * _kl_to_source(src, plain, ids)
     record = _plan(refined)["refine"]
+    assert len(record) == src.config.num_hidden_layers
     assert any(r["kept"] for r in record)
     assert all(r["after"] < r["before"] for r in record if r["kept"])
     assert _plan(plain)["refine"] == []  # not run: nothing recorded
