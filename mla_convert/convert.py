@@ -1026,9 +1026,15 @@ def check_room(out: Path, needed: int) -> None:
 def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
     """Share the plan's total latent dims among its layers by their spectra (`lowrank.allocate_ranks`): in units of 16
     or 8 where the uniform rank is a multiple of at least 4 of them (kernel-friendly shapes), else of 1, each layer
-    keeping at least a quarter of the uniform rank."""
+    keeping at least a quarter of the uniform rank and none above the smallest latent width vLLM's MLA kernels take
+    that holds the uniform rank (256 or 512): the allocation never moves a model to a larger served cache layout, nor
+    out of the engines' reach (they pad every layer to one width)."""
+    from mla_convert.serving.layout import VLLM_LAYOUTS
+
     total = sum(plan.kv_lora_rank)
     uniform = total // plan.layers
+    served = sorted(c for c in {c for layouts in VLLM_LAYOUTS.values() for c, _ in layouts} if c >= uniform)
+    cap = min(cap, served[0]) if served else cap
     unit = next(u for u in (16, 8, 1) if uniform % u == 0 and uniform >= 4 * u)
     floor = max(unit, uniform // 4 // unit * unit)
     return lowrank.allocate_ranks(spectra, total, unit=unit, floor=floor, cap=cap // unit * unit)

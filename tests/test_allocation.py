@@ -26,6 +26,19 @@ def test_allocation_follows_relative_spectra():
         allocate_ranks([flat, steep], total=66, unit=1, floor=1)  # more than the spectra hold
 
 
+def test_energy_allocation_stays_within_the_served_latent_width():
+    """Layers get no more latent dims than the smallest vLLM MLA width holding the uniform rank (256 for 240): the
+    served cache layout is the one the uniform allocation gets."""
+    from types import SimpleNamespace
+
+    from mla_convert.convert import allocate
+
+    flat, steep = torch.ones(576), 0.5 ** torch.arange(576.0)
+    assert allocate(SimpleNamespace(kv_lora_rank=[240, 240], layers=2), [flat, steep], cap=576) == [256, 224]
+    assert allocate(SimpleNamespace(kv_lora_rank=[64, 64], layers=2), [flat, steep], cap=576) == [112, 16]
+    assert allocate(SimpleNamespace(kv_lora_rank=[480, 480], layers=2), [flat, steep], cap=576) == [512, 448]
+
+
 @pytest.fixture(scope="module")
 def steep_first_layer(tmp_path_factory):
     """A tiny llama whose layer 0 keys and values are nearly rank 2: a few latent dims carry that layer."""
