@@ -127,7 +127,7 @@ def _convert(
     calib_samples: int,
     calib_seq_len: int,
     calib_propagate: str,
-    rank_allocation: str,
+    rank_allocation: Optional[str],
     value_inputs: str,
     key_inputs: str,
     latent_rounds: int,
@@ -295,10 +295,11 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "source", "--calib-propagate", help="Later layers calibrate on the source's (source) or the converted "
             "earlier layers' activations (converted)."
         ),
-        rank_allocation: str = typer.Option(
-            "uniform", "--rank-allocation", help="uniform: every layer gets the same latent dims. energy: the same "
+        rank_allocation: Optional[str] = typer.Option(
+            None, "--rank-allocation", help="uniform: every layer gets the same latent dims. energy: the same "
             "total, shared among layers by their calibrated spectra (relative error removed per dim; per-layer "
-            "kv_lora_rank)."
+            "kv_lora_rank, none above the vLLM MLA width the uniform rank needs). Default: energy (uniform without "
+            "calibration text, with --calib-propagate converted or --target deepseek)."
         ),
         value_inputs: str = typer.Option(
             "attended", "--value-inputs", help="attended (default): the value up-projection fits values on the "

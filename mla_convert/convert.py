@@ -71,7 +71,10 @@ class ConvertOptions:
     calib_samples: int = 16
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
-    rank_allocation: str = "uniform"  # uniform | energy: share the latent dims among layers by their spectra
+    # uniform | energy: share the latent dims among layers by their spectra; None: energy with calibration text and
+    # calib_propagate source, else uniform (resolve_allocation, in `convert`). Chosen on the
+    # development split at 25% with refinement (benchmarks/quality.md, series C): uniform 98.4, energy 88.9
+    rank_allocation: str | None = None
     value_inputs: str = "attended"  # token | attended: fit the value up-projection on the inputs attention averages
     key_inputs: str = "attended"  # token | attended: weight each calibration token by the attention its key receives
     latent_rounds: int = 0  # with value_inputs attended: rounds refining the shared latent for both input kinds
@@ -362,9 +365,9 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError("--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)")
     if options.key_inputs not in INPUT_KINDS:
         raise UserError(f"--key-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.key_inputs}")
-    if options.rank_allocation not in RANK_ALLOCATIONS:
+    if options.rank_allocation not in (*RANK_ALLOCATIONS, None):
         raise UserError(f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {options.rank_allocation}")
-    if options.rank_allocation != "uniform" and options.calib_propagate == "converted":
+    if options.rank_allocation == "energy" and options.calib_propagate == "converted":
         raise UserError("--rank-allocation energy needs every layer's statistics before converting any: use "
                         "--calib-propagate source (or --rank-allocation uniform)")
     if options.qk_norm not in QK_NORM_MODES:
@@ -744,7 +747,7 @@ def convert(
     from tqdm.auto import tqdm
 
     family = family_for(source.config, family_name)
-    options = without_calibration(options)
+    options = resolve_allocation(without_calibration(options))
     if options.factorization == "split" and options.value_inputs == "attended" and not options.latent_rounds:
         # the attended refit fits values in the whole latent, which a split factorization keeps for keys and values
         # apart: record what runs
@@ -1038,6 +1041,16 @@ def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
     unit = next(u for u in (16, 8, 1) if uniform % u == 0 and uniform >= 4 * u)
     floor = max(unit, uniform // 4 // unit * unit)
     return lowrank.allocate_ranks(spectra, total, unit=unit, floor=floor, cap=cap // unit * unit)
+
+
+def resolve_allocation(options: ConvertOptions) -> ConvertOptions:
+    """The default rank allocation (None): energy, which shares the dims by every layer's calibrated spectrum before
+    it converts any; uniform without calibration text (weight-only spectra: not measured) and with sequential
+    calibration (`--calib-propagate converted`: the statistics come one layer at a time)."""
+    if options.rank_allocation is not None:
+        return options
+    calibrated = options.calib_data is not None and options.calib_propagate == "source"
+    return dataclasses.replace(options, rank_allocation="energy" if calibrated else "uniform")
 
 
 def without_calibration(options: ConvertOptions) -> ConvertOptions:

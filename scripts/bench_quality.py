@@ -177,6 +177,8 @@ def method_options(method: str, budget: int) -> list[str]:
         return ["--kv-budget", str(budget), "--refine-steps", "0"]
     if method == "mla-convert-s100":  # the default's first number of refinement steps (the default before 200)
         return ["--kv-budget", str(budget), "--refine-steps", "100"]
+    if method == "mla-convert-uniform":  # every layer the same latent dims (the default before energy)
+        return ["--kv-budget", str(budget), "--rank-allocation", "uniform"]
     if method == "mla-convert-c8":  # the default's first calibration length, 8 x 2048 (the default before 16)
         return ["--kv-budget", str(budget), "--calib-samples", "8"]
     if method == "mla-convert-lr3e-4":  # the default's first refinement learning rate (the default before 1e-3)

@@ -57,10 +57,15 @@ def steep_first_layer(tmp_path_factory):
 
 
 def test_energy_allocation_converts_at_the_same_cache(steep_first_layer, convert_tiny):
-    uniform = convert_tiny(steep_first_layer, rank=8, rope_dims=4)
+    uniform = convert_tiny(steep_first_layer, rank=8, rope_dims=4, rank_allocation="uniform")
     shared = convert_tiny(steep_first_layer, rank=8, rope_dims=4, rank_allocation="energy")
-    cfg_u, cfg_s = (json.loads((f / "config.json").read_text()) for f in (uniform, shared))
-    assert cfg_u["kv_lora_rank"] == [8, 8]
+    default = convert_tiny(steep_first_layer, rank=8, rope_dims=4)  # energy by default (source calibration)
+    sequential = convert_tiny(steep_first_layer, rank=8, rope_dims=4, calib_propagate="converted")  # uniform
+    cfg_u, cfg_s, cfg_d, cfg_q = (json.loads((f / "config.json").read_text())
+                                  for f in (uniform, shared, default, sequential))
+    assert cfg_u["kv_lora_rank"] == cfg_q["kv_lora_rank"] == [8, 8]
+    assert cfg_d["kv_lora_rank"] == cfg_s["kv_lora_rank"]
+    assert json.loads((sequential / "provenance.json").read_text())["options"]["rank_allocation"] == "uniform"
     assert sum(cfg_s["kv_lora_rank"]) == 16 and cfg_s["kv_lora_rank"][0] < 8 < cfg_s["kv_lora_rank"][1]
     record = json.loads((shared / "provenance.json").read_text())
     assert record["plan"]["ranks"] == cfg_s["kv_lora_rank"]

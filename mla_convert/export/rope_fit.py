@@ -159,10 +159,15 @@ def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str
         pairs = plan.frequencies
         fit = fit_deepseek_rope(inv_freq, [pairs])
         if fit.exact:
-            resolved = dataclasses.replace(options, rope_dims=d_r, rope_strategy=strategy)
+            # DeepSeek-V3 has one kv_lora_rank: per-layer ranks would export padded to the largest, a larger cache
+            allocation = options.rank_allocation or "uniform"
+            resolved = dataclasses.replace(options, rope_dims=d_r, rope_strategy=strategy, rank_allocation=allocation)
             notes = [f"--target deepseek: --rope-strategy {strategy} --rope-dims {d_r}"
                      f"{' --rope-merge' if options.rope_merge else ''} keeps frequency pairs {pairs}, exported with "
                      f"rope_theta {fit.base:.6g}"]
+            if allocation == "energy":
+                notes.append("--rank-allocation energy: DeepSeek-V3 has one kv_lora_rank, so the export pads every "
+                             "layer's latent to the largest (a larger cache than the native checkpoint's)")
             return resolved, notes
         problems.append(f"--rope-strategy {strategy} keeps pairs {pairs}: {fit.problems[0]}")
     if "rope_strategy" in explicit and options.rope_strategy == "uniform":
