@@ -189,9 +189,10 @@ class Plan:
         """Peak resident bytes by what holds them, at the heaviest moment of each phase (`memory_estimate`).
 
         Resident the whole run: the Python/torch/transformers runtime with the tokenizer (`BASELINE`), the calibration
-        hidden states (input, output and normed copy, float32), and with --rank-allocation energy every layer's
-        statistics (they are all taken before any layer converts). Embeddings, lm_head and the other layers are never
-        resident: layers stream from the source one at a time and the shards are written last, from the kept layers.
+        hidden states (input, output and normed copy, float32; --rank-allocation energy keeps only each layer's
+        spectrum from its statistics pass and takes the statistics again in the conversion pass). Embeddings, lm_head
+        and the other layers are never resident: layers stream from the source one at a time and the shards are
+        written last, from the kept layers.
 
         A layer, at its heaviest: its tensors as stored (source dtype), its attention in float32, its statistics
         (float64 [D+1, D+1]: the input and key-weighted second moments, and one per kv group for attended values), and
@@ -223,7 +224,6 @@ class Plan:
         parts = {
             "runtime": BASELINE,
             "calibration hidden states": 3 * tokens * hidden * 4 if m["calibrated"] else 0,
-            "statistics of every layer": stats * (self.layers - 1) if m["allocation"] == "energy" else 0,
             "one layer as stored": (attn + mlp + 2 * hidden) * src,
             "one layer's working set": attn * float_copy + stats + max(calibration, maps),
         }
@@ -721,10 +721,10 @@ class LayerClock:
         self.seconds[what] = self.seconds.get(what, 0.0) + now - self.last
         self.last = now
 
-    def report(self, bar, layer: int) -> None:
+    def report(self, bar, layer: int, phase: str = "") -> None:
         text = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
         bar.set_postfix_str(text, refresh=False)
-        log.info("layer %d: %s", layer, text)
+        log.info("%slayer %d: %s", phase, layer, text)
 
 
 def _module_from(cls_or_factory, tensors: dict[str, torch.Tensor]):
@@ -787,14 +787,12 @@ def convert(
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
         rope_pairs: list[list[int]] = [[0] * (plan.rope_dims // 2) for _ in range(plan.layers)]
 
-        def layer_inputs(i: int, known: tuple | None = None):
+        def layer_inputs(i: int):
             """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
-            (cov, phase, attended, keyed)): `known` statistics, or those taken at the runner's current hidden states."""
+            (cov, phase, attended, keyed)): the statistics taken at the runner's current hidden states."""
             prefix = family.layer_prefix.format(i=i)
             layer_tensors = _raw_layer(source, i, family)  # in the source's dtype: most of them pass through
             attn = _on(_attention_tensors(layer_tensors, family, i, prefix, plan.qk_norm), device)
-            if known is not None:
-                return prefix, layer_tensors, attn, None, known
             source_layer = cov = phase = attended = keyed = None
             if runner is not None:
                 from mla_convert.calibration import second_moment
@@ -810,25 +808,24 @@ def convert(
                         keyed = keyed if options.key_inputs == "attended" else None
             return prefix, layer_tensors, attn, source_layer, (cov, phase, attended, keyed)
 
-        stats: dict[int, tuple] = {}
         if options.rank_allocation == "energy":
-            # every layer's statistics first (on the source's activations), then the ranks, then the conversion
+            # every layer's spectrum first (on the source's activations), then the ranks, then the conversion. Only
+            # the spectra are kept: the conversion pass takes the statistics again from a second calibration stream,
+            # so memory does not grow with depth (an 8B model's statistics are about 1.3 GB a layer)
             spectra = []
             bar = tqdm(range(plan.layers), desc="layers: statistics", disable=not progress, unit="layer")
             for i in bar:
                 clock = LayerClock(device)
-                _, _, attn, source_layer, stats[i] = layer_inputs(i)
+                _, _, attn, source_layer, statistics = layer_inputs(i)
                 clock.lap("calibration")
                 with torch.device(device):
-                    spectra.append(layer_spectrum(attn, plan, options, attention_scaling, *stats[i]).cpu())
+                    spectra.append(layer_spectrum(attn, plan, options, attention_scaling, *statistics).cpu())
+                del attn, statistics
                 if runner is not None:
                     runner.advance(source_layer)
                 clock.lap("factorization")
-                clock.report(bar, i)
-            # refinement trains each layer on its inputs: a second pass from the embeddings (the statistics pass
-            # moved the stream past the last layer); without refinement the hidden states are no longer needed
-            runner = (_calibration_runner(source, options).to(device)
-                      if runner is not None and options.refine_steps > 0 else None)
+                clock.report(bar, i, "statistics pass, ")
+            runner = _calibration_runner(source, options).to(device) if runner is not None else None
             plan.set_kv_lora_rank(allocate(plan, spectra, max_rank(config)))
             log.info("rank allocation (energy): %s", plan.kv_lora_rank)
         bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
@@ -836,7 +833,6 @@ def convert(
             bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
             prefix = family.layer_prefix.format(i=i)
             if i in done:  # converted by an earlier run: only carry the calibration activations past it
-                stats.pop(i, None)
                 rope_pairs[i] = _read_layer(kept / _layer_file(i), tensors=False)[1]
                 if runner is not None and i == 0:
                     past = _read_activations(kept)  # the hidden states after the last layer a run finished, if kept
@@ -855,11 +851,9 @@ def convert(
                                        reference=runner.reference is not None)
                 continue
             clock = LayerClock(device)
-            prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i, stats.pop(i, None))
+            prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i)
             targets = None
             if runner is not None and options.refine_steps > 0:
-                if source_layer is None:  # statistics were taken in an earlier pass: the layer is built again
-                    source_layer = _source_layer(config, family, i, _on(layer_tensors, device))
                 targets = refine.attention_targets(source_layer, runner)
             if runner is not None and options.calib_propagate == "source":
                 runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization

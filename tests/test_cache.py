@@ -19,9 +19,10 @@ def test_cache_tensors_are_latent_and_rope_key(sources, convert_tiny):
     ids = torch.randint(3, 300, (3, 11))
     with torch.no_grad():
         cache = output_cache(model(ids, use_cache=True))
-    assert len(cache.layers) == model.config.num_hidden_layers
-    for layer in cache.layers:
-        assert tuple(layer.keys.shape) == (3, 1, 11, 10)  # latent c: one "head"
+    ranks = model.config.kv_lora_rank  # the default energy allocation shares 10 dims a layer among the layers
+    assert len(cache.layers) == model.config.num_hidden_layers == len(ranks) and sum(ranks) == 10 * len(ranks)
+    for layer, rank in zip(cache.layers, ranks):
+        assert tuple(layer.keys.shape) == (3, 1, 11, rank)  # latent c: one "head"
         assert tuple(layer.values.shape) == (3, 1, 11, 6)  # rotated rope key
     per_token_per_layer = sum(l.keys[0, :, 0].numel() + l.values[0, :, 0].numel() for l in cache.layers) / len(cache.layers)
     assert per_token_per_layer == 16
@@ -52,7 +53,8 @@ def test_output_folder_contents(sources, convert_tiny):
     assert record["kind"] == "convert" and record["options"]["rank"] == 16 and record["seed"] == 0
     assert record["kv_cache"]["elements_per_token_per_layer_after"] == 24
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "mla" and config["kv_lora_rank"] == [16, 16]
+    assert config["model_type"] == "mla" and len(config["kv_lora_rank"]) == 2 and sum(config["kv_lora_rank"]) == 32
+    assert record["options"]["rank_allocation"] == "energy" and record["plan"]["ranks"] == config["kv_lora_rank"]
 
 
 def test_sharded_writer_splits_and_indexes(tmp_path):
