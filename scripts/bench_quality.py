@@ -114,7 +114,12 @@ NOTES = [  # what chose what (issue 15), written with the measurements
 "earlier protocol, without refinement). The default is 54-64% (50%) and 74-80% (25%) below the TransMLA-style "
     "baseline calibrated on the same kind of text (8 windows) on every text.",
     "",
-    "**As served.** The refined 25% default scores the same in vLLM's CPU build as in transformers on the same "
+    "**As served.** The energy default at 25% (per-layer latent dims 16-80, each padded to vLLM's width by the "
+    "plugin) scores 88.040 in vLLM's CPU build (CPU_MLA), as in transformers (88.04): `mla-convert eval "
+    "out/bench-quality/mlaconvert-96-self --engine vllm --data ../shared/data/wikitext-2/wiki.test.raw --seq-len 2048 "
+    "--windows 4`. "
+    "The refined 25% uniform default (now at out/bench-quality/mlaconvertuniform-96-self) scored the same in vLLM's "
+    "CPU build as in transformers on the same "
     "windows: `mla-convert eval out/bench-quality/mlaconvert-96-self --engine vllm --data "
     "../shared/data/wikitext-2/wiki.test.raw --seq-len 2048 --windows 4` gives 93.899 (attention backend CPU_MLA; "
     "transformers 93.90; the 8-window default: 106.271 and 106.27; the 100-step default: 115.450 and 115.45; at "
