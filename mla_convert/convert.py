@@ -403,7 +403,6 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
             "attended": bool(options.calib_data) and options.value_inputs == "attended",
             "samples": options.calib_samples,
             "seq_len": options.calib_seq_len,
-            "allocation": options.rank_allocation,
             "shard_bytes": SHARD_BYTES,
         },
     )
