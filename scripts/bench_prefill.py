@@ -5,19 +5,23 @@ Three measurements, every ratio taken within the same run, the models timed in i
 alternates every round) so that load on a shared machine hits them alike; medians over the rounds:
 
 1. Attention core, one layer, per shape (causal, batch 1, `--lengths` and `--train-lengths` tokens): the source's
-   sdpa (GQA, head dim d_h for query, key and value: the fused kernel), the MLA expanded attention as it was before
-   (query/key d_n + d_r, value d_v: sdpa falls back to its math kernel) and as it is now (the value zero-padded to
-   d_n + d_r, the output sliced: the fused kernel). Forward, and forward + backward.
+   sdpa (GQA, head dim d_h for query, key and value: the fused kernel), the MLA expanded attention (the value
+   zero-padded to d_n + d_r, the output sliced: the fused kernel), with `--unpadded` also as it was before the padding
+   (query/key d_n + d_r, value d_v: sdpa falls back to its math kernel), and for the model's narrowest latent when it
+   is narrower than the nope key (d_c < d_n) the attention over the latent those layers run (one kv head [c, k_r] of
+   width d_c + d_r, also the value). Forward, and forward + backward.
 2. The whole model: one forward over `--lengths` tokens (no cache, full logits, as `mla-convert eval` runs it), one
    eval window (`mla_convert.evaluate.perplexity` with one window of the largest length: forward + cross-entropy; the
    README's 16 x 2048 eval is 16 of them) and one fine-tune step over `--train-lengths` tokens (forward, LM loss,
    backward; every parameter trains, as `train: all`; the optimizer step is left out: it is per parameter, not per
-   token). With `--unpadded`, the MLA model is also timed with the old unpadded attention (the "before" column).
+   token). With `--expanded`, the MLA model is also timed with every layer in the expanded form
+   (`mla_attention_mode="expanded"`: before the attention over the latent); with `--unpadded`, with the old unpadded
+   attention (the "before" column; one of the two).
 3. A plot of the MLA/source time ratios.
 
 The numbers in benchmarks/prefill.md (a 2-core CPU shared with other jobs, hence one thread and the CPU clock):
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/bench_prefill.py --threads 1 --clock cpu \
-        --model out/bench-serving/native-250 --unpadded \
+        --model out/bench-quality/mlaconvert-96-self --expanded \
         --out benchmarks/prefill.md --json benchmarks/prefill.json --plot benchmarks/prefill.png
 `--source` defaults to the embedded SmolLM2-135M (`mla_convert.evaluate.load_model(None)`). On a GPU (not yet run):
     python scripts/bench_prefill.py --device cuda --dtype bfloat16 --model out/bench-serving/native-250 --unpadded \
@@ -47,6 +51,12 @@ _CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
 _clock = time.perf_counter
 
 UNPADDED = "sdpa_unpadded"  # an attention implementation name the MLA model does not pad for (the old path)
+EXPANDED = "expanded only"  # a variant, not an implementation: sdpa with every layer in the expanded form
+BEFORE = {  # the whole-model comparison column: what it times
+    "MLA before": "the MLA model with the unpadded expanded attention (sdpa's math kernel), as before the padding",
+    "MLA expanded only": "the same MLA model with every layer in the expanded form (`mla_attention_mode` "
+                         "\"expanded\"), as before layers with d_c < d_n attended over the latent",
+}
 
 
 def register_unpadded():
@@ -101,13 +111,16 @@ def interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict:
 # ---------------------------------------------------------------------------------------------- attention core
 
 
-def attention_rows(src_cfg, mla_cfg, lengths, train_lengths, rounds, log):
+def attention_rows(src_cfg, mla_cfg, lengths, train_lengths, rounds, log, unpadded=False):
     import torch.nn.functional as F
 
     heads, groups = mla_cfg.num_attention_heads, mla_cfg.num_key_value_heads
     d_h = src_cfg.head_dim
     d_qk, d_v = mla_cfg.qk_nope_head_dim + mla_cfg.qk_rope_head_dim, mla_cfg.v_head_dim
     rep = heads // groups
+    d_r = mla_cfg.qk_rope_head_dim
+    ranks = mla_cfg.kv_lora_rank if isinstance(mla_cfg.kv_lora_rank, list) else [mla_cfg.kv_lora_rank]
+    narrow = min(ranks) if min(ranks) < mla_cfg.qk_nope_head_dim else None  # layers that attend over the latent
     rows = []
     for length in sorted(set(lengths) | set(train_lengths)):
         g = torch.Generator().manual_seed(length)
@@ -120,6 +133,9 @@ def attention_rows(src_cfg, mla_cfg, lengths, train_lengths, rounds, log):
                 rand(1, groups, length, d_h, grad=backward)
             q_m, k_m, v_m = rand(1, heads, length, d_qk, grad=backward), rand(1, groups, length, d_qk, grad=backward), \
                 rand(1, groups, length, d_v, grad=backward)
+            if narrow is not None:
+                q_l, k_l = rand(1, heads, length, narrow + d_r, grad=backward), rand(1, 1, length, narrow + d_r,
+                                                                                   grad=backward)
 
             def run(fn):
                 def call():
@@ -144,12 +160,23 @@ def attention_rows(src_cfg, mla_cfg, lengths, train_lengths, rounds, log):
                                                      enable_gqa=True)
                 return out[..., :d_v]
 
-            times = interleaved({"source": run(source), "before": run(before), "padded": run(padded)}, rounds)
+            def latent():  # as MLAAttention._latent_prefill: the shared [c, k_r] is the key and the value
+                k = k_l.expand(-1, heads, -1, -1)
+                out = F.scaled_dot_product_attention(q_l, k, k, is_causal=True, scale=mla_cfg.softmax_scale)
+                return out[..., :narrow]
+
+            fns = {"source": run(source), "padded": run(padded)}
+            if unpadded:
+                fns["before"] = run(before)
+            if narrow is not None:
+                fns["latent"] = run(latent)
+            times = interleaved(fns, rounds)
             med = {k: statistics.median(v) for k, v in times.items()}
             rows.append(dict(length=length, backward=backward, shape=f"H{heads}/G{groups} q,k {d_qk} v {d_v}",
-                             source_s=med["source"], before_s=med["before"], padded_s=med["padded"], samples=times))
-            log(f"attention T={length} {'fwd+bwd' if backward else 'fwd'}: source {med['source'] * 1e3:.1f} ms, "
-                f"MLA before {med['before'] * 1e3:.1f} ms, MLA padded {med['padded'] * 1e3:.1f} ms")
+                             source_s=med["source"], before_s=med.get("before"), padded_s=med["padded"],
+                             latent_s=med.get("latent"), latent_rank=narrow, samples=times))
+            log(f"attention T={length} {'fwd+bwd' if backward else 'fwd'}: "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med.items()))
     return rows
 
 
@@ -167,15 +194,23 @@ def model_rows(source, mla, args, log):
         fns = {"source": make(source, "sdpa"), "mla": make(mla, "sdpa")}
         if args.unpadded:
             fns["mla_before"] = make(mla, UNPADDED)
+        elif args.expanded:
+            fns["mla_before"] = make(mla, EXPANDED)
         return fns
 
     def with_attention(model, impl, fn):
+        mla_model = hasattr(model.config, "mla_attention_mode")
+
         def call():
-            set_attention(model, impl)
+            set_attention(model, "sdpa" if impl == EXPANDED else impl)
+            if mla_model:
+                model.config.mla_attention_mode = "expanded" if impl == EXPANDED else "auto"
             try:
                 fn()
             finally:
                 set_attention(model, "sdpa")
+                if mla_model:
+                    model.config.mla_attention_mode = "auto"
         return call
 
     jobs = []
@@ -288,30 +323,42 @@ def write_report(path: Path, meta, attn, rows, plot_path):
         "## Attention core, one layer (causal, batch 1)",
         "",
         "The source's sdpa runs its fused kernel (one head dim for query, key and value). The MLA expanded attention "
-        "has query/key width d_n + d_r and value width d_v: *before*, sdpa fell back to its math kernel (every score "
-        "matrix materialised); *padded* (now) zero-pads the value to the query/key width and slices the output, "
-        "which keeps the fused kernel and changes no result. Time per call in ms; in brackets the ratio to the source.",
+        "has query/key width d_n + d_r and value width d_v; *expanded* zero-pads the value to the query/key width and "
+        "slices the output, which keeps the fused kernel and changes no result"
+        + ("; *before* is the unpadded call, on which sdpa fell back to its math kernel (every score matrix "
+           "materialised)" if any(r["before_s"] for r in attn) else "")
+        + ("; *latent* is the attention over the latent that layers with d_c < d_n run (`_latent_prefill`: query "
+           "mapped through W_uk, one shared kv head [c, k_r] of width d_c + d_r, also the value), at the model's "
+           "narrowest latent" if any(r["latent_s"] for r in attn) else "")
+        + ". Time per call in ms; in brackets the ratio to the source.",
         "",
-        "| tokens | pass | shape | source | MLA before | MLA padded (now) |",
-        "|---:|---|---|---:|---:|---:|",
     ]
+    cols = [("padded_s", "MLA expanded")]
+    if any(r["before_s"] for r in attn):
+        cols.append(("before_s", "MLA before (unpadded)"))
+    if any(r["latent_s"] for r in attn):
+        cols.append(("latent_s", f"MLA latent, d_c {attn[0]['latent_rank']}"))
+    if attn:
+        lines += ["| tokens | pass | shape | source | " + " | ".join(c[1] for c in cols) + " |",
+                  "|---:|---|---|---:|" + "---:|" * len(cols)]
     for r in attn:
         s = r["source_s"]
         lines.append(f"| {r['length']} | {'fwd+bwd' if r['backward'] else 'fwd'} | {r['shape']} | {s * 1e3:.1f} | "
-                     f"{r['before_s'] * 1e3:.1f} ({r['before_s'] / s:.2f}x) | "
-                     f"{r['padded_s'] * 1e3:.1f} ({r['padded_s'] / s:.2f}x) |")
+                     + " | ".join(f"{r[k] * 1e3:.1f} ({r[k] / s:.2f}x)" for k, _ in cols) + " |")
     lines += [
         "",
-        "The padded core stays above the source's: its query/key/value width is d_n + d_r (here 96) against d_h (64), "
-        "so it does 1.5x the source's attention arithmetic. The whole model makes that up elsewhere or not: below.",
+        "The expanded core stays above the source's: its query/key/value width is d_n + d_r against d_h, so it does "
+        "(d_n + d_r) / d_h of the source's attention arithmetic (1.5x at d_n 64, d_r 32, d_h 64); a layer over a "
+        "latent of width d_c + d_r < d_h does less. The whole model makes that up elsewhere or not: below.",
         "",
         "## Whole model",
         "",
         "forward: one forward, no cache, full logits (what `mla-convert eval` and the teacher in fine-tuning run); "
         "eval window: `perplexity(..., windows=1)` (forward + cross-entropy); train step: forward, LM loss, backward, "
-        "every parameter trainable, no optimizer step. Seconds; ratio MLA / source.",
+        "every parameter trainable, no optimizer step. Seconds; ratio MLA / source."
+        + (f" *{meta['before']}*: {BEFORE[meta['before']]}." if meta["before"] in BEFORE else ""),
         "",
-        "| what | tokens | source s | MLA s | MLA / source | MLA before s |",
+        f"| what | tokens | source s | MLA s | MLA / source | {meta['before']} s |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -334,19 +381,28 @@ def plot(rows, attn, path: Path, meta):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels, now, before = [], [], []
+    fig, ax = plt.subplots(figsize=(9, 4))
+    nan = float("nan")
+    labels, series = [], {"before": [], "now": [], "latent": []}  # comparison, MLA as it runs, latent core
     for r in attn:
         labels.append(f"attn {r['length']}\n{'fwd+bwd' if r['backward'] else 'fwd'}")
-        now.append(r["padded_s"] / r["source_s"])
-        before.append(r["before_s"] / r["source_s"])
+        series["before"].append(r["before_s"] / r["source_s"] if r["before_s"] else nan)
+        series["now"].append(r["padded_s"] / r["source_s"])
+        series["latent"].append(r["latent_s"] / r["source_s"] if r.get("latent_s") else nan)
     for r in rows:
         labels.append(f"{r['what']}\n{r['length']}")
-        now.append(r["ratio"])
-        before.append(r["mla_before_s"] / r["source_s"] if r["mla_before_s"] else float("nan"))
+        series["before"].append(r["mla_before_s"] / r["source_s"] if r["mla_before_s"] else nan)
+        series["now"].append(r["ratio"])
+        series["latent"].append(nan)
+    names = {"before": f"{meta['before']} (whole model) / MLA before (core)", "now": "MLA now (core: expanded)",
+             "latent": "core over the narrowest latent"}
+    colors = {"before": "#c0c0c0", "now": "#3070b0", "latent": "#60a060"}
+    shown = [k for k, v in series.items() if any(x == x for x in v)]
     x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], before, width=0.4, label="MLA before (math kernel)", color="#c0c0c0")
-    ax.bar([i + 0.2 for i in x], now, width=0.4, label="MLA now (padded, fused)", color="#3070b0")
+    width = 0.8 / len(shown)
+    for j, key in enumerate(shown):
+        ax.bar([i - 0.4 + width * (j + 0.5) for i in x], series[key], width=width, label=names[key],
+               color=colors[key])
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=7)
@@ -371,6 +427,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for forward / eval / attention")
     p.add_argument("--train-rounds", type=int, default=3, help="interleaved rounds for the train step")
     p.add_argument("--unpadded", action="store_true", help="also time the MLA model with the old unpadded attention")
+    p.add_argument("--expanded", action="store_true",
+                   help="also time the MLA model with every layer in the expanded form (no attention over the latent)")
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -401,17 +459,23 @@ def main(argv=None):
     source, source_label = load_model(args.source, args.dtype)
     mla, mla_label = load_model(args.model, args.dtype)
     c = mla.config
-    mla_shape = (f"d_c {c.kv_lora_rank[0]}, d_r {c.qk_rope_head_dim}, d_n {c.qk_nope_head_dim}, d_v {c.v_head_dim}; "
-                 f"cache {c.kv_lora_rank[0] + c.qk_rope_head_dim} values per token per layer vs the source's "
+    ranks = c.kv_lora_rank if isinstance(c.kv_lora_rank, list) else [c.kv_lora_rank]
+    mean = sum(ranks) / len(ranks)
+    d_c = f"{ranks[0]}" if len(set(ranks)) == 1 else f"{min(ranks)}-{max(ranks)} by layer, mean {mean:g}"
+    mla_shape = (f"d_c {d_c}, d_r {c.qk_rope_head_dim}, d_n {c.qk_nope_head_dim}, d_v {c.v_head_dim}; "
+                 f"cache {mean + c.qk_rope_head_dim:g} values per token per layer vs the source's "
                  f"{2 * source.config.num_key_value_heads * source.config.head_dim}")
+    if args.unpadded and args.expanded:
+        p.error("--unpadded and --expanded both fill the comparison column: pick one")
     attn = [] if args.skip_attention else attention_rows(source.config, c, args.lengths, args.train_lengths,
-                                                          args.rounds, log)
+                                                          args.rounds, log, unpadded=args.unpadded)
     rows = [] if args.skip_model else model_rows(source, mla, args, log)
     meta = dict(date=datetime.date.today().isoformat(), command="OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python "
                 + shlex.join(["scripts/bench_prefill.py", *(argv if argv is not None else sys.argv[1:])]),
                 cpu=cpu_name(), cores=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads(),
                 source=source_label if args.source else "embedded SmolLM2-135M (load_model(None))",
-                model=args.model, mla_shape=mla_shape, rounds=args.rounds, train_rounds=args.train_rounds,
+                model=args.model, mla_shape=mla_shape,
+                before="MLA before" if args.unpadded else "MLA expanded only" if args.expanded else "-", rounds=args.rounds, train_rounds=args.train_rounds,
                 clock=args.clock, minutes=(time.time() - start) / 60, load_start=load_start,
                 load_end=os.getloadavg()[0], device=args.device, dtype=args.dtype,
                 gpu=torch.cuda.get_device_name(_DEVICE) if _DEVICE.type == "cuda" else None)

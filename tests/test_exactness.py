@@ -100,6 +100,50 @@ def test_absorbed_equals_expanded_at_low_rank(sources, convert_tiny):
     assert rel_err(expanded, absorbed) < REL_TOL
 
 
+def test_latent_prefill_equals_expanded(sources, convert_tiny):
+    """Where the latent is narrower than the nope key, "auto" runs prefill and training over the latent (one shared
+    kv head, fused sdpa): the same logits and gradients as the expanded form, with left padding and over a cache."""
+    mla = AutoModelForCausalLM.from_pretrained(convert_tiny(sources["qwen2"], rank=6, rope_dims=8)).eval()
+    attn = mla.model.layers[0].self_attn
+    assert attn.kv_lora_rank < attn.qk_nope_head_dim
+    assert attn.use_latent_prefill(24, 24, None) and attn.use_latent_prefill(14, 24, None)
+    assert not attn.use_latent_prefill(1, 24, None)  # decode: the absorbed step
+    ids = tokens()
+    padding = torch.ones_like(ids)
+    padding[0, :5] = 0  # left padding in the first row
+    results = {}
+    for mode in ("expanded", "auto"):
+        mla.config.mla_attention_mode = mode
+        with torch.no_grad():
+            plain = mla(ids).logits
+            padded = mla(ids, attention_mask=padding).logits[padding.bool()]
+            past = output_cache(mla(ids[:, :10], use_cache=True))  # then 14 tokens in one step over the cache
+            chunked = mla(ids[:, 10:], **cache_kwargs(past), use_cache=True).logits
+        mla.train()
+        loss = mla(ids, labels=ids).loss
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in mla.named_parameters() if p.grad is not None}
+        mla.zero_grad(set_to_none=True)
+        mla.eval()
+        results[mode] = plain, padded, chunked, loss.detach(), grads
+    mla.config.mla_attention_mode = "auto"
+    for a, b in zip(results["expanded"][:4], results["auto"][:4]):
+        assert rel_err(a, b) < REL_TOL
+    assert torch.isfinite(results["auto"][1]).all()
+    # queries at the end of a longer key range and no mask (causal offset): as the absorbed reference computes it
+    generator = torch.Generator().manual_seed(1)
+    d_n, d_r, d_c = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+    q_nope, q_rope = (torch.randn(2, attn.num_heads, 14, d, generator=generator) for d in (d_n, d_r))
+    latent, k_rope = torch.randn(2, 1, 24, d_c, generator=generator), torch.randn(2, 1, 24, d_r, generator=generator)
+    with torch.no_grad():
+        reference = attn._absorbed(q_nope, q_rope, latent, k_rope, None)
+        assert rel_err(reference, attn._latent_prefill(q_nope, q_rope, latent, k_rope, None)) < REL_TOL
+    grads_e, grads_a = results["expanded"][4], results["auto"][4]
+    assert grads_e.keys() == grads_a.keys() and "model.layers.0.self_attn.kv_b_proj.weight" in grads_a
+    for name in grads_e:
+        assert rel_err(grads_e[name], grads_a[name]) < 1e-3, name
+
+
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2"])
 def test_every_method_is_exact_at_full_rank(sources, convert_tiny, kind):
     """Attention-aware RoPE selection, expected rotation for dropped pairs, the attention objective and K/V balancing

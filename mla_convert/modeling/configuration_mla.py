@@ -32,7 +32,9 @@ class MLAConfig(LlamaConfig):
     rope_pairs: list[list[int]] | None = None
     softmax_scale: float | None = None
     o_proj_bias: bool | None = None
-    # "auto": absorbed weights for decode steps (one new token over a cache), expanded K/V otherwise.
+    # "auto": absorbed weights for decode steps (one new token over a cache); for several tokens (prefill, training)
+    # the cheaper of expanded K/V and attention over the latent (MLAAttention.use_latent_prefill). "expanded" and
+    # "absorbed" force one form.
     mla_attention_mode: str = "auto"
     # "auto": the Triton kernel on CUDA when triton is importable, the torch reference elsewhere.
     mla_decode_kernel: str = "auto"

@@ -8,7 +8,9 @@ Per layer (shapes at the point of use; H query heads, G kv groups, d_c latent, d
     o_proj     [D, H*d_v]
 
 Prefill and training expand the latent to per-group K/V and run the usual attention (sdpa/eager; for sdpa the value
-is zero-padded to the query/key width so the fused kernel runs). Decode uses the absorbed form (A_CC_ME in the design
+is zero-padded to the query/key width so the fused kernel runs), except in layers whose latent is narrower than the
+nope key (d_c < d_n): there sdpa attends over the latent itself, the key [c, k_r] one kv head shared by every query
+head (`use_latent_prefill`, `_latent_prefill`), which is fewer multiply-adds. Decode uses the absorbed form (A_CC_ME in the design
 notes): the query's nope part is multiplied into `W_uk`, scores are taken against the latent and the rope key apart
 and added, and values are read from the latent then mapped by `W_uv`.
 With per-head q/k norms (`config.qk_norm`, e.g. Qwen3) the query is the source's: `q_proj` [H*d_h, D] -> RMS norm
@@ -160,6 +162,8 @@ class MLAAttention(nn.Module):
 
         if absorbed:
             out = self._absorbed(q_nope, q_rope, latent, k_rope, attention_mask, filled)
+        elif self.use_latent_prefill(q_len, latent.shape[2], attention_mask):
+            out = self._latent_prefill(q_nope, q_rope, latent, k_rope, attention_mask)
         else:
             out = self._expanded(q_nope, q_rope, latent, k_rope, attention_mask, key_position_embeddings, **kwargs)
         out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.v_head_dim)
@@ -201,6 +205,46 @@ class MLAAttention(nn.Module):
         )  # [B, T, H, d_v] (or padded width)
         return out[..., :d_v].transpose(1, 2)
 
+    def use_latent_prefill(self, q_len: int, kv_len: int, attention_mask: torch.Tensor | None) -> bool:
+        """"auto", several query tokens: attention over the latent (`_latent_prefill`) where it takes fewer
+        multiply-adds than the expanded form, i.e. in layers whose latent is narrower than the nope key (d_c < d_n,
+        as the budget's low end and rank allocation give). Counted per batch row, fused sdpa kernel in both forms:
+        expanded = kv_b for every key (S G d_c (d_n+d_v)) + the scores and weighted sum at the padded width
+        max(d_n+d_r, d_v); latent = the query's and output's maps through W_uk / W_uv (T H d_c (d_n+d_v)) + both
+        products at width d_c+d_r. At full rank (d_c = G (d_n+d_v)) the expanded form always wins: the exactness
+        anchor keeps its path."""
+        if self.config.mla_attention_mode != "auto" or self.qk_norm == "exact" or q_len == 1:
+            return False
+        if self.config._attn_implementation != "sdpa":
+            return False
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            return False
+        d_c, d_n, d_r, d_v = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        heads, groups = self.num_heads, self.groups
+        scores = q_len * kv_len - q_len * (q_len - 1) // 2  # causal (query-key) pairs
+        expanded = kv_len * groups * d_c * (d_n + d_v) + heads * scores * 2 * max(d_n + d_r, d_v)
+        latent = q_len * heads * d_c * (d_n + d_v) + heads * scores * 2 * (d_c + d_r)
+        return latent < expanded
+
+    def _latent_prefill(self, q_nope, q_rope, latent, k_rope, attention_mask):
+        """The absorbed form for many queries, on sdpa's fused kernel: each head's query is mapped into the latent
+        (W_uk^T q_nope) and joined with its rope part; the key [c, k_r] is one kv head shared by every query head and
+        also serves as the value (the same width as the key, which the fused kernels need), of whose output only the
+        latent columns are kept and mapped by W_uv. Exact like `_absorbed` (same products, regrouped)."""
+        bsz, heads, q_len, _ = q_nope.shape
+        kv_len = latent.shape[2]
+        query = torch.cat((self._query_latent(q_nope), q_rope), dim=-1)  # [B, H, T, d_c+d_r]
+        key = torch.cat((latent, k_rope), dim=-1).expand(-1, heads, -1, -1)  # [B, H, S, d_c+d_r], one copy per head
+        causal = attention_mask is None
+        if causal and q_len != kv_len:  # queries at the last positions: sdpa's is_causal aligns to the first
+            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=latent.device).tril(kv_len - q_len)
+            causal = False
+        out = nn.functional.scaled_dot_product_attention(
+            query, key, key, attn_mask=attention_mask, is_causal=causal, scale=self.scaling,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+        )  # [B, H, T, d_c+d_r]
+        return self._from_latent(out[..., : self.kv_lora_rank])
+
     def _normalized_keys(self, k_nope, k_rope, key_position_embeddings):
         """Exact per-head key norm: k_nope [B, G, S, d_h] and the cached pre-norm, unrotated rope key k_rope
         [B, 1, S, d_r] -> the normalized key's nope part [B, G, S, d_h] and its rope key [B, 1, S, d_r], rotated at
@@ -221,11 +265,7 @@ class MLAAttention(nn.Module):
 
     def _absorbed(self, q_nope, q_rope, latent, k_rope, attention_mask, filled=None):
         bsz, _, q_len, _ = q_nope.shape
-        groups, per_group = self.groups, self.per_group
-        w_uk, w_uv = self.absorbed_weights()
-        # The nope key bias adds a per-query constant to every score: softmax cancels it, so it is left out here.
-        q_latent = torch.einsum("bgrtn,gnc->bgrtc", q_nope.view(bsz, groups, per_group, q_len, -1), w_uk)
-        q_latent = q_latent.reshape(bsz, self.num_heads, q_len, self.kv_lora_rank)  # [B, H, T, d_c]
+        q_latent = self._query_latent(q_nope)  # [B, H, T, d_c]
         if self._use_kernel(q_len, attention_mask):
             from mla_convert.kernels import mla_decode
 
@@ -244,9 +284,24 @@ class MLAAttention(nn.Module):
             ).unsqueeze(2)  # [B, H, 1, d_c]
         else:
             out_latent = latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, self.scaling)
-        out = torch.einsum("bgrtc,gvc->bgrtv", out_latent.view(bsz, groups, per_group, q_len, -1), w_uv)
+        return self._from_latent(out_latent)
+
+    def _query_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """Each head's nope query [B, H, T, d_n] mapped into the latent through its group's W_uk: [B, H, T, d_c].
+        The nope key bias adds a per-query constant to every score, which softmax cancels: it is left out."""
+        bsz, _, q_len, _ = q_nope.shape
+        w_uk, _ = self.absorbed_weights()
+        q_latent = torch.einsum("bgrtn,gnc->bgrtc", q_nope.view(bsz, self.groups, self.per_group, q_len, -1), w_uk)
+        return q_latent.reshape(bsz, self.num_heads, q_len, self.kv_lora_rank)
+
+    def _from_latent(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """Attention output in the latent [B, H, T, d_c] -> each head's value space through W_uv [B, H, T, d_v]."""
+        bsz, _, q_len, _ = out_latent.shape
+        groups, per_group = self.groups, self.per_group
+        _, w_uv = self.absorbed_weights()
+        out = torch.einsum("bgrtc,gvc->bgrtv", out_latent.reshape(bsz, groups, per_group, q_len, -1), w_uv)
         out = out.reshape(bsz, self.num_heads, q_len, self.v_head_dim)
-        if self.kv_b_proj.bias is not None:
+        if self.kv_b_proj.bias is not None:  # softmax weights sum to one: the value bias passes through unchanged
             v_bias = self.kv_b_proj.bias.view(groups, -1)[:, self.qk_nope_head_dim :]  # [G, d_v]
             out = out + v_bias.repeat_interleave(per_group, dim=0)[None, :, None, :]
         return out  # [B, H, T, d_v]
