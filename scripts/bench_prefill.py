@@ -394,8 +394,9 @@ def plot(rows, attn, path: Path, meta):
         series["before"].append(r["mla_before_s"] / r["source_s"] if r["mla_before_s"] else nan)
         series["now"].append(r["ratio"])
         series["latent"].append(nan)
-    names = {"before": f"{meta['before']} (whole model) / MLA before (core)", "now": "MLA now (core: expanded)",
-             "latent": "core over the narrowest latent"}
+    names = {"before": f"{meta['before']} (whole model); unpadded core",
+             "now": "MLA as it runs (whole model); expanded core",
+             "latent": "core over the narrowest latent" + (f" (d_c {attn[0]['latent_rank']})" if attn else "")}
     colors = {"before": "#c0c0c0", "now": "#3070b0", "latent": "#60a060"}
     shown = [k for k, v in series.items() if any(x == x for x in v)]
     x = range(len(labels))
@@ -475,7 +476,8 @@ def main(argv=None):
                 cpu=cpu_name(), cores=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads(),
                 source=source_label if args.source else "embedded SmolLM2-135M (load_model(None))",
                 model=args.model, mla_shape=mla_shape,
-                before="MLA before" if args.unpadded else "MLA expanded only" if args.expanded else "-", rounds=args.rounds, train_rounds=args.train_rounds,
+                before="MLA before" if args.unpadded else "MLA expanded only" if args.expanded else "-",
+                rounds=args.rounds, train_rounds=args.train_rounds,
                 clock=args.clock, minutes=(time.time() - start) / 60, load_start=load_start,
                 load_end=os.getloadavg()[0], device=args.device, dtype=args.dtype,
                 gpu=torch.cuda.get_device_name(_DEVICE) if _DEVICE.type == "cuda" else None)
