@@ -402,9 +402,8 @@ def acceptance(rows: list[dict]) -> list[str]:
     for windows in sorted({r["windows"] for r in rows}, reverse=True):
         source = next((r for r in rows if r["method"] == "source" and r["windows"] == windows), None)
         for budget, (wiki, other) in TARGETS.items():
-            # the default's row, else the previous default's (uniform allocation), said so
-            row = next((r for m in ("mla-convert", "mla-convert-uniform") for r in rows if r["method"] == m
-                        and r["budget"] == budget and r["calib"] == "self" and r["windows"] == windows), None)  # fmt: skip
+            row = next((r for r in rows if r["method"] == "mla-convert" and r["budget"] == budget
+                        and r["calib"] == "self" and r["windows"] == windows), None)  # fmt: skip
             base = next((r for r in rows if r["method"] == "transmla" and r["budget"] == budget
                          and r["calib"] == "self" and r["windows"] == windows), None)  # fmt: skip
             if source is None or row is None:
@@ -418,10 +417,7 @@ def acceptance(rows: list[dict]) -> list[str]:
                     below = 1 - v["perplexity"] / base["texts"][t]["perplexity"]
                     cell += f"; {100 * below:.0f}% below transmla: {'holds' if below >= BASELINE_MARGIN else 'misses'}"
                 cells.append(cell + ")")
-            which = "" if row["method"] == "mla-convert" else (
-                f" (not yet measured with the current default: `{row['method']}`, the previous default)")
-            lines.append(f"- {100 * budget / SOURCE_CACHE:g}% ({budget}), {windows} windows{which}: " + "; ".join(cells)
-                         + ".")
+            lines.append(f"- {100 * budget / SOURCE_CACHE:g}% ({budget}), {windows} windows: " + "; ".join(cells) + ".")
     return (["**Targets (issue 15) for the default, data-free conversion**, from the table below:", "", *lines, ""]
             if lines else [])
 

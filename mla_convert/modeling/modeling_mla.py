@@ -231,14 +231,12 @@ class MLAAttention(nn.Module):
         (W_uk^T q_nope) and joined with its rope part; the key [c, k_r] is one kv head shared by every query head and
         also serves as the value (the same width as the key, which the fused kernels need), of whose output only the
         latent columns are kept and mapped by W_uv. Exact like `_absorbed` (same products, regrouped)."""
-        bsz, heads, q_len, _ = q_nope.shape
-        kv_len = latent.shape[2]
+        q_len, kv_len = q_nope.shape[2], latent.shape[2]
         query = torch.cat((self._query_latent(q_nope), q_rope), dim=-1)  # [B, H, T, d_c+d_r]
-        key = torch.cat((latent, k_rope), dim=-1).expand(-1, heads, -1, -1)  # [B, H, S, d_c+d_r], one copy per head
+        key = torch.cat((latent, k_rope), dim=-1).expand(-1, self.num_heads, -1, -1)  # [B, H, S, d_c+d_r], a view
         causal = attention_mask is None
         if causal and q_len != kv_len:  # queries at the last positions: sdpa's is_causal aligns to the first
-            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=latent.device).tril(kv_len - q_len)
-            causal = False
+            attention_mask, causal = offset_causal_mask(q_len, kv_len, latent.device), False
         out = nn.functional.scaled_dot_product_attention(
             query, key, key, attn_mask=attention_mask, is_causal=causal, scale=self.scaling,
             dropout_p=self.attention_dropout if self.training else 0.0,
@@ -319,6 +317,11 @@ class MLAAttention(nn.Module):
         return self.kv_b_proj.weight.is_cuda and triton_available()
 
 
+def offset_causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """bool [T, S], True = attend: query t sits at position S - T + t and sees the keys up to it."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
 def latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
     """Attention over the latent cache, rope and nope scores taken apart (torch reference of the decode kernel).
 
@@ -340,7 +343,7 @@ def latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
         bias = torch.bmm(q_rope.reshape(bsz, rows, d_r), k_rope[:, 0].transpose(1, 2)).mul_(scaling)  # [B, H*T, S]
         bias = bias.view(bsz, 1, rows, kv_len)
     if attention_mask is None and q_len > 1:
-        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=latent.device).tril(kv_len - q_len)
+        attention_mask = offset_causal_mask(q_len, kv_len, latent.device)
     if attention_mask is not None:  # [B|1, 1, T|1, S'] or [T, S] -> one row per (head, query): [B|1, 1, H*T, S]
         mask = attention_mask[..., :kv_len]
         mask = mask.expand(*mask.shape[:-2], q_len, kv_len).reshape(-1, 1, 1, q_len, kv_len)
