@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mla_convert.modeling  # noqa: E402,F401  (registers model_type "mla")
-from mla_convert.evaluate import cache_bytes  # noqa: E402
+from mla_convert.evaluate import cache_bytes as measured_cache_bytes  # noqa: E402
 from mla_convert.modeling import MLAConfig, MLAForCausalLM  # noqa: E402
 from mla_convert.modeling.compat import cache_kwargs  # noqa: E402
 from mla_convert.modeling.modeling_mla import MLAAttention, rotate  # noqa: E402
@@ -413,7 +413,7 @@ def rewind(cache, context: int):
 
 def cache_tensor_bytes(cache, context: int | None = None) -> int:
     """Bytes of the cache tensors; for a static cache, of its first `context` rows (what the sequence holds)."""
-    total = cache_bytes(cache)
+    total = measured_cache_bytes(cache)
     if context is not None:
         total = total * context // cache.layers[0].keys.shape[2]
     return total
@@ -643,14 +643,17 @@ SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 8192), (8, 32768), (32, 32768), (32, 
 
 
 def sweep_variants():
-    base = dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, min_split_rows=256, max_splits=64)
+    base = dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, min_split_rows=256, max_split_rows=None,
+                max_splits=64)
     out = []
     for block_n in (64, 128, 256):
         for num_warps in (4, 8):
             for num_stages in (2, 3, 4):
-                for ppsm, min_rows, most in ((2, 256, 64), (4, 128, 128), (8, 64, 256)):
+                for ppsm, min_rows, max_rows, most in ((2, 256, None, 64), (2, 256, 2048, 64), (4, 128, None, 128),
+                                                       (8, 64, None, 256)):
                     out.append(dict(base, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                                    programs_per_sm=ppsm, min_split_rows=min_rows, max_splits=most))
+                                    programs_per_sm=ppsm, min_split_rows=min_rows, max_split_rows=max_rows,
+                                    max_splits=most))
     return out
 
 
@@ -843,8 +846,41 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
     if model_rows and "triton_calls_per_step" in model_rows[0]:
         lines += [f"Whole model, MLA triton: the Triton kernel ran {model_rows[0]['triton_calls_per_step']} times per "
                   f"decode step ({meta['layers']} layers), counted by wrapping it for one step.", ""]
+    lines += decode_path_targets(model_rows, kernel_rows)
     lines += targets_section(layer_rows, model_rows)
     path.write_text("\n".join(lines) + "\n")
+
+
+def decode_path_targets(model_rows, kernel_rows) -> list[str]:
+    """Issue 13's GPU lines, checked on this run: the decode path as an engine runs it (the static-cache step
+    captured in a CUDA graph) against the source run the same way; at the largest batch and context, the speedup
+    against the cache byte ratio and the kernel's share of copy bandwidth."""
+    rows = [r for r in model_rows if r["tok_s"].get("MLA graph") and r["tok_s"].get("source graph")]
+    if not rows:
+        return []
+    out = ["## Targets (issue 13), checked on the whole model (CUDA graph) and the kernel table above", ""]
+    ratio = {(r["batch"], r["context"]): r["tok_s"]["MLA graph"] / r["tok_s"]["source graph"] for r in rows}
+    slower = [f"B={b} {ctx_label(c)}" for (b, c), x in ratio.items() if x < 1]
+    out.append(f"- Whole-model decode, MLA graph tokens/s at least the source graph's at every measured point "
+               f"({len(ratio)}: batches {sorted({b for b, _ in ratio})}, contexts "
+               f"{', '.join(ctx_label(c) for c in sorted({c for _, c in ratio}))}): "
+               f"{min(ratio.values()):.2f}x to {max(ratio.values()):.2f}x -> "
+               f"**{'met' if not slower else 'not met'}**" + (f" (slower at {', '.join(slower)})" if slower else "")
+               + ".")
+    top = max(rows, key=lambda r: (r["batch"], r["context"]))
+    kv = top["kv_bytes"]
+    byte_ratio = kv["source graph"] / kv["MLA graph"]
+    speedup = ratio[(top["batch"], top["context"])]
+    out.append(f"- At batch {top['batch']} and {ctx_label(top['context'])} context: MLA / source tokens/s "
+               f"{speedup:.2f}x against 0.8 x the cache byte ratio ({byte_ratio:.2f}) = {0.8 * byte_ratio:.2f}x -> "
+               f"**{'met' if speedup >= 0.8 * byte_ratio else 'not met'}**.")
+    at = [k for k in kernel_rows if (k["batch"], k["context"]) == (top["batch"], top["context"])]
+    if at:
+        share = at[0]["triton_bw"] / at[0]["copy_bw"]
+        out.append(f"- The kernel there: {at[0]['us']['triton']:.1f} us, {at[0]['triton_bw'] / 1e9:.0f} GB/s, "
+                   f"{share:.0%} of copy bandwidth against 85% -> **{'met' if share >= 0.85 else 'not met'}**.")
+    out.append("")
+    return out
 
 
 def kernel_section(kernel_rows, meta) -> list[str]:
@@ -1031,9 +1067,20 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "decode.md"))
     p.add_argument("--plot", default=None, help="PNG path (default: beside --out, .png)")
     p.add_argument("--json", default=None, help="also write the raw numbers here")
+    p.add_argument("--report-only", metavar="JSON", help="rewrite --out (and --plot) from an earlier run's --json; "
+                                                         "nothing is timed")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
+    if args.report_only:
+        saved = json.loads(Path(args.report_only).read_text())
+        out = Path(args.out)
+        plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
+        if saved["layer"]:
+            plot(saved["layer"], plot_path, saved["meta"])
+        write_report(out, args, saved["meta"], saved["layer"], saved["model"], saved["kernel"], plot_path)
+        print(f"wrote {out} from {args.report_only}")
+        return
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -172,6 +172,10 @@ def test_launch_config_tuning_knobs():
 
     default = launch_config(1, 9, 32768, 64, 32, 132)
     assert (default["num_splits"], default["split_len"], default["BLOCK_N"], default["num_stages"]) == (64, 512, 128, 3)
+    batch_filled = launch_config(32, 9, 32768, 64, 32, 132)  # 32 sequences fill the SMs: splits of at most 2048 rows
+    assert (batch_filled["num_splits"], batch_filled["split_len"]) == (16, 2048)
+    long_splits = launch_config(32, 9, 32768, 64, 32, 132, max_split_rows=None)  # the batch-filling rule alone
+    assert (long_splits["num_splits"], long_splits["split_len"]) == (9, 3712)
     wide_latent = launch_config(1, 16, 4096, 512, 64, 132)
     assert (wide_latent["BLOCK_N"], wide_latent["num_stages"]) == (32, 2)  # shared memory
     wide = launch_config(1, 9, 32768, 64, 32, 132, block_n=128, programs_per_sm=8, min_split_rows=64, max_splits=256,
@@ -399,6 +403,64 @@ def test_cuda_model_decode_uses_kernel_and_matches_torch(monkeypatch):
             assert len(calls) == TINY_MLA["num_hidden_layers"]
     assert len(calls) == TINY_MLA["num_hidden_layers"]  # "torch" never calls it
     torch.testing.assert_close(logits["auto"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graph_static_decode_matches_eager():
+    """The decode step over a StaticCache, captured once in a CUDA graph and replayed step after step (new token,
+    position and a left-padded mask copied into its input buffers), gives the eager torch path's logits: the step
+    reads no length on the host, and each replay writes the cache row the counter on the device points at."""
+    from transformers import StaticCache
+
+    from mla_convert.modeling import MLAConfig, MLAForCausalLM
+
+    torch.manual_seed(0)
+    model = MLAForCausalLM(MLAConfig(**TINY_MLA)).eval().cuda()
+    capacity, steps = 16, 4
+    ids = torch.randint(0, 100, (2, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    mask = torch.zeros(2, capacity, dtype=torch.long, device="cuda")
+    mask[:, :5 + steps] = 1
+    mask[0, :2] = 0  # sequence 0 starts with two pad tokens
+    positions = (mask[:, :5].cumsum(-1) - 1).clamp(min=0)
+
+    def decode(graph: bool) -> torch.Tensor:
+        model.config.mla_decode_kernel = "auto" if graph else "torch"
+        cache = StaticCache(config=model.config, max_cache_len=capacity)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask[:, :5], position_ids=positions, **cache_kwargs(cache),
+                        use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            position = positions[:, -1:] + 1
+            run = lambda: model(token, attention_mask=mask, position_ids=position, **cache_kwargs(cache),  # noqa: E731
+                                use_cache=True).logits[:, -1]
+            if graph:
+                counters = [layer.cumulative_length.clone() for layer in cache.layers]
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up (kernel compile) off the capture, then set the counters back
+                    run()
+                torch.cuda.current_stream().wait_stream(stream)
+                for layer, count in zip(cache.layers, counters):
+                    layer.cumulative_length.copy_(count)
+                captured = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(captured):
+                    logits = run()
+            found = []
+            for _ in range(steps):
+                if graph:
+                    captured.replay()
+                else:
+                    logits = run()
+                found.append(logits.clone())
+                token.copy_(logits.argmax(-1, keepdim=True))
+                position += 1
+        return torch.stack(found)
+
+    eager = decode(graph=False)
+    replayed = decode(graph=True)
+    assert int(replayed.isfinite().all()) == 1
+    torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
 
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "worker":

@@ -154,15 +154,17 @@ def _next_pow2(n: int) -> int:
 @functools.lru_cache(maxsize=1024)
 def launch_config(batch: int, heads: int, seq_len: int, d_c: int, d_r: int, sm_count: int,
                   num_splits: int | None = None, *, block_n: int | None = None, programs_per_sm: int = 2,
-                  min_split_rows: int = 256, max_splits: int = 64, num_warps: int = 4,
-                  num_stages: int | None = None) -> dict:
+                  min_split_rows: int = 256, max_split_rows: int | None = 2048, max_splits: int = 64,
+                  num_warps: int = 4, num_stages: int | None = None) -> dict:
     """Block sizes, the sequence split and the launch options for one call (a pure function of the shapes and the
     tuning knobs, so tests can check it).
 
     BLOCK_H heads share one read of each cached row; the accumulator is BLOCK_H x d_c floats per program, so wide
     latents get fewer heads and shorter row blocks (register budget). Splits are added until the grid holds about
     `programs_per_sm` programs per SM, but never so many that a split gets fewer than `min_split_rows` rows (merge
-    overhead would dominate), nor more than `max_splits`. `block_n` overrides the row block (a power of two >= 16).
+    overhead would dominate), nor more than `max_splits`; where the batch alone fills the GPU, splits are still added
+    until none holds more than `max_split_rows` rows (None: no such floor), as shorter splits balance the programs
+    across SMs better. `block_n` overrides the row block (a power of two >= 16).
     tl.dot wants every dimension >= 16, hence the floors.
 
     Cached (decode calls it with the same shapes every step; uncached it took a quarter of the host time of a call
@@ -171,7 +173,9 @@ def launch_config(batch: int, heads: int, seq_len: int, d_c: int, d_r: int, sm_c
     Defaults were chosen on an H100 (bf16, d_c 64, d_r 32, 9 heads; benchmarks/decode_gpu.sweep.json, written by
     `scripts/bench_decode.py --kernel-sweep`): 128-row blocks and 3 pipeline stages for latents up to 64 wide were
     within 9% of the best of 54 launch variants at every swept shape (batch 1-32, 8K-64K), and 1.1-1.5x faster than
-    the earlier 64 rows / 2 stages. Wider latents keep smaller blocks and 2 stages (shared memory).
+    the earlier 64 rows / 2 stages. Wider latents keep smaller blocks and 2 stages (shared memory). The same sweep
+    chose `max_split_rows` 2048: at batch 32 the batch-filling rule left 9 splits of 3712 (32K) or 7296 (64K) rows,
+    83.0 / 158.4 us, against 16 or 32 splits of 2048 rows, 78.9 / 148.7 us; smaller batches already split finer.
     """
     block_c = max(16, _next_pow2(d_c))
     block_r = max(16, _next_pow2(d_r)) if d_r else 16
@@ -184,6 +188,8 @@ def launch_config(batch: int, heads: int, seq_len: int, d_c: int, d_r: int, sm_c
     head_blocks = triton.cdiv(heads, block_h)
     if num_splits is None:
         wanted = triton.cdiv(programs_per_sm * sm_count, batch * head_blocks)
+        if max_split_rows:
+            wanted = max(wanted, triton.cdiv(seq_len, max_split_rows))
         num_splits = max(1, min(wanted, triton.cdiv(seq_len, min_split_rows), max_splits))
     num_splits = max(1, min(num_splits, triton.cdiv(seq_len, block_n)))
     split_len = triton.cdiv(triton.cdiv(seq_len, num_splits), block_n) * block_n
@@ -196,7 +202,7 @@ def mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_spli
                       tune: dict | None = None, *, valid=None):
     """Same contract as `mla_convert.kernels.mla_decode_reference` (with `valid`); `num_splits` overrides the split
     heuristic and `tune` passes keyword knobs to `launch_config` (block_n, programs_per_sm, min_split_rows,
-    max_splits, num_warps, num_stages; for benchmarks).
+    max_split_rows, max_splits, num_warps, num_stages; for benchmarks).
 
     Inputs may be strided views as long as the last dim is contiguous; `lengths` may be any integer dtype, a
     stride-0 view (one count for the batch, e.g. a static cache's counter expanded) or 0-d; `valid` [B|1, >=S] bool
