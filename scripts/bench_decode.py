@@ -510,6 +510,59 @@ def bench_models(source, mla, args, device, dtype, log):
     return rows
 
 
+@torch.no_grad()
+def bench_generate(source, mla, args, device, log):
+    """`model.generate` as a transformers user runs it, source and MLA, greedy, exactly `new` tokens after a random
+    prompt: the default cache (DynamicCache, eager) and `cache_implementation="static"` (on CUDA transformers then
+    compiles the decode step, mode reduce-overhead: CUDA graphs). Each run gets one preallocated StaticCache of
+    prompt + the most new tokens (reset between runs), so runs of different lengths share the compiled graphs; the
+    decode rate is batch x (long - short) / (time long - time short), which leaves out the prefill."""
+    from transformers import StaticCache
+
+    short, long = max(1, args.generate_new // 8), args.generate_new
+    rows = []
+    for batch in args.generate_batches:
+        ids = torch.randint(0, source.config.vocab_size, (batch, args.generate_prompt), device=device,
+                            generator=torch.Generator(device).manual_seed(batch))
+        row = {"batch": batch, "prompt": args.generate_prompt, "new": [short, long], "tok_s": {}, "seconds": {},
+               "first_call_s": {}}
+        for name, model, static in (("source", source, False), ("MLA", mla, False),
+                                    ("source static", source, True), ("MLA static", mla, True)):
+            if name.startswith("MLA"):
+                model.config.mla_attention_mode, model.config.mla_decode_kernel = "auto", "auto"
+            cache = StaticCache(config=model.config, max_cache_len=args.generate_prompt + long) if static else None
+
+            def run(new):
+                options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+                if cache is not None:
+                    cache.reset()
+                    options.update(cache_kwargs(cache))
+                sync(device)
+                t0 = now()
+                out = model.generate(ids, **options)
+                sync(device)
+                assert out.shape == (batch, args.generate_prompt + new), out.shape
+                return now() - t0
+
+            try:
+                row["first_call_s"][name] = run(long)  # compiles the static step on CUDA
+                run(short)
+                times = {n: statistics.median(run(n) for _ in range(3)) for n in (short, long)}
+            except Exception as e:  # noqa: BLE001  (reported, the other forms still run)
+                log(f"generate B={batch} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                continue
+            row["seconds"][name] = times
+            row["tok_s"][name] = batch * (long - short) / max(times[long] - times[short], 1e-9)
+            del cache
+            gc.collect()
+        rows.append(row)
+        log(f"generate B={batch:<3d} prompt={args.generate_prompt} " +
+            "  ".join(f"{k} {v:9.1f} tok/s" for k, v in row["tok_s"].items()))
+    return rows
+
+
 def captured(step, device):
     """`step` captured in a CUDA graph (warm-up on a side stream first): returns the graph's replay."""
     stream = torch.cuda.Stream(device)
@@ -732,7 +785,7 @@ def ctx_label(context: int) -> str:
     return f"{context // 1024}K" if context % 1024 == 0 else str(context)
 
 
-def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, plot_path):
+def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, plot_path, generate_rows=()):
     names = list(layer_rows[0]["ms"]) if layer_rows else []
     lines = [
         "# Decode speed and KV-cache size: source GQA vs converted MLA",
@@ -841,6 +894,8 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
         errors = {k: v for row in model_rows for k, v in row.get("capture_errors", {}).items()}
         for name, error in errors.items():
             lines += [f"{name}: CUDA-graph capture failed ({error}); its column reads nan.", ""]
+    if generate_rows:
+        lines += generate_section(generate_rows)
     if kernel_rows:
         lines += kernel_section(kernel_rows, meta)
     if model_rows and "triton_calls_per_step" in model_rows[0]:
@@ -849,6 +904,35 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
     lines += decode_path_targets(model_rows, kernel_rows)
     lines += targets_section(layer_rows, model_rows)
     path.write_text("\n".join(lines) + "\n")
+
+
+def generate_section(rows) -> list[str]:
+    r0 = rows[0]
+    short, long = r0["new"]
+    names = [n for n in ("source", "MLA", "source static", "MLA static") if any(n in r["tok_s"] for r in rows)]
+    lines = ["## Through `generate`, as a transformers user runs it", "",
+             f"`model.generate(ids, max_new_tokens=N)`, greedy, a random prompt of {r0['prompt']} tokens, exactly N new "
+             "tokens. Default cache (DynamicCache, eager), and `cache_implementation=\"static\"` (one preallocated "
+             "StaticCache passed in, reset between runs): on CUDA transformers then compiles the decode step "
+             "(`torch.compile`, mode reduce-overhead, i.e. CUDA graphs). Decode tokens/s = batch x "
+             f"({long} - {short}) / (time of {long} new tokens - time of {short}), medians of 3 runs after a first "
+             "call (which compiles); the prefill cancels out. In brackets the ratio to the source run the same way.",
+             "", "| batch | " + " | ".join(names) + " | first call (s): " + ", ".join(names) + " |",
+             "|---:|" + "---:|" * len(names) + "---|"]
+    for r in rows:
+        cells = []
+        for n in names:
+            v = r["tok_s"].get(n)
+            base = r["tok_s"].get("source static" if n.endswith("static") else "source")
+            cells.append("failed" if v is None else f"{v:.1f}" + ("" if n.startswith("source") or not base
+                                                                   else f" ({v / base:.2f}x)"))
+        first = ", ".join(f"{r['first_call_s'][n]:.1f}" if n in r["first_call_s"] else "-" for n in names)
+        lines.append(f"| {r['batch']} | " + " | ".join(cells) + f" | {first} |")
+    lines.append("")
+    for r in rows:
+        for name, error in r.get("errors", {}).items():
+            lines += [f"B={r['batch']} {name}: failed ({error}).", ""]
+    return lines
 
 
 def decode_path_targets(model_rows, kernel_rows) -> list[str]:
@@ -1058,6 +1142,11 @@ def main(argv=None):
     p.add_argument("--skip-static", action="store_true",
                    help="whole model: no preallocated-cache (StaticCache) forms, and on CUDA no CUDA-graph forms")
     p.add_argument("--skip-kernel", action="store_true", help="no attention-core table (CUDA)")
+    p.add_argument("--generate", action="store_true", help="also time `model.generate` (default cache, and the "
+                                                            "static cache, compiled on CUDA), source and MLA")
+    p.add_argument("--generate-batches", type=parse_ints, default=[1, 8, 32], help="generate batch sizes")
+    p.add_argument("--generate-prompt", type=int, default=1024, help="generate prompt tokens (default 1024)")
+    p.add_argument("--generate-new", type=int, default=128, help="generate new tokens (default 128)")
     p.add_argument("--kernel-sweep", metavar="JSON", help="CUDA: also time the Triton kernel's launch knobs over a "
                                                           "few shapes and write them here")
     p.add_argument("--kernel-baseline", metavar="JSON", help="an earlier run's --json: its Triton times go beside "
@@ -1078,7 +1167,8 @@ def main(argv=None):
         plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
         if saved["layer"]:
             plot(saved["layer"], plot_path, saved["meta"])
-        write_report(out, args, saved["meta"], saved["layer"], saved["model"], saved["kernel"], plot_path)
+        write_report(out, args, saved["meta"], saved["layer"], saved["model"], saved["kernel"], plot_path,
+                     saved.get("generate", []))
         print(f"wrote {out} from {args.report_only}")
         return
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -1120,6 +1210,7 @@ def main(argv=None):
         meta["kernel_note"] = args.kernel_note
     layer_rows = [] if args.skip_layer else bench_layers(source, mla, args, device, dtype, log)
     model_rows = [] if args.skip_model else bench_models(source, mla, args, device, dtype, log)
+    generate_rows = bench_generate(source, mla, args, device, log) if args.generate else []
     cuda = device.type == "cuda"
     kernel_rows = bench_kernel(mla, args, device, dtype, copy_bw, log) if cuda and not args.skip_kernel else []
     meta["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -1137,10 +1228,10 @@ def main(argv=None):
     sweep_rows = kernel_sweep(mla, device, dtype, copy_bw, log) if args.kernel_sweep else []
     if layer_rows:
         plot(layer_rows, plot_path, meta)
-    write_report(out, args, meta, layer_rows, model_rows, kernel_rows, plot_path)
+    write_report(out, args, meta, layer_rows, model_rows, kernel_rows, plot_path, generate_rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "layer": layer_rows, "model": model_rows,
-                                               "kernel": kernel_rows}, indent=1))
+                                               "kernel": kernel_rows, "generate": generate_rows}, indent=1))
     if args.kernel_sweep:
         Path(args.kernel_sweep).write_text(json.dumps({"meta": meta, "sweep": sweep_rows}, indent=1))
     log(f"wrote {out} and {plot_path}")

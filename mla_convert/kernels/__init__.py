@@ -18,16 +18,19 @@ imports triton.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+# Looked up once, at import: torch.compile does not trace `find_spec` (a graph break in every decode step, which
+# left `generate` over a static cache on CUDA recompiling each layer's attention and then running it eagerly).
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
     """True when triton is installed (the kernel then runs on CUDA, or on CPU in Triton's interpreter)."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale, valid=None):
@@ -56,9 +59,32 @@ def mla_decode(q_latent, q_rope, latent, k_rope, lengths, scale, *, valid=None, 
     use_triton = backend == "triton" or (backend == "auto" and latent.is_cuda and triton_available())
     if not use_triton:
         return mla_decode_reference(q_latent, q_rope, latent, k_rope, lengths, scale, valid)
-    from mla_convert.kernels.triton_mla import mla_decode_triton
+    if num_splits is None and torch.compiler.is_compiling():
+        # torch.compile (e.g. `generate` over a static cache on CUDA) sees the kernel as one opaque operator: it
+        # neither traces the launch code nor recompiles the kernel (Inductor failed to build it as a user kernel).
+        return torch.ops.mla_convert.mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, valid)
+    return _triton_call(q_latent, q_rope, latent, k_rope, lengths, scale, valid, num_splits)
 
-    return mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_splits=num_splits, valid=valid)
+
+def _triton_call(q_latent, q_rope, latent, k_rope, lengths, scale, valid, num_splits=None):
+    from mla_convert.kernels import triton_mla  # the module attribute, looked up per call (tests wrap it)
+
+    return triton_mla.mla_decode_triton(q_latent, q_rope, latent, k_rope, lengths, scale, num_splits=num_splits,
+                                        valid=valid)
+
+
+@torch.library.custom_op(
+    "mla_convert::mla_decode_triton", mutates_args=(),
+    schema="(Tensor q_latent, Tensor q_rope, Tensor latent, Tensor k_rope, Tensor lengths, float scale, "
+           "Tensor? valid) -> Tensor",
+)
+def _mla_decode_op(q_latent, q_rope, latent, k_rope, lengths, scale, valid):
+    return _triton_call(q_latent, q_rope, latent, k_rope, lengths, scale, valid)
+
+
+@_mla_decode_op.register_fake
+def _(q_latent, q_rope, latent, k_rope, lengths, scale, valid):
+    return latent.new_empty((q_latent.shape[0], q_latent.shape[1], latent.shape[-1]))
 
 
 __all__ = ["mla_decode", "mla_decode_reference", "triton_available"]
