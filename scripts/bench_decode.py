@@ -505,9 +505,12 @@ def bench_models(source, mla, args, device, dtype, log):
                 del cache
                 gc.collect()
             rows.append(row)
-            log(f"model  B={batch:<3d} ctx={context:<6d} " +
-                "  ".join(f"{k} {v:9.1f} tok/s" for k, v in row["tok_s"].items()))
+            log(f"model  B={batch:<3d} ctx={context:<6d} " + rates(row))
     return rows
+
+
+def rates(row) -> str:
+    return "  ".join(f"{k} {v:9.1f} tok/s" for k, v in row["tok_s"].items())
 
 
 @torch.no_grad()
@@ -555,11 +558,8 @@ def bench_generate(source, mla, args, device, log):
                 continue
             row["seconds"][name] = times
             row["tok_s"][name] = batch * (long - short) / max(times[long] - times[short], 1e-9)
-            del cache
-            gc.collect()
         rows.append(row)
-        log(f"generate B={batch:<3d} prompt={args.generate_prompt} " +
-            "  ".join(f"{k} {v:9.1f} tok/s" for k, v in row["tok_s"].items()))
+        log(f"generate B={batch:<3d} prompt={args.generate_prompt} " + rates(row))
     return rows
 
 
