@@ -29,7 +29,8 @@ def generated_text(*args) -> str:
 def stats(output: str) -> dict:
     """The numbers of the two summary lines."""
     speed = re.search(r"prompt (\d+) tokens, generated (\d+) in [\d.]+ s = ([\d.]+) tokens/s", output)
-    cache = re.search(r"KV cache: (\d+) bytes/token .*; (\d+) tokens cached = (\d+) bytes", output)
+    cache = re.search(r"KV cache: (\d+) bytes/token .*; (\d+) tokens cached(?: in a static cache of \d+ tokens)? = "
+                      r"(\d+) bytes", output)
     assert speed and cache, output
     prompt, new, rate = int(speed[1]), int(speed[2]), float(speed[3])
     return dict(prompt=prompt, new=new, rate=rate, per_token=int(cache[1]), cached=int(cache[2]), total=int(cache[3]))
@@ -56,6 +57,18 @@ def test_converted_model_cache_is_what_the_plan_says(converted):
     assert "(mla, float32, cpu)" in output
 
 
+def test_static_cache_gives_the_same_text_and_holds_its_capacity(converted):
+    args = ("generate", converted, "--prompt", "w1 w2 w3 w1", "--max-new-tokens", 6)
+    assert generated_text(*args, "--cache", "static") == generated_text(*args)
+    code, output = run(*args, "--cache", "static")
+    assert code == 0, output
+    s = stats(output)
+    capacity = int(re.search(r"static cache of (\d+) tokens", output)[1])
+    # sized for every token generate feeds back: the prompt and all but the last new token
+    assert capacity == s["prompt"] + 6 - 1 and s["cached"] == s["prompt"] + s["new"] - 1
+    assert s["total"] == s["per_token"] * capacity  # preallocated: latent + rope key for every row it can hold
+
+
 def test_source_model_and_greedy_is_deterministic(sources, converted):
     code, output = run("generate", sources["llama-gqa"], "-p", "w5 w7", "-n", 4)
     assert code == 0, output
@@ -76,7 +89,8 @@ def test_missing_model_folder(tmp_path):
 
 @pytest.mark.parametrize(
     "extra,needle",
-    [(["--chat"], "no chat template"), (["--temperature", "0.5"], "--sample"), (["-n", "0"], "--max-new-tokens")],
+    [(["--chat"], "no chat template"), (["--temperature", "0.5"], "--sample"), (["-n", "0"], "--max-new-tokens"),
+     (["--cache", "paged"], "--cache must be dynamic or static")],
 )
 def test_bad_options(converted, extra, needle):
     assert_user_error(*run("generate", converted, "--prompt", "w1", *extra), needle)
