@@ -523,6 +523,7 @@ def bench_generate(source, mla, args, device, log):
     from transformers import StaticCache
 
     short, long = max(1, args.generate_new // 8), args.generate_new
+    mla.config.mla_attention_mode, mla.config.mla_decode_kernel = "auto", "auto"  # the decode path users get
     rows = []
     for batch in args.generate_batches:
         ids = torch.randint(0, source.config.vocab_size, (batch, args.generate_prompt), device=device,
@@ -531,8 +532,6 @@ def bench_generate(source, mla, args, device, log):
                "first_call_s": {}}
         for name, model, static in (("source", source, False), ("MLA", mla, False),
                                     ("source static", source, True), ("MLA static", mla, True)):
-            if name.startswith("MLA"):
-                model.config.mla_attention_mode, model.config.mla_decode_kernel = "auto", "auto"
             cache = StaticCache(config=model.config, max_cache_len=args.generate_prompt + long) if static else None
 
             def run(new):
@@ -1103,6 +1102,17 @@ def plot(layer_rows, path: Path, meta):
 # ---------------------------------------------------------------------------------------------- main
 
 
+def report(args, meta, layer_rows, model_rows, kernel_rows, generate_rows):
+    """The markdown report at --out and, with per-layer rows, the plot at --plot (default: beside it, .png)."""
+    out = Path(args.out)
+    plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if layer_rows:
+        plot(layer_rows, plot_path, meta)
+    write_report(out, args, meta, layer_rows, model_rows, kernel_rows, plot_path, generate_rows)
+    return out, plot_path
+
+
 def parse_ints(text: str) -> list[int]:
     return [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x) for x in text.split(",") if x]
 
@@ -1163,12 +1173,8 @@ def main(argv=None):
     device = torch.device(args.device)
     if args.report_only:
         saved = json.loads(Path(args.report_only).read_text())
-        out = Path(args.out)
-        plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
-        if saved["layer"]:
-            plot(saved["layer"], plot_path, saved["meta"])
-        write_report(out, args, saved["meta"], saved["layer"], saved["model"], saved["kernel"], plot_path,
-                     saved.get("generate", []))
+        out, plot_path = report(args, saved["meta"], saved["layer"], saved["model"], saved["kernel"],
+                                saved.get("generate", []))
         print(f"wrote {out} from {args.report_only}")
         return
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -1178,9 +1184,6 @@ def main(argv=None):
         p.error("--clock cpu times one thread: use it on the CPU with --threads 1")
     global _clock
     _clock = _CLOCK[args.clock]
-    out = Path(args.out)
-    plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def log(msg):
         print(msg, flush=True)
@@ -1226,9 +1229,7 @@ def main(argv=None):
                                         + (f" ({note})" if note and note not in before["meta"]["command"] else "")
                                         + ".")
     sweep_rows = kernel_sweep(mla, device, dtype, copy_bw, log) if args.kernel_sweep else []
-    if layer_rows:
-        plot(layer_rows, plot_path, meta)
-    write_report(out, args, meta, layer_rows, model_rows, kernel_rows, plot_path, generate_rows)
+    out, plot_path = report(args, meta, layer_rows, model_rows, kernel_rows, generate_rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "layer": layer_rows, "model": model_rows,
                                                "kernel": kernel_rows, "generate": generate_rows}, indent=1))
