@@ -146,6 +146,7 @@ def _convert(
     target: Optional[str] = None,
     format: str = "native",
     qk_norm: str = "exact",
+    nope_dims: Optional[int] = None,
 ) -> None:
     _setup_logging(verbose, quiet)
     if output is None and not dry_run:
@@ -173,6 +174,7 @@ def _convert(
         rank=rank,
         kv_budget=kv_budget,
         rope_dims=rope_dims,
+        nope_dims=nope_dims,
         rope_strategy=rope_strategy or ConvertOptions.rope_strategy,
         rope_merge=rope_merge,
         factorization=factorization,
@@ -256,6 +258,11 @@ def _make_convert_command(family: Optional[str], help_text: str):
         ),
         rope_merge: bool = typer.Option(
             True, "--rope-merge/--no-rope-merge", help="Merge RoPE pairs across kv heads (PCA per frequency)."
+        ),
+        nope_dims: Optional[int] = typer.Option(
+            None, "--nope-dims", help="Dims d_n of each head's nope query/key (the value keeps head_dim). Default: "
+            "head_dim - d_r where d_r <= head_dim/2 with merged pairs (query/key as wide as the source's: attention "
+            "costs what the source's does; the score energy kept per layer is in provenance.json), else head_dim."
         ),
         factorization: str = typer.Option("joint", "--factorization", help="joint (K and V share the latent) or split."),
         method: str = typer.Option(

@@ -43,6 +43,21 @@ def sqrtm_psd(sym: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
     return (vecs * vals.sqrt()) @ vecs.T
 
 
+def bilinear_reduce(q_gram: torch.Tensor, k_gram: torch.Tensor, dims: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Narrow the scores q . k of n-dim queries and keys to `dims` dims: maps A [n, dims] and B [dims, n] (queries
+    A^T q, keys B k) minimizing E[(q^T (I - A B) k)^2] for queries and keys of second moments q_gram and k_gram [n, n]
+    taken as independent. With S_q = L_q^2 and S_k = L_k^2 (symmetric roots) the error is ||L_q (I - A B) L_k||_F^2,
+    so A B = L_q^-1 [L_q L_k]_dims L_k^-1 (the truncated SVD U S V^T, split evenly: A = L_q^-1 U S^1/2, B = S^1/2 V^T
+    L_k^-1). At dims = n, A B = I (exact for any ridge). Returns (A, B, the share of the score energy kept), float64."""
+    root_q, root_k = sqrtm_psd(q_gram, 1e-9), sqrtm_psd(k_gram, 1e-9)
+    u, s, vh = torch.linalg.svd(root_q @ root_k)
+    half = s[:dims].sqrt()
+    a = torch.linalg.solve(root_q, u[:, :dims]) * half
+    b = half[:, None] * torch.linalg.solve(root_k, vh[:dims].T).T
+    kept = float((s[:dims] ** 2).sum() / (s**2).sum().clamp_min(1e-300))
+    return a, b, kept
+
+
 def group_weight(grams: list[torch.Tensor]) -> torch.Tensor:
     """Block-diagonal row weighting from one PSD gram per kv group: blocks sqrt(gram_g)."""
     return torch.block_diag(*[sqrtm_psd(g) for g in grams])

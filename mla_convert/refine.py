@@ -42,7 +42,7 @@ def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH) -> float:
     """Forward + backward flops of one refinement step of one layer: the projections (2 x tokens x parameters) and
     the score and value products over causal windows, both x3 for the backward pass."""
     params = plan.attn_params_after / plan.layers
-    width = plan.head_dim + plan.rope_dims + plan.head_dim  # q.k and p.v per score
+    width = plan.nope_dims + plan.rope_dims + plan.head_dim  # q.k and p.v per score
     scores = 2 * batch * plan.heads * seq_len**2 * width
     return 3 * (2 * batch * seq_len * params + scores)
 

@@ -353,9 +353,10 @@ def write_report(path: Path, meta, attn, rows, plot_path):
                      + " | ".join(f"{r[k] * 1e3:.1f} ({r[k] / s:.2f}x)" for k, _ in cols) + " |")
     lines += [
         "",
-        "The expanded core stays above the source's: its query/key/value width is d_n + d_r against d_h, so it does "
-        "(d_n + d_r) / d_h of the source's attention arithmetic (1.5x at d_n 64, d_r 32, d_h 64); a layer over a "
-        "latent of width d_c + d_r < d_h does less. The whole model makes that up elsewhere or not: below.",
+        "Both products of the expanded core run at the padded width max(d_n + d_r, d_v), so it does that / d_h of the "
+        "source's attention arithmetic: 1.0x with the default nope width d_n = d_h - d_r (conversions since "
+        "`--nope-dims`; query and key as wide as the source's head), 1.5x at d_n 64, d_r 32, d_h 64 (the default "
+        "before, `--nope-dims 64`); a layer over a latent of width d_c + d_r < d_h does less.",
         "",
         "## Whole model",
         "",

@@ -87,6 +87,8 @@ CASES = {
                               "--kv-budget must be a positive"),
     "convert --rope-dims 0": (["llama", "{ws}/src", "--rank", "8", "--rope-dims", "0", "--dry-run", *CALIB],
                               "at least 2"),
+    "convert --nope-dims past head_dim": (["llama", "{ws}/src", "--rank", "8", "--nope-dims", "99", "--dry-run",
+                                           *CALIB], "--nope-dims must be between 1 and head_dim"),
     "convert a config without num_attention_heads": (["llama", "{ws}/noheads", "--rank", "8", "-o", "{ws}/out",
                                                       *CALIB], "missing num_attention_heads"),
     "convert binary calibration file": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",

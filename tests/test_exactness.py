@@ -103,7 +103,7 @@ def test_absorbed_equals_expanded_at_low_rank(sources, convert_tiny):
 def test_latent_prefill_equals_expanded(sources, convert_tiny):
     """Where the latent is narrower than the nope key, "auto" runs prefill and training over the latent (one shared
     kv head, fused sdpa): the same logits and gradients as the expanded form, with left padding and over a cache."""
-    mla = AutoModelForCausalLM.from_pretrained(convert_tiny(sources["qwen2"], rank=6, rope_dims=8)).eval()
+    mla = AutoModelForCausalLM.from_pretrained(convert_tiny(sources["qwen2"], rank=6, rope_dims=8, nope_dims=16)).eval()
     attn = mla.model.layers[0].self_attn
     assert attn.kv_lora_rank < attn.qk_nope_head_dim
     assert attn.use_latent_prefill(24, 24, None) and attn.use_latent_prefill(14, 24, None)
@@ -174,3 +174,31 @@ def test_expected_rotation_helps_a_lossy_conversion(sources, convert_tiny):
         with torch.no_grad():
             errors[dropped] = rel_err(src(ids).logits, AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits)
     assert errors["expected"] < errors["unrotated"], errors
+
+
+def test_narrowed_nope_is_exact_where_the_latent_is_narrower(sources, convert_tiny):
+    """The default narrows each head's nope query/key to head_dim - d_r (query/key as wide as the source's). Where the
+    latent is no wider than that, the nope key spans at most d_c dims and the narrowing loses nothing: the same logits
+    as keeping head_dim nope dims. The score energy kept is recorded per layer."""
+    import json
+
+    options = dict(rank=6, rope_dims=8, refine_steps=0)
+    narrow = convert_tiny(sources["qwen2"], **options)
+    wide = convert_tiny(sources["qwen2"], nope_dims=16, **options)
+    models = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+              for name, path in (("narrow", narrow), ("wide", wide))}
+    attn = models["narrow"].model.layers[0].self_attn
+    assert (attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim) == (8, 8, 16)  # q/k 16 wide, as the source
+    assert models["wide"].model.layers[0].self_attn.qk_nope_head_dim == 16
+    ids = tokens()
+    with torch.no_grad():
+        assert rel_err(models["wide"](ids).logits, models["narrow"](ids).logits) < REL_TOL
+    expanded, absorbed = both_forms(models["narrow"], ids)
+    assert rel_err(expanded, absorbed) < REL_TOL
+    plan = json.loads((narrow / "provenance.json").read_text())["plan"]
+    assert plan["nope_dims"] == 8 and len(plan["nope_kept"]) == models["narrow"].config.num_hidden_layers
+    assert all(row["kept"] > 1 - 1e-6 for row in plan["nope_kept"])
+    # at 8 latent dims over 8 nope dims per group the narrowing has to choose: what it keeps is recorded (< 1)
+    lossy = json.loads((convert_tiny(sources["qwen2"], rank=12, rope_dims=8, refine_steps=0) / "provenance.json"
+                        ).read_text())["plan"]["nope_kept"]
+    assert all(0 < row["kept"] < 1 for row in lossy)

@@ -121,7 +121,7 @@ def test_convert_card_names_method_budget_and_cache(converted, licensed_source):
     text = card.text
     assert f"`{licensed_source}` (llama)" in text and "Steps: conversion." in text
     assert f"**Conversion**: {record['method']}" in text  # the method
-    assert "Latent dims per layer (d_c): 8; shared RoPE key dims (d_r): 8." in text  # the budget
+    assert "Latent dims per layer (d_c): 8; shared RoPE key dims (d_r): 8; nope query/key dims per head (d_n): 8." in text
     assert "| `rank` | 8 |" in text and "| `rope_strategy` | uniform |" in text
     assert kv["bytes_per_token_before"] == 512 and kv["bytes_per_token_after"] == 128
     assert "| source | 64 | 512 |" in text and "| this model | 16 | 128 |" in text

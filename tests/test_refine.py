@@ -117,7 +117,8 @@ def test_refine_restores_the_weights_when_the_held_out_error_does_not_drop():
 
 def _shaped_plan(layers, hidden, heads, groups, head_dim, rank, rope_dims) -> Plan:
     plan = Plan(family="llama", model_type="llama", layers=layers, hidden=hidden, heads=heads, groups=groups,
-                head_dim=head_dim, kv_lora_rank=[rank] * layers, rope_dims=rope_dims, dtype="bfloat16",
+                head_dim=head_dim, kv_lora_rank=[rank] * layers, rope_dims=rope_dims, nope_dims=head_dim - rope_dims,
+                dtype="bfloat16",
                 source_bytes=0, calib_tokens=0)  # fmt: skip
     plan.set_kv_lora_rank(plan.kv_lora_rank)
     return plan
