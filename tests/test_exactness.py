@@ -176,15 +176,16 @@ def test_expected_rotation_helps_a_lossy_conversion(sources, convert_tiny):
     assert errors["expected"] < errors["unrotated"], errors
 
 
-def test_narrowed_nope_is_exact_where_the_latent_is_narrower(sources, convert_tiny):
+@pytest.mark.parametrize("kind", ["qwen2", "llama-mha"])
+def test_narrowed_nope_is_exact_where_the_latent_is_narrower(sources, convert_tiny, kind):
     """The default narrows each head's nope query/key to head_dim - d_r (query/key as wide as the source's). Where the
     latent is no wider than that, the nope key spans at most d_c dims and the narrowing loses nothing: the same logits
     as keeping head_dim nope dims. The score energy kept is recorded per layer."""
     import json
 
     options = dict(rank=6, rope_dims=8, refine_steps=0)
-    narrow = convert_tiny(sources["qwen2"], **options)
-    wide = convert_tiny(sources["qwen2"], nope_dims=16, **options)
+    narrow = convert_tiny(sources[kind], **options)
+    wide = convert_tiny(sources[kind], nope_dims=16, **options)
     models = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
               for name, path in (("narrow", narrow), ("wide", wide))}
     attn = models["narrow"].model.layers[0].self_attn
@@ -199,6 +200,6 @@ def test_narrowed_nope_is_exact_where_the_latent_is_narrower(sources, convert_ti
     assert plan["nope_dims"] == 8 and len(plan["nope_kept"]) == models["narrow"].config.num_hidden_layers
     assert all(row["kept"] > 1 - 1e-6 for row in plan["nope_kept"])
     # at 8 latent dims over 8 nope dims per group the narrowing has to choose: what it keeps is recorded (< 1)
-    lossy = json.loads((convert_tiny(sources["qwen2"], rank=12, rope_dims=8, refine_steps=0) / "provenance.json"
+    lossy = json.loads((convert_tiny(sources[kind], rank=12, rope_dims=8, refine_steps=0) / "provenance.json"
                         ).read_text())["plan"]["nope_kept"]
     assert all(0 < row["kept"] < 1 for row in lossy)
