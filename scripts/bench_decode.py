@@ -109,10 +109,12 @@ def build_models(args, dtype, device):
     else:
         src_cfg = LlamaConfig(**SMOLLM2_135M)
         source = LlamaForCausalLM(src_cfg).to(dtype)
-        mla_cfg = MLAConfig(**SMOLLM2_135M, kv_lora_rank=args.d_c, qk_rope_head_dim=args.d_r)
+        head_dim = SMOLLM2_135M["head_dim"]
+        d_n = args.d_n or (head_dim - args.d_r if 2 * args.d_r <= head_dim else head_dim)  # the converter's default
+        mla_cfg = MLAConfig(**SMOLLM2_135M, kv_lora_rank=args.d_c, qk_rope_head_dim=args.d_r, qk_nope_head_dim=d_n)
         mla = MLAForCausalLM(mla_cfg).to(dtype)
-        origin = (f"`--from-config`: SmolLM2-135M shapes, random weights; MLA d_c={args.d_c}, d_r={args.d_r} "
-                  f"(d_c + d_r = {args.d_c + args.d_r} per layer)")
+        origin = (f"`--from-config`: SmolLM2-135M shapes, random weights; MLA d_c={args.d_c}, d_r={args.d_r}, "
+                  f"d_n={d_n} (d_c + d_r = {args.d_c + args.d_r} per layer)")
         head_dim, source_elems = src_cfg.head_dim, 2 * src_cfg.num_key_value_heads * src_cfg.head_dim
         if args.d_r == head_dim // 2:  # the converter's default d_r; d_c is the rest of the budget
             origin += (f", the shape `mla-convert llama --kv-budget {(args.d_c + args.d_r) / source_elems:g}` gives "
@@ -1127,6 +1129,8 @@ def main(argv=None):
     p.add_argument("--gguf-file", help="with --source: the GGUF file name inside the source folder")
     p.add_argument("--d-c", type=int, default=64, help="latent dims per layer with --from-config (default 64)")
     p.add_argument("--d-r", type=int, default=32, help="rope key dims with --from-config (default 32)")
+    p.add_argument("--d-n", type=int, default=None, help="nope query/key dims with --from-config (default: the "
+                   "converter's, head_dim - d_r where d_r <= head_dim/2; the runs before --nope-dims had 64)")
     p.add_argument("--contexts", type=parse_ints, default=parse_ints("1k,2k,4k,8k,16k,32k"),
                    help="per-layer sweep contexts, comma-separated, k = 1024 (default 1k..32k)")
     p.add_argument("--batches", type=parse_ints, default=[1, 8], help="per-layer sweep batch sizes (default 1,8)")
