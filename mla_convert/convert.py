@@ -581,8 +581,8 @@ def narrow_nope(q_all, up_k, k_bias, down, cov, plan: Plan, layer: int):
         kept.append(share)
     plan.nope_kept.append({"layer": layer, "kept": round(min(kept), 6)})
     if min(kept) < NOPE_KEPT_WARN:
-        log.warning("layer %d: %d nope query/key dims keep %.1f%% of the nope score energy: --nope-dims %d keeps all",
-                    layer, d_n, 100 * min(kept), head_dim)
+        log.warning("the %d-dim nope query/key keeps %.1f%% of layer %d's nope score energy: --nope-dims %d keeps all",
+                    d_n, 100 * min(kept), layer, head_dim)
     q_all = torch.cat([torch.cat(queries), q_all[:, head_dim:]], dim=1)  # [H, d_n + d_r, D+1]
     return q_all, torch.stack(keys), torch.stack(biases)
 

@@ -203,3 +203,20 @@ def test_narrowed_nope_is_exact_where_the_latent_is_narrower(sources, convert_ti
     lossy = json.loads((convert_tiny(sources[kind], rank=12, rope_dims=8, refine_steps=0) / "provenance.json"
                         ).read_text())["plan"]["nope_kept"]
     assert all(0 < row["kept"] < 1 for row in lossy)
+
+
+def test_narrowing_warns_for_each_layer_it_costs_more_than_the_threshold(sources, convert_tiny, caplog):
+    """A layer whose narrowed nope query/key keeps less than NOPE_KEPT_WARN of the score energy gets one warning that
+    names --nope-dims; the others none."""
+    import json
+    import logging
+
+    from mla_convert.convert import NOPE_KEPT_WARN
+
+    with caplog.at_level(logging.WARNING, logger="mla_convert.convert"):
+        out = convert_tiny(sources["llama-gqa"], rank=16)
+    kept = json.loads((out / "provenance.json").read_text())["plan"]["nope_kept"]
+    low = {row["layer"] for row in kept if row["kept"] < NOPE_KEPT_WARN}
+    warned = {int(r.getMessage().split("layer ")[1].split("'")[0]) for r in caplog.records
+              if "--nope-dims 16 keeps all" in r.getMessage()}
+    assert low and warned == low  # this tiny model has such a layer (layer 1: 97.8%)
