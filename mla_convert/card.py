@@ -132,7 +132,8 @@ def _settings_section(steps: list[dict]) -> list[str]:
             rank_text = str(low) if low == high else f"{low}..{high} (mean {sum(ranks) / len(ranks):.1f})"
             lines.append(f"Latent dims per layer (d_c): {rank_text}; shared RoPE key dims (d_r): "
                          f"{_fmt(plan.get('rope_dims', plan.get('rope_dim')))}"  # rope_dim: older folders
-                         + (f"; nope query/key dims per head (d_n): {plan['nope_dims']}" if plan.get("nope_dims") else "")
+                         + (f"; nope query/key dims per head (d_n): {plan['nope_dims']}"
+                            if plan.get("nope_dims") else "")
                          + ".")
             lines.append("")
             lines += _refine_lines(plan.get("refine"))

@@ -309,7 +309,8 @@ def default_nope_dims(options: ConvertOptions, head_dim: int, d_r: int, qk_norm:
     sdpa's fused kernels without padding (the value keeps head_dim). Merged pairs leave the nope key d_h - d_r dropped
     dims plus the small remainder of the kept frequencies that the merge did not move into the rope key; the
     query-weighted reduction (`narrow_nope`) keeps 99.4-100% of the nope score energy (mean 99.9%) at 25% of
-    SmolLM2-135M's cache (recorded per layer as `nope_kept`). Otherwise (wider rope keys, unmerged pairs, per-head q/k norms): head_dim."""
+    SmolLM2-135M's cache (recorded per layer as `nope_kept`). Otherwise (wider rope keys, unmerged pairs, per-head
+    q/k norms): head_dim."""
     if qk_norm or not options.rope_merge or 2 * d_r > head_dim:
         return head_dim
     return head_dim - d_r
