@@ -566,13 +566,10 @@ def narrow_nope(q_all, up_k, k_bias, down, cov, plan: Plan, layer: int):
     heads, groups, head_dim, hidden, d_n = plan.heads, plan.groups, plan.head_dim, plan.hidden, plan.nope_dims
     per = heads // groups
     q_nope = q_all[:, :head_dim]  # [H, d_h, D+1]
-    if cov is None:  # weight-only: unit inputs
-        q_gram = q_nope[..., :hidden] @ q_nope[..., :hidden].transpose(-1, -2)
-        latent_cov = down.double() @ down.double().T
-    else:
-        q_gram = q_nope @ cov.double() @ q_nope.transpose(-1, -2)
-        latent_cov = down.double() @ cov[:hidden, :hidden].double() @ down.double().T
-    q_gram = q_gram.view(groups, per, head_dim, head_dim).sum(1)
+    q_gram = _group_query_grams(q_nope, cov, plan)
+    # the latent's second moment under the inputs (weight-only: unit inputs)
+    x_cov = torch.eye(hidden, dtype=torch.float64) if cov is None else cov[:hidden, :hidden].double()
+    latent_cov = down.double() @ x_cov @ down.double().T
     queries, keys, biases, kept = [], [], [], []
     for g in range(groups):
         a, b, share = lowrank.bilinear_reduce(q_gram[g], up_k[g] @ latent_cov @ up_k[g].T, d_n)
@@ -714,6 +711,15 @@ def key_rms(w_k: torch.Tensor, cov: torch.Tensor | None, groups: int, head_dim: 
     return (energy.view(groups, head_dim).mean(-1) + eps).sqrt()
 
 
+def _group_query_grams(q_nope: torch.Tensor, cov, plan: Plan) -> torch.Tensor:
+    """Per kv group, the second moment of its heads' nope queries summed over them, sum_h E[q_h q_h^T] [G, d_h, d_h],
+    from the query maps q_nope [H, d_h, D+1] (bias last) under the augmented input moment `cov` (None: unit inputs,
+    bias dropped)."""
+    q = q_nope if cov is not None else q_nope[..., : plan.hidden]
+    q_gram = q @ cov @ q.transpose(-1, -2) if cov is not None else q @ q.transpose(-1, -2)  # [H, d_h, d_h]
+    return q_gram.view(plan.groups, plan.heads // plan.groups, plan.head_dim, plan.head_dim).sum(1)
+
+
 def _row_weights(options: ConvertOptions, q_nope: torch.Tensor, w_o: torch.Tensor, cov, plan: Plan):
     """Row weightings (k_weight, v_weight) of the low-rank objective, or (None, None) for plain K/V error.
 
@@ -725,9 +731,7 @@ def _row_weights(options: ConvertOptions, q_nope: torch.Tensor, w_o: torch.Tenso
         return None, None
     heads, groups, head_dim = plan.heads, plan.groups, plan.head_dim
     per = heads // groups
-    q = q_nope if cov is not None else q_nope[..., : plan.hidden]  # [H, d_h, D(+1)]
-    q_gram = q @ cov @ q.transpose(-1, -2) if cov is not None else q @ q.transpose(-1, -2)  # [H, d_h, d_h]
-    q_gram = q_gram.view(groups, per, head_dim, head_dim).sum(1) / head_dim
+    q_gram = _group_query_grams(q_nope, cov, plan) / head_dim
     w_o = w_o.double().view(-1, heads, head_dim).transpose(0, 1)  # [H, D, d_h]
     o_gram = (w_o.transpose(-1, -2) @ w_o).view(groups, per, head_dim, head_dim).sum(1)  # [G, d_h, d_h]
     if options.objective == "scores":

@@ -109,8 +109,9 @@ def build_models(args, dtype, device):
     else:
         src_cfg = LlamaConfig(**SMOLLM2_135M)
         source = LlamaForCausalLM(src_cfg).to(dtype)
-        head_dim = SMOLLM2_135M["head_dim"]
-        d_n = args.d_n or (head_dim - args.d_r if 2 * args.d_r <= head_dim else head_dim)  # the converter's default
+        from mla_convert.convert import ConvertOptions, default_nope_dims
+
+        d_n = args.d_n or default_nope_dims(ConvertOptions(), SMOLLM2_135M["head_dim"], args.d_r, None)
         mla_cfg = MLAConfig(**SMOLLM2_135M, kv_lora_rank=args.d_c, qk_rope_head_dim=args.d_r, qk_nope_head_dim=d_n)
         mla = MLAForCausalLM(mla_cfg).to(dtype)
         origin = (f"`--from-config`: SmolLM2-135M shapes, random weights; MLA d_c={args.d_c}, d_r={args.d_r}, "
