@@ -349,10 +349,11 @@ def write_report(args) -> None:
         probe_rows = [json.loads(line) for line in probes.read_text().splitlines() if line.strip()]
         for series, text in PROBE_SERIES.items():
             lines += [f"**Series {series}**: {text} The source scores {PROBE_SOURCE_PPL[series]}.", "",
-                      "| probe | perplexity (2 windows) | options |", "|---|---|---|"]  # fmt: skip
+                      "| probe | perplexity (2 windows unless noted) | options |", "|---|---|---|"]  # fmt: skip
             for p in (r for r in probe_rows if r.get("series", "A") == series):
                 opts = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("name", "ppl", "W", "convert_s", "series"))
-                lines.append(f"| {p['name']} | {p['ppl']:.1f} | {opts} |")
+                count = f" ({p['W']} windows)" if p.get("W", 2) != 2 else ""
+                lines.append(f"| {p['name']} | {p['ppl']:.1f}{count} | {opts} |")
             lines.append("")
     lines += ["![perplexity vs budget](quality.png)", ""]
     (ROOT / "benchmarks" / "quality.md").write_text("\n".join(lines))

@@ -11,6 +11,8 @@ scripts/bench_quality.py). Never evaluation text: choices are made here, results
 Appends one JSON line to benchmarks/quality_probes.jsonl (series C) and prints it.
 
 `--dump-source DIR` writes a safetensors copy of the embedded model (for probes of other tools).
+`--score NAME FOLDER` scores a converted folder (e.g. the main job's) on the same windows and appends its row
+(its conversion options from the folder's provenance.json).
 """
 
 import json
@@ -42,18 +44,40 @@ def dump_source(folder: str) -> None:
     model.generation_config.save_pretrained(folder)
 
 
-def main() -> None:
-    if sys.argv[1] == "--dump-source":
-        return dump_source(sys.argv[2])
+def dev_perplexity(folder: Path, windows: int) -> float:
+    """Perplexity of a converted folder on the first `windows` 2048-token windows of `wiki-dev`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import mla_convert  # noqa: F401
     from bench_quality import TEXTS, prepare_texts
     from mla_convert import evaluate
+
+    prepare_texts()
+    ids = evaluate.tokenize(AutoTokenizer.from_pretrained(folder), TEXTS["wiki-dev"].read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return evaluate.perplexity(model, ids, 2048, windows, progress=False)["perplexity"]
+
+
+def record(row: dict) -> None:
+    print(json.dumps(row))
+    with (ROOT / "benchmarks" / "quality_probes.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def main() -> None:
+    if sys.argv[1] == "--dump-source":
+        return dump_source(sys.argv[2])
+    windows = int(os.environ.get("W", "2"))
+    if sys.argv[1] == "--score":
+        name, folder = sys.argv[2], Path(sys.argv[3])
+        prov = json.loads((folder / "provenance.json").read_text())
+        options = {k: prov["options"][k] for k in ("kv_budget", "rank") if prov["options"].get(k) is not None}
+        return record({"name": name, "series": "C", "ppl": round(dev_perplexity(folder, windows), 3), "W": windows,
+                       "folder": str(folder), **options, "nope_dims": prov["plan"].get("nope_dims")})
     from mla_convert.checkpoint import open_source
     from mla_convert.convert import ConvertOptions, convert
 
-    name, windows = sys.argv[1], int(os.environ.get("W", "2"))
+    name = sys.argv[1]
     opts = dict(dtype="float32")
     for kv in sys.argv[2:]:
         key, value = kv.split("=", 1)
@@ -62,20 +86,13 @@ def main() -> None:
         except json.JSONDecodeError:
             pass
         opts[key] = value
-    prepare_texts()
     out = ROOT / "out" / f"probe-{name}"
     start = time.time()
     convert(open_source(None), out, ConvertOptions(**opts), overwrite=True, progress=False)
     seconds = time.time() - start
-    ids = evaluate.tokenize(AutoTokenizer.from_pretrained(out), TEXTS["wiki-dev"].read_text())
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    result = evaluate.perplexity(model, ids, 2048, windows, progress=False)
     shown = {k: v for k, v in opts.items() if k != "dtype"}
-    row = {"name": name, "series": "C", "ppl": round(result["perplexity"], 3), "W": windows,
-           "convert_s": round(seconds, 1), **shown}  # fmt: skip
-    print(json.dumps(row))
-    with (ROOT / "benchmarks" / "quality_probes.jsonl").open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    record({"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3), "W": windows,
+            "convert_s": round(seconds, 1), **shown})
     shutil.rmtree(out, ignore_errors=True)
 
 
