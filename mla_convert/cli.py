@@ -324,13 +324,13 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "auto", "--refine-steps", help="After the factorization, train each converted attention layer this many "
             "Adam steps so that its outputs match the source attention's on the calibration text (real softmax and "
             "RoPE; kept only where a held-out calibration sequence improves). auto (default): 200 on a GPU, and on "
-            "the CPU when the plan estimates at most 30 min; 0: off. Measured in benchmarks/quality.md."
+            "the CPU when the plan estimates at most 1 h; 0: off. Measured in benchmarks/quality.md."
         ),
         refine_lr: float = typer.Option(  # refine.DEFAULT_LR, written out: that module imports torch
             1e-3, "--refine-lr", help="Learning rate of --refine-steps (Adam, cosine)."),
         refine_seq_len: int = typer.Option(  # refine.SEQ_LEN, written out
-            1024, "--refine-seq-len", help="Tokens per refinement window, from each calibration sequence's start "
-            "(at most --calib-seq-len); each step trains on 2048 tokens (two windows of 1024, one of 2048)."),
+            2048, "--refine-seq-len", help="Tokens per refinement window, from each calibration sequence's start "
+            "(at most --calib-seq-len); each step trains on 2048 tokens (one window of 2048, two of 1024)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

@@ -22,20 +22,24 @@ log = logging.getLogger(__name__)
 
 EXACT = 1e-9  # relative error below which a layer is already exact (float32 round-off): not refined
 # Chosen on the development split (benchmarks/quality.md, probes of series C): 200 Adam steps at 1e-3 (cosine) on
-# 2 x 1024-token windows a step. At 25%, 100 steps: 3e-4 scored 122.4, 1e-3 113.0, 3e-3 123.5; 200 steps at 1e-3 102.9
-# (at 3e-4 113.2); 200 steps on one 2048-token window a step 99.3, at 1.5x the time (`--refine-seq-len 2048`).
+# 2048 tokens a step. At 25%, 100 steps: 3e-4 scored 122.4, 1e-3 113.0, 3e-3 123.5; 200 steps at 1e-3 102.9 (at 3e-4
+# 113.2); 200 steps on one 2048-token window a step instead of two of 1024 99.3 at 1.5x the time, and again on the
+# later defaults 87.23 against 89.29 at 25% and 34.66 against 35.50 at 50%: one window of 2048 is the default since
+# (the windows reach the positions past 1024 that a 2048-token context holds).
 # Windows start at each sequence's first token: crops that start mid-sequence put the attention sink on an arbitrary
 # token and train the layer on a pattern it never meets (held-out error went up).
 DEFAULT_STEPS = 200
 DEFAULT_LR = 1e-3
-SEQ_LEN = 1024
-BATCH = 2
-STEP_TOKENS = SEQ_LEN * BATCH  # tokens a step: a longer window (`--refine-seq-len`) takes fewer sequences a step
+STEP_TOKENS = 2048  # tokens a step: a shorter window (`--refine-seq-len`) takes more sequences a step
+SEQ_LEN = 2048
+BATCH = STEP_TOKENS // SEQ_LEN
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS. The rate
-# is what 2 CPU cores sustained on SmolLM2-135M (1.6e11-1.7e11 flop/s: 100 steps a layer in ~18 s, 200 in ~37 s),
-# rounded down; an 8B model's estimate is hours there, so it is not refined on a CPU unless asked.
+# is what 2 CPU cores sustained on SmolLM2-135M (1.6e11-1.7e11 flop/s on an AMD EPYC: 100 steps a layer in ~18 s, 200
+# in ~37 s), rounded down; an 8B model's estimate is hours there, so it is not refined on a CPU unless asked. One hour:
+# SmolLM2-135M at 50% of the cache estimates 36 min with the default windows (its whole conversion took 26 min on an
+# Intel Xeon), at 25% 25 min.
 CPU_FLOPS = 1.5e11
-AUTO_CPU_SECONDS = 1800
+AUTO_CPU_SECONDS = 3600
 
 
 def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH) -> float:
