@@ -98,8 +98,10 @@ needs_vllm = pytest.mark.skipif(
 )
 
 
-def _compare_in_vllm(folder: Path, tolerance: float = 1e-4) -> dict:
-    """vLLM (float32) and transformers on the same folder: per-token log-probs and greedy tokens."""
+def _compare_in_vllm(folder: Path, tolerance: float = 5e-4) -> dict:
+    """vLLM (float32) and transformers on the same folder: per-token log-probs and greedy tokens. Both compute in
+    float32 but reduce in different orders: one full-suite run measured 1.6e-4 on the refined tiny qwen2 model (other
+    runs, and the same test alone, stayed below 1e-4), hence 5e-4; the greedy tokens must still be equal."""
     from mla_convert.serving import engine
 
     gen = torch.Generator().manual_seed(0)
