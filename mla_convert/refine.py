@@ -36,8 +36,8 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS. The rate
 # is what 2 CPU cores sustained on SmolLM2-135M (1.6e11-1.7e11 flop/s on an AMD EPYC: 100 steps a layer in ~18 s, 200
 # in ~37 s), rounded down; an 8B model's estimate is hours there, so it is not refined on a CPU unless asked. One hour:
-# SmolLM2-135M at 50% of the cache estimates 36 min with the default windows (its whole conversion took 26 min on an
-# Intel Xeon), at 25% 25 min.
+# SmolLM2-135M at 50% of the cache estimates 38 min with the default windows (its whole conversion took 26-29 min on
+# 2 Intel Xeon cores: probe C_energy50_w2048_s200, bench_quality's row), at 25% 25 min.
 CPU_FLOPS = 1.5e11
 AUTO_CPU_SECONDS = 3600
 
