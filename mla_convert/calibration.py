@@ -116,7 +116,6 @@ class LayerRunner:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.hidden = torch.nn.functional.embedding(tokens, embed).float()  # [N, T, D] (rows first: no float32 table)
-        self.reference: torch.Tensor | None = None  # the source's stream, when the hidden states follow the converted
         self.batch = batch
         rotary = LlamaRotaryEmbedding(config)
         positions = torch.arange(tokens.shape[1]).unsqueeze(0)
@@ -125,13 +124,12 @@ class LayerRunner:
     def to(self, device) -> "LayerRunner":
         """Keep the hidden states (and the rotary tables) on `device`: layers moved there run where they are."""
         self.hidden = self.hidden.to(device)
-        self.reference = None if self.reference is None else self.reference.to(device)
         self.position_embeddings = tuple(t.to(device) for t in self.position_embeddings)
         return self
 
     @torch.no_grad()
-    def attention_input(self, layer, reference: bool = False) -> torch.Tensor:
-        return layer.input_layernorm(self.reference if reference else self.hidden)  # [N, T, D]
+    def attention_input(self, layer) -> torch.Tensor:
+        return layer.input_layernorm(self.hidden)  # [N, T, D]
 
     @torch.no_grad()
     def attention_profile(self, layer, block: int = 128) -> torch.Tensor:
@@ -203,24 +201,15 @@ class LayerRunner:
         return profile, attended, keyed
 
     @torch.no_grad()
-    def advance(self, layer, reference: bool = False) -> None:
-        """Run `layer` on the hidden states (`reference`: on the source's stream, see `keep_reference`)."""
-        states = self.reference if reference else self.hidden
+    def advance(self, layer) -> None:
+        """Run `layer` on the hidden states."""
         outs = []
-        for chunk in states.split(self.batch):
+        for chunk in self.hidden.split(self.batch):
             cos, sin = self.position_embeddings
             pe = (cos.expand(chunk.shape[0], -1, -1), sin.expand(chunk.shape[0], -1, -1))
             out = layer(chunk, attention_mask=None, position_embeddings=pe, position_ids=None)
             outs.append(out[0] if isinstance(out, tuple) else out)
-        if reference:
-            self.reference = torch.cat(outs)
-        else:
-            self.hidden = torch.cat(outs)
-
-    def keep_reference(self) -> None:
-        """Carry a second stream, the source model's own hidden states, beside `hidden` (which then follows the
-        converted layers): what sequential refinement aims the converted layers at."""
-        self.reference = self.hidden.clone()
+        self.hidden = torch.cat(outs)
 
 
 def by_distance(probs: torch.Tensor) -> torch.Tensor:

@@ -300,7 +300,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         ),
         calib_propagate: str = typer.Option(
             "source", "--calib-propagate", help="Later layers calibrate on the source's (source) or the converted "
-            "earlier layers' activations (converted)."
+            "earlier layers' activations (converted: closed form only, no --refine-steps)."
         ),
         rank_allocation: Optional[str] = typer.Option(
             None, "--rank-allocation", help="uniform: every layer gets the same latent dims. energy: the same "
