@@ -134,6 +134,7 @@ def _convert(
     refine_steps: Optional[str],
     refine_lr: float,
     refine_seq_len: int,
+    refine_scope: str,
     seed: int,
     device: str,
     dtype: Optional[str],
@@ -193,6 +194,7 @@ def _convert(
         refine_steps=_parse_refine_steps(refine_steps),
         refine_lr=refine_lr,
         refine_seq_len=refine_seq_len,
+        refine_scope=refine_scope,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -331,6 +333,10 @@ def _make_convert_command(family: Optional[str], help_text: str):
         refine_seq_len: int = typer.Option(  # refine.SEQ_LEN, written out
             2048, "--refine-seq-len", help="Tokens per refinement window, from each calibration sequence's start "
             "(at most --calib-seq-len); each step trains on 2048 tokens (one window of 2048, two of 1024)."),
+        refine_scope: str = typer.Option(
+            "attention", "--refine-scope", help="What --refine-steps trains: attention (default: the converted "
+            "attention, to the source attention's outputs) or layer (the whole decoder layer, MLP and norms at a tenth "
+            "of the learning rate, to what the source layer adds to the residual stream)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

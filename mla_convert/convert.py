@@ -84,6 +84,7 @@ class ConvertOptions:
     refine_steps: int | None = None
     refine_lr: float = refine.DEFAULT_LR
     refine_seq_len: int = refine.SEQ_LEN  # tokens per refinement window (from each sequence's start)
+    refine_scope: str = "attention"  # attention | layer: what refinement trains (mla_convert.refine.SCOPES)
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -136,6 +137,7 @@ class Plan:
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
     refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
     refine_seconds: float = 0.0
+    refine_scope: str = "attention"
     refine_record: list = field(default_factory=list)  # per layer: held-out error before/after, kept
     nope_kept: list = field(default_factory=list)  # per layer: share of the nope score energy d_n dims keep
 
@@ -376,6 +378,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--refine-steps must be 0 or more, got {options.refine_steps}")
     if not options.refine_lr > 0:
         raise UserError(f"--refine-lr must be positive, got {options.refine_lr}")
+    if options.refine_scope not in refine.SCOPES:
+        raise UserError(f"--refine-scope must be one of {', '.join(refine.SCOPES)}, got {options.refine_scope}")
     if options.refine_seq_len < 16:
         raise UserError(f"--refine-seq-len must be at least 16 tokens, got {options.refine_seq_len}")
     if options.refine_steps and options.calib_data is None:
@@ -824,6 +828,7 @@ def convert(
         log.info("--factorization split: values keep their per-token fit (--value-inputs token)")
         options = dataclasses.replace(options, value_inputs="token")
     plan = make_plan(source, family, options)
+    plan.refine_scope = options.refine_scope
     window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
     # auto refines along the source's stream only (see the check in make_plan)
     refinable = options.calib_data is not None and options.calib_propagate == "source"
@@ -921,18 +926,24 @@ def convert(
             clock = LayerClock(device)
             prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i)
             targets = None
-            if runner is not None and options.refine_steps > 0:
+            refining = runner is not None and options.refine_steps > 0  # along the source's stream (make_plan)
+            if refining and options.refine_scope == "attention":
                 targets = refine.attention_targets(source_layer, runner)
             if runner is not None and options.calib_propagate == "source":
+                inputs = runner.hidden
                 runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
                 source_layer = None
+                if refining and options.refine_scope == "layer":  # the layer's inputs and what it adds to them
+                    targets = (inputs, runner.hidden - inputs)
+                del inputs
             clock.lap("calibration")
             with torch.device(device):
                 mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
             clock.lap("factorization")
             if targets is not None:
-                mla_tensors = _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets,
-                                       runner.position_embeddings, options, device)
+                mla_tensors, trained = _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors,
+                                                targets, runner.position_embeddings, options, device)
+                layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
                 targets = None
                 clock.lap("refine")
             # unchanged tensors (MLP, norms) go out as read, in the source's dtype: never through float32
@@ -1142,8 +1153,10 @@ def describe_method(options: ConvertOptions) -> str:
     if options.rank_allocation == "energy":
         fact += ", latent dims shared among layers by their spectra"
     if options.refine_steps:
-        fact += (f"; each layer then trained {options.refine_steps} steps to match the source attention's outputs"
-                 + (" along the converted model's stream" if options.calib_propagate == "converted" else ""))
+        fact += (f"; each layer's attention then trained {options.refine_steps} steps to match the source "
+                 "attention's outputs" if options.refine_scope == "attention" else
+                 f"; each whole layer (attention, MLP, norms) then trained {options.refine_steps} steps to match what "
+                 "the source layer adds to the residual stream")
     return f"{rope_text}, {fact}"
 
 
@@ -1185,15 +1198,27 @@ def _converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_ten
 
 
 def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets, position_embeddings, options,
-             device) -> dict[str, torch.Tensor]:
-    """The layer's MLA attention tensors after `refine.refine_attention` on the calibration targets."""
-    layer = _converted_layer(config, plan, family, rope_pairs, i, _on(layer_tensors, device), mla_tensors)
-    record = refine.refine_attention(layer.self_attn, *targets, position_embeddings, options.refine_steps,
-                                     options.refine_lr, seq_len=options.refine_seq_len, seed=options.seed + i)
+             device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the layer's MLA attention tensors, its other tensors where they were trained and kept, else {}) after
+    `refine.refine_attention` on the calibration targets: of the attention, or of the whole layer
+    (`--refine-scope layer`, its MLP and norms on copies: the source's tensors are not touched)."""
+    whole = options.refine_scope == "layer"
+    others = {n: t.to(device=device, dtype=torch.float32, copy=whole) for n, t in layer_tensors.items()}
+    layer = _converted_layer(config, plan, family, rope_pairs, i, others, mla_tensors)
+    if whole:
+        module, forward = layer, refine.layer_update
+        slow = tuple(p for n, p in layer.named_parameters() if not n.startswith("self_attn."))
+    else:
+        module, forward, slow = layer.self_attn, refine.attention_output, ()
+    record = refine.refine_attention(module, *targets, position_embeddings, options.refine_steps, options.refine_lr,
+                                     seq_len=options.refine_seq_len, seed=options.seed + i, forward=forward,
+                                     slow=slow, slow_lr=options.refine_lr * refine.SLOW_LR_SCALE)
     log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],
              "kept" if record["kept"] else "not kept")
     plan.refine_record.append({"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}})
-    return {k: v.detach() for k, v in layer.self_attn.state_dict().items()}
+    trained = {n: t.detach().cpu() for n, t in layer.state_dict().items() if not n.startswith("self_attn.")}
+    return ({k: v.detach() for k, v in layer.self_attn.state_dict().items()},
+            trained if whole and record["kept"] else {})
 
 
 def _calibration_runner(source: Source, options: ConvertOptions):

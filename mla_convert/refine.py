@@ -39,13 +39,22 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # SmolLM2-135M at 50% of the cache estimates 38 min with the default windows (its whole conversion took 26-29 min on
 # 2 Intel Xeon cores: probe C_energy50_w2048_s200, bench_quality's row), at 25% 25 min.
 CPU_FLOPS = 1.5e11
+# attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
+# layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
+# back what the attention lost; the MLP and norms train at SLOW_LR_SCALE x the learning rate (their source weights
+# need only a correction).
+SCOPES = ("attention", "layer")
+SLOW_LR_SCALE = 0.1
 AUTO_CPU_SECONDS = 3600
 
 
 def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH) -> float:
-    """Forward + backward flops of one refinement step of one layer: the projections (2 x tokens x parameters) and
-    the score and value products over causal windows, both x3 for the backward pass."""
+    """Forward + backward flops of one refinement step of one layer: the projections (2 x tokens x parameters, the
+    MLP's too where the whole layer trains) and the score and value products over causal windows, both x3 for the
+    backward pass."""
     params = plan.attn_params_after / plan.layers
+    if plan.refine_scope == "layer":  # a gated MLP: three hidden x intermediate maps
+        params += 3 * plan.hidden * plan.memory.get("intermediate", 4 * plan.hidden)
     width = plan.nope_dims + plan.rope_dims + plan.head_dim  # q.k and p.v per score
     scores = 2 * batch * plan.heads * seq_len**2 * width
     return 3 * (2 * batch * seq_len * params + scores)
@@ -93,10 +102,21 @@ def attention_targets(source_layer, runner) -> tuple[torch.Tensor, torch.Tensor]
     return x, torch.cat(ys)
 
 
-def _relative_error(attn, x, y, position_embeddings) -> float:
-    """||attn(x) - y||^2 / ||y||^2 over one sequence x [1, T, D] (position embeddings [1, T, d])."""
+def attention_output(attn, x, position_embeddings) -> torch.Tensor:
+    """What an attention module returns for inputs x (its first output), causal, no mask."""
+    return attn(x, position_embeddings=position_embeddings, attention_mask=None)[0]
+
+
+def layer_update(layer, x, position_embeddings) -> torch.Tensor:
+    """What a decoder layer adds to the residual stream x (attention and MLP): layer(x) - x."""
+    out = layer(x, position_embeddings=position_embeddings, attention_mask=None)
+    return (out[0] if isinstance(out, tuple) else out) - x
+
+
+def _relative_error(module, forward, x, y, position_embeddings) -> float:
+    """||forward(module, x) - y||^2 / ||y||^2 over one sequence x [1, T, D] (position embeddings [1, T, d])."""
     with torch.no_grad():
-        out = attn(x, position_embeddings=position_embeddings, attention_mask=None)[0]
+        out = forward(module, x, position_embeddings)
         return (out - y).pow(2).sum().item() / max(y.pow(2).sum().item(), 1e-30)
 
 
@@ -110,15 +130,20 @@ def refine_attention(
     seq_len: int = SEQ_LEN,
     batch: int | None = None,
     seed: int = 0,
+    forward=attention_output,
+    slow: tuple[torch.nn.Parameter, ...] = (),
+    slow_lr: float = 0.0,
 ) -> dict:
-    """Train `attn` (an MLAAttention, float32, in place) so that attn(x) matches y, on the first `seq_len` tokens of
-    `batch` (default: `batch_for(seq_len)`) random sequences of the first N-1 a step; the last sequence is held out
-    (scored over its whole length). Adam with a cosine schedule on the relative squared error. Returns {"before", "after", "kept"}: the held-out
-    relative errors, and whether the trained weights were kept (else `attn` is restored)."""
+    """Train `attn` (float32, in place) so that forward(attn, x) matches y (default: an MLAAttention's output), on
+    the first `seq_len` tokens of `batch` (default: `batch_for(seq_len)`) random sequences of the first N-1 a step;
+    the last sequence is held out (scored over its whole length). Adam with a cosine schedule on the relative squared
+    error; the parameters in `slow` (e.g. a whole layer's MLP, whose source weights need only a correction) train at
+    `slow_lr` and the others at `lr`. Returns {"before", "after", "kept"}: the held-out relative errors, and whether
+    the trained weights were kept (else `attn` is restored)."""
     n, total, _ = x.shape
     held = slice(n - 1, n)  # with one sequence it is also the training sequence
     train = slice(0, max(n - 1, 1))
-    before = _relative_error(attn, x[held], y[held], position_embeddings)
+    before = _relative_error(attn, forward, x[held], y[held], position_embeddings)
     record = {"before": before, "after": before, "kept": False}
     if before < EXACT or steps <= 0:
         return record
@@ -126,7 +151,11 @@ def refine_attention(
     params = list(attn.parameters())
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.Adam(params, lr=lr)
+    slow_ids = {id(p) for p in slow}
+    groups = [{"params": [p for p in params if id(p) not in slow_ids], "lr": lr}]
+    if slow:
+        groups.append({"params": list(slow), "lr": slow_lr})
+    optimizer = torch.optim.Adam(groups)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     gen = torch.Generator().manual_seed(seed)
     seq_len = min(seq_len, total)
@@ -139,8 +168,7 @@ def refine_attention(
     for _ in range(steps):
         rows = torch.randint(0, xt.shape[0], (batch,), generator=gen)
         xb, yb = xt[rows, :seq_len], yt[rows, :seq_len]
-        out = attn(xb, position_embeddings=pe, attention_mask=None)[0]
-        loss = (out - yb).pow(2).mean() / scale
+        loss = (forward(attn, xb, pe) - yb).pow(2).mean() / scale
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -148,7 +176,7 @@ def refine_attention(
     attn.eval()
     for p in params:
         p.requires_grad_(False)
-    after = _relative_error(attn, x[held], y[held], position_embeddings)
+    after = _relative_error(attn, forward, x[held], y[held], position_embeddings)
     record["after"] = after
     if after < before:
         record["kept"] = True

@@ -46,17 +46,18 @@ def test_full_rank_is_left_exact(sources, convert_tiny):
     src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32)
     full = dict(rank=max_rank(src.config), rope_dims=src.config.num_key_value_heads * src.config.head_dim, force=True)
     plain = convert_tiny(sources["llama-gqa"], refine_steps=0, **full)
-    refined = convert_tiny(sources["llama-gqa"], refine_steps=20, **full)
-    a, b = _weights(plain), _weights(refined)
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    record = _plan(refined)["refine"]
-    assert len(record) == src.config.num_hidden_layers
-    assert all(r["before"] < refine.EXACT and not r["kept"] for r in record)
+    for scope in refine.SCOPES:
+        refined = convert_tiny(sources["llama-gqa"], refine_steps=20, refine_scope=scope, **full)
+        a, b = _weights(plain), _weights(refined)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        record = _plan(refined)["refine"]
+        assert len(record) == src.config.num_hidden_layers
+        assert all(r["before"] < refine.EXACT and not r["kept"] for r in record)
 
 
-@pytest.mark.parametrize("allocation", ["uniform", "energy"])
-def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny, allocation):
+@pytest.mark.parametrize("allocation,scope", [("uniform", "attention"), ("energy", "attention"), ("uniform", "layer")])
+def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny, allocation, scope):
     """At a low rank and few RoPE pairs, the refined model's next-token distributions are closer to the source's on
     text no calibration read, and the record says what each layer gained (with the energy allocation too, whose
     statistics pass runs before any layer is converted)."""
@@ -64,7 +65,7 @@ def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, conv
     src = AutoModelForCausalLM.from_pretrained(sources[kind], dtype=torch.float32).eval()
     lossy = dict(rank=4, rope_dims=4, calib_samples=16, calib_seq_len=64, rank_allocation=allocation)
     plain = convert_tiny(sources[kind], refine_steps=0, **lossy)
-    refined = convert_tiny(sources[kind], refine_steps=150, refine_lr=3e-3, **lossy)
+    refined = convert_tiny(sources[kind], refine_steps=150, refine_lr=3e-3, refine_scope=scope, **lossy)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(sources[kind])
@@ -75,6 +76,9 @@ def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, conv
     assert any(r["kept"] for r in record)
     assert all(r["after"] < r["before"] for r in record if r["kept"])
     assert _plan(plain)["refine"] == []  # not run: nothing recorded
+    a, b = _weights(plain), _weights(refined)
+    mlp_changed = any(not torch.equal(a[k], b[k]) for k in a if ".mlp." in k)
+    assert mlp_changed == (scope == "layer")  # the whole layer trains only when asked
     card = (refined / "README.md").read_text()
     assert "Refinement:" in card
 
