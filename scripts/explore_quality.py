@@ -8,7 +8,8 @@ Converts the embedded SmolLM2-135M in process with the data-free default calibra
 cached, so every probe calibrates on the same tokens) unless `calib_data=` says otherwise, and scores the first W
 (env, default 2) 2048-token windows of the development split, `wiki-dev` (the second half of wiki.valid.tokens; see
 scripts/bench_quality.py). Never evaluation text: choices are made here, results are measured by bench_quality.py.
-Appends one JSON line to benchmarks/quality_probes.jsonl (series C) and prints it.
+Appends one JSON line to benchmarks/quality_probes.jsonl (series C) and prints it. The converted folder
+(out/probe-NAME) is removed unless KEEP=1.
 
 `--dump-source DIR` writes a safetensors copy of the embedded model (for probes of other tools).
 `--score NAME FOLDER` scores a converted folder (e.g. the main job's) on the same windows and appends its row
@@ -93,7 +94,8 @@ def main() -> None:
     shown = {k: v for k, v in opts.items() if k != "dtype"}
     record({"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3), "W": windows,
             "convert_s": round(seconds, 1), **shown})
-    shutil.rmtree(out, ignore_errors=True)
+    if not os.environ.get("KEEP"):  # KEEP=1: leave the converted folder (e.g. for bench_quality.py --folder)
+        shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":
