@@ -323,10 +323,10 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "(on token inputs) and values (on attended inputs) are both fit (0: only the value up-projection is refit)."
         ),
         refine_steps: Optional[str] = typer.Option(
-            "auto", "--refine-steps", help="After the factorization, train each converted attention layer this many "
-            "Adam steps so that its outputs match the source attention's on the calibration text (real softmax and "
+            "auto", "--refine-steps", help="After the factorization, train each converted layer this many "
+            "Adam steps so that its outputs match the source's on the calibration text (real softmax and "
             "RoPE; kept only where a held-out calibration sequence improves). auto (default): 200 on a GPU, and on "
-            "the CPU when the plan estimates at most 1 h; 0: off. Measured in benchmarks/quality.md."
+            "the CPU when the plan estimates at most 1.5 h; 0: off. Measured in benchmarks/quality.md."
         ),
         refine_lr: float = typer.Option(  # refine.DEFAULT_LR, written out: that module imports torch
             1e-3, "--refine-lr", help="Learning rate of --refine-steps (Adam, cosine)."),
@@ -334,9 +334,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
             2048, "--refine-seq-len", help="Tokens per refinement window, from each calibration sequence's start "
             "(at most --calib-seq-len); each step trains on 2048 tokens (one window of 2048, two of 1024)."),
         refine_scope: str = typer.Option(
-            "attention", "--refine-scope", help="What --refine-steps trains: attention (default: the converted "
-            "attention, to the source attention's outputs) or layer (the whole decoder layer, MLP and norms at a tenth "
-            "of the learning rate, to what the source layer adds to the residual stream)."),
+            "layer", "--refine-scope", help="What --refine-steps trains: layer (default: the whole decoder layer, "
+            "MLP and norms at a tenth of the learning rate, to what the source layer adds to the residual stream) or "
+            "attention (the converted attention, to the source attention's outputs; about half the refinement time)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

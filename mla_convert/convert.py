@@ -84,7 +84,7 @@ class ConvertOptions:
     refine_steps: int | None = None
     refine_lr: float = refine.DEFAULT_LR
     refine_seq_len: int = refine.SEQ_LEN  # tokens per refinement window (from each sequence's start)
-    refine_scope: str = "attention"  # attention | layer: what refinement trains (mla_convert.refine.SCOPES)
+    refine_scope: str = refine.DEFAULT_SCOPE  # attention | layer: what refinement trains (mla_convert.refine.SCOPES)
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -137,7 +137,7 @@ class Plan:
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
     refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
     refine_seconds: float = 0.0
-    refine_scope: str = "attention"
+    refine_scope: str = refine.DEFAULT_SCOPE
     refine_record: list = field(default_factory=list)  # per layer: held-out error before/after, kept
     nope_kept: list = field(default_factory=list)  # per layer: share of the nope score energy d_n dims keep
 

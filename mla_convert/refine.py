@@ -35,17 +35,21 @@ SEQ_LEN = 2048
 BATCH = STEP_TOKENS // SEQ_LEN
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS. The rate
 # is what 2 CPU cores sustained on SmolLM2-135M (1.6e11-1.7e11 flop/s on an AMD EPYC: 100 steps a layer in ~18 s, 200
-# in ~37 s), rounded down; an 8B model's estimate is hours there, so it is not refined on a CPU unless asked. One hour:
-# SmolLM2-135M at 50% of the cache estimates 38 min with the default windows (its whole conversion took 26-29 min on
-# 2 Intel Xeon cores: probe C_energy50_w2048_s200, bench_quality's row), at 25% 25 min.
+# in ~37 s), rounded down; an 8B model's estimate is hours there (33 h with the whole layer), so it is not refined
+# on a CPU unless asked. 1.5 hours: SmolLM2-135M at 50% of the cache estimates 60 min with the whole-layer default
+# (38 min for the attention alone) and its whole conversion took 40 min on 2 Intel Xeon cores (probe C_layer50), at
+# 25% 47 min estimated, 28 min measured (C_layer).
 CPU_FLOPS = 1.5e11
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
 # back what the attention lost; the MLP and norms train at SLOW_LR_SCALE x the learning rate (their source weights
-# need only a correction).
+# need only a correction; a prior, not swept). Chosen on the development split: at 25% layer scored 80.30 against 87.23
+# (probes C_layer, C_nope32_w2048), at 50% 34.49 against 34.66 (C_layer50, C_energy50_w2048_s200),
+# for 1.6x the conversion time (1704 s against 1060 s at 25%, 2426 s against 1570 s at 50%, 2 Intel Xeon cores).
 SCOPES = ("attention", "layer")
+DEFAULT_SCOPE = "layer"
 SLOW_LR_SCALE = 0.1
-AUTO_CPU_SECONDS = 3600
+AUTO_CPU_SECONDS = 5400
 
 
 def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH) -> float:

@@ -130,26 +130,30 @@ def test_refine_restores_the_weights_when_the_held_out_error_does_not_drop():
     assert not attn.w.requires_grad
 
 
-def _shaped_plan(layers, hidden, heads, groups, head_dim, rank, rope_dims, nope_dims=None) -> Plan:
+def _shaped_plan(layers, hidden, heads, groups, head_dim, rank, rope_dims, intermediate, nope_dims=None,
+                 scope=refine.DEFAULT_SCOPE) -> Plan:
     plan = Plan(family="llama", model_type="llama", layers=layers, hidden=hidden, heads=heads, groups=groups,
                 head_dim=head_dim, kv_lora_rank=[rank] * layers, rope_dims=rope_dims,
                 nope_dims=head_dim - rope_dims if nope_dims is None else nope_dims,
-                dtype="bfloat16",
+                dtype="bfloat16", memory={"intermediate": intermediate}, refine_scope=scope,
                 source_bytes=0, calib_tokens=0)  # fmt: skip
     plan.set_kv_lora_rank(plan.kv_lora_rank)
     return plan
 
 
 def test_auto_steps_follow_the_estimated_cost(caplog):
-    small = _shaped_plan(30, 576, 9, 3, 64, 64, 32)  # SmolLM2-135M at 25%
-    big = _shaped_plan(32, 4096, 32, 8, 128, 512, 64)  # Llama-3-8B shapes
+    small = _shaped_plan(30, 576, 9, 3, 64, 64, 32, 1536)  # SmolLM2-135M at 25%
+    big = _shaped_plan(32, 4096, 32, 8, 128, 512, 64, 14336)  # Llama-3-8B shapes
     assert refine.estimate_seconds(small, refine.DEFAULT_STEPS) <= refine.AUTO_CPU_SECONDS
     assert refine.resolve_steps(None, small, "cpu", refine.SEQ_LEN) == refine.DEFAULT_STEPS
     # a longer window costs more a step: the same tokens, but each score row twice as long
     assert refine.estimate_seconds(small, 100, 2048) > refine.estimate_seconds(small, 100, 1024)
     assert refine.batch_for(2048) == 1 and refine.batch_for(1024) == 2 and refine.batch_for(512) == 4
-    half = _shaped_plan(30, 576, 9, 3, 64, 128, 64, nope_dims=64)  # SmolLM2-135M at 50%: refined on a CPU too
+    half = _shaped_plan(30, 576, 9, 3, 64, 128, 64, 1536, nope_dims=64)  # SmolLM2-135M at 50%: refined on a CPU too
     assert refine.resolve_steps(None, half, "cpu", refine.SEQ_LEN) == refine.DEFAULT_STEPS
+    # the whole layer costs more a step than its attention alone (the MLP's maps train too)
+    layer, attention = (_shaped_plan(30, 576, 9, 3, 64, 64, 32, 1536, scope=s) for s in ("layer", "attention"))
+    assert refine.step_flops(layer) > 1.5 * refine.step_flops(attention)
     with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
         assert refine.resolve_steps(None, big, "cpu", 2048) == 0
     assert "--refine-steps" in caplog.text
