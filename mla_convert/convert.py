@@ -430,6 +430,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         dtype=dtype,
         source_bytes=source.nbytes(),
         calib_tokens=options.calib_samples * options.calib_seq_len if options.needs_statistics() else 0,
+        refine_scope=options.refine_scope,
         memory={
             "intermediate": getattr(config, "intermediate_size", 4 * hidden),
             "source_element": _source_element(source, family),
@@ -828,7 +829,6 @@ def convert(
         log.info("--factorization split: values keep their per-token fit (--value-inputs token)")
         options = dataclasses.replace(options, value_inputs="token")
     plan = make_plan(source, family, options)
-    plan.refine_scope = options.refine_scope
     window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
     # auto refines along the source's stream only (see the check in make_plan)
     refinable = options.calib_data is not None and options.calib_propagate == "source"
@@ -946,7 +946,8 @@ def convert(
                 layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
                 targets = None
                 clock.lap("refine")
-            # unchanged tensors (MLP, norms) go out as read, in the source's dtype: never through float32
+            # unchanged tensors (MLP, norms, unless refined with the layer) go out as read, in the source's dtype:
+            # never through float32
             out_tensors = {prefix + n: t for n, t in layer_tensors.items() if not n.startswith("self_attn.")}
             out_tensors.update({f"{prefix}self_attn.{n}": t.cpu() for n, t in mla_tensors.items()})
             _write_layer(kept / _layer_file(i), out_tensors, rope_pairs[i], kept_dtype)
@@ -1200,7 +1201,7 @@ def _converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_ten
 def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets, position_embeddings, options,
              device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the layer's MLA attention tensors, its other tensors where they were trained and kept, else {}) after
-    `refine.refine_attention` on the calibration targets: of the attention, or of the whole layer
+    `refine.refine_module` on the calibration targets: of the attention, or of the whole layer
     (`--refine-scope layer`, its MLP and norms on copies: the source's tensors are not touched)."""
     whole = options.refine_scope == "layer"
     others = {n: t.to(device=device, dtype=torch.float32, copy=whole) for n, t in layer_tensors.items()}
@@ -1210,7 +1211,7 @@ def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, ta
         slow = tuple(p for n, p in layer.named_parameters() if not n.startswith("self_attn."))
     else:
         module, forward, slow = layer.self_attn, refine.attention_output, ()
-    record = refine.refine_attention(module, *targets, position_embeddings, options.refine_steps, options.refine_lr,
+    record = refine.refine_module(module, *targets, position_embeddings, options.refine_steps, options.refine_lr,
                                      seq_len=options.refine_seq_len, seed=options.seed + i, forward=forward,
                                      slow=slow, slow_lr=options.refine_lr * refine.SLOW_LR_SCALE)
     log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],

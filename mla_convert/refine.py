@@ -102,7 +102,7 @@ def attention_targets(source_layer, runner) -> tuple[torch.Tensor, torch.Tensor]
     with torch.no_grad():
         for chunk in x.split(runner.batch):
             pe = (cos.expand(chunk.shape[0], -1, -1), sin.expand(chunk.shape[0], -1, -1))
-            ys.append(source_layer.self_attn(chunk, position_embeddings=pe, attention_mask=None)[0])
+            ys.append(attention_output(source_layer.self_attn, chunk, pe))
     return x, torch.cat(ys)
 
 
@@ -124,8 +124,8 @@ def _relative_error(module, forward, x, y, position_embeddings) -> float:
         return (out - y).pow(2).sum().item() / max(y.pow(2).sum().item(), 1e-30)
 
 
-def refine_attention(
-    attn: torch.nn.Module,
+def refine_module(
+    module: torch.nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -138,21 +138,21 @@ def refine_attention(
     slow: tuple[torch.nn.Parameter, ...] = (),
     slow_lr: float = 0.0,
 ) -> dict:
-    """Train `attn` (float32, in place) so that forward(attn, x) matches y (default: an MLAAttention's output), on
+    """Train `module` (float32, in place) so that forward(module, x) matches y (default: an MLAAttention's output), on
     the first `seq_len` tokens of `batch` (default: `batch_for(seq_len)`) random sequences of the first N-1 a step;
     the last sequence is held out (scored over its whole length). Adam with a cosine schedule on the relative squared
     error; the parameters in `slow` (e.g. a whole layer's MLP, whose source weights need only a correction) train at
     `slow_lr` and the others at `lr`. Returns {"before", "after", "kept"}: the held-out relative errors, and whether
-    the trained weights were kept (else `attn` is restored)."""
+    the trained weights were kept (else `module` is restored)."""
     n, total, _ = x.shape
     held = slice(n - 1, n)  # with one sequence it is also the training sequence
     train = slice(0, max(n - 1, 1))
-    before = _relative_error(attn, forward, x[held], y[held], position_embeddings)
+    before = _relative_error(module, forward, x[held], y[held], position_embeddings)
     record = {"before": before, "after": before, "kept": False}
     if before < EXACT or steps <= 0:
         return record
-    saved = {k: v.detach().clone() for k, v in attn.state_dict().items()}
-    params = list(attn.parameters())
+    saved = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    params = list(module.parameters())
     for p in params:
         p.requires_grad_(True)
     slow_ids = {id(p) for p in slow}
@@ -168,22 +168,22 @@ def refine_attention(
     cos, sin = position_embeddings
     pe = (cos[:, :seq_len].expand(batch, -1, -1), sin[:, :seq_len].expand(batch, -1, -1))
     scale = yt.pow(2).mean().clamp_min(1e-30)
-    attn.train()
+    module.train()
     for _ in range(steps):
         rows = torch.randint(0, xt.shape[0], (batch,), generator=gen)
         xb, yb = xt[rows, :seq_len], yt[rows, :seq_len]
-        loss = (forward(attn, xb, pe) - yb).pow(2).mean() / scale
+        loss = (forward(module, xb, pe) - yb).pow(2).mean() / scale
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
-    attn.eval()
+    module.eval()
     for p in params:
         p.requires_grad_(False)
-    after = _relative_error(attn, forward, x[held], y[held], position_embeddings)
+    after = _relative_error(module, forward, x[held], y[held], position_embeddings)
     record["after"] = after
     if after < before:
         record["kept"] = True
     else:
-        attn.load_state_dict(saved)
+        module.load_state_dict(saved)
     return record

@@ -116,7 +116,7 @@ def _inputs(n=4, t=16, d=8):
 def test_refine_fits_and_keeps_what_helps():
     x, y, pe, target = _inputs()
     attn = _Scaled(target + 0.3 * torch.randn(target.shape, generator=torch.Generator().manual_seed(1)))
-    record = refine.refine_attention(attn, x, y, pe, steps=200, lr=3e-2, seq_len=16, batch=2)
+    record = refine.refine_module(attn, x, y, pe, steps=200, lr=3e-2, seq_len=16, batch=2)
     assert record["kept"] and record["after"] < 0.05 * record["before"]
 
 
@@ -124,7 +124,7 @@ def test_refine_restores_the_weights_when_the_held_out_error_does_not_drop():
     x, y, pe, target = _inputs()
     start = target + 0.3 * torch.randn(target.shape, generator=torch.Generator().manual_seed(1))
     attn = _Scaled(start)
-    record = refine.refine_attention(attn, x, y, pe, steps=20, lr=50.0, seq_len=16, batch=2)  # diverges
+    record = refine.refine_module(attn, x, y, pe, steps=20, lr=50.0, seq_len=16, batch=2)  # diverges
     assert not record["kept"] and record["after"] >= record["before"]
     assert torch.equal(attn.w.detach(), start)
     assert not attn.w.requires_grad
