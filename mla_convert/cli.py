@@ -301,14 +301,15 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "this; match the contexts you serve)."
         ),
         calib_propagate: str = typer.Option(
-            "source", "--calib-propagate", help="Later layers calibrate on the source's (source) or the converted "
-            "earlier layers' activations (converted: closed form only, no --refine-steps)."
+            "source", "--calib-propagate", help="Later layers calibrate (and refine) on the source's (source) or the "
+            "converted earlier layers' activations (converted: each layer fit to do what the source layer does with "
+            "the inputs it will see)."
         ),
         rank_allocation: Optional[str] = typer.Option(
             None, "--rank-allocation", help="uniform: every layer gets the same latent dims. energy: the same "
             "total, shared among layers by their calibrated spectra (relative error removed per dim; per-layer "
             "kv_lora_rank, none above the vLLM MLA width the uniform rank needs). Default: energy (uniform without "
-            "calibration text, with --calib-propagate converted or --target deepseek)."
+            "calibration text or with --target deepseek)."
         ),
         value_inputs: str = typer.Option(
             "attended", "--value-inputs", help="attended (default): the value up-projection fits values on the "

@@ -72,8 +72,8 @@ class ConvertOptions:
     calib_samples: int = 16
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
-    # uniform | energy: share the latent dims among layers by their spectra; None: energy with calibration text and
-    # calib_propagate source, else uniform (resolve_allocation, in `convert`). Chosen on the
+    # uniform | energy: share the latent dims among layers by their spectra; None: energy with calibration text,
+    # else uniform (resolve_allocation, in `convert`). Chosen on the
     # development split at 25% with refinement (benchmarks/quality.md, series C): uniform 98.4, energy 88.9
     rank_allocation: str | None = None
     value_inputs: str = "attended"  # token | attended: fit the value up-projection on the inputs attention averages
@@ -384,16 +384,10 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--refine-seq-len must be at least 16 tokens, got {options.refine_seq_len}")
     if options.refine_steps and options.calib_data is None:
         raise UserError("--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)")
-    if options.refine_steps and options.calib_propagate == "converted":
-        raise UserError("--refine-steps with --calib-propagate converted breaks down (perplexity 2907 against 89 on the "
-                        "development text, docs/method.md): use --calib-propagate source, or --refine-steps 0")
     if options.key_inputs not in INPUT_KINDS:
         raise UserError(f"--key-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.key_inputs}")
     if options.rank_allocation not in (*RANK_ALLOCATIONS, None):
         raise UserError(f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {options.rank_allocation}")
-    if options.rank_allocation == "energy" and options.calib_propagate == "converted":
-        raise UserError("--rank-allocation energy needs every layer's statistics before converting any: use "
-                        "--calib-propagate source (or --rank-allocation uniform)")
     if options.qk_norm not in QK_NORM_MODES:
         raise UserError(f"--qk-norm must be one of {', '.join(QK_NORM_MODES)}, got {options.qk_norm}")
     qk_norm = options.qk_norm if family.has_qk_norm(config) else None
@@ -830,9 +824,7 @@ def convert(
         options = dataclasses.replace(options, value_inputs="token")
     plan = make_plan(source, family, options)
     window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
-    # auto refines along the source's stream only (see the check in make_plan)
-    refinable = options.calib_data is not None and options.calib_propagate == "source"
-    steps = refine.resolve_steps(options.refine_steps, plan, options.device, window) if refinable else 0
+    steps = refine.resolve_steps(options.refine_steps, plan, options.device, window) if options.calib_data else 0
     options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window)
     plan.refine_steps = steps
     plan.refine_seconds = refine.estimate_seconds(plan, steps, window)
@@ -915,27 +907,23 @@ def convert(
                         skip_through, runner.hidden = past[0], past[1].to(device)
                 if runner is not None and i > skip_through:
                     layer_tensors = _on(_raw_layer(source, i, family), device)
-                    if options.calib_propagate == "converted":
-                        mla_tensors = {n[len(f"{prefix}self_attn.") :]: t.to(device)
-                                       for n, t in _read_layer(kept / _layer_file(i))[0].items()
-                                       if n.startswith(f"{prefix}self_attn.")}
-                        runner.advance(_converted_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors))
+                    if options.calib_propagate == "converted":  # the layer as kept (its MLP too, if refined)
+                        kept_tensors = {n[len(prefix) :]: t.to(device)
+                                        for n, t in _read_layer(kept / _layer_file(i))[0].items()}
+                        mla_tensors = {n[len("self_attn.") :]: t for n, t in kept_tensors.items()
+                                       if n.startswith("self_attn.")}
+                        runner.advance(_converted_layer(config, plan, family, rope_pairs, i, kept_tensors, mla_tensors))
                     else:
                         runner.advance(_source_layer(config, family, i, layer_tensors))
                 continue
             clock = LayerClock(device)
             prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i)
             targets = None
-            refining = runner is not None and options.refine_steps > 0  # along the source's stream (make_plan)
-            if refining and options.refine_scope == "attention":
-                targets = refine.attention_targets(source_layer, runner)
+            if runner is not None and options.refine_steps > 0:  # on the stream the runner carries
+                targets = refine.stream_targets(source_layer, runner, options.refine_scope)
             if runner is not None and options.calib_propagate == "source":
-                inputs = runner.hidden
                 runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
                 source_layer = None
-                if refining and options.refine_scope == "layer":  # the layer's inputs and what it adds to them
-                    targets = (inputs, runner.hidden - inputs)
-                del inputs
             clock.lap("calibration")
             with torch.device(device):
                 mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
@@ -1117,12 +1105,11 @@ def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
 
 def resolve_allocation(options: ConvertOptions) -> ConvertOptions:
     """The default rank allocation (None): energy, which shares the dims by every layer's calibrated spectrum before
-    it converts any; uniform without calibration text (weight-only spectra: not measured) and with sequential
-    calibration (`--calib-propagate converted`: the statistics come one layer at a time)."""
+    it converts any (on the source's stream, whichever stream the conversion then follows); uniform without
+    calibration text (weight-only spectra: not measured)."""
     if options.rank_allocation is not None:
         return options
-    calibrated = options.calib_data is not None and options.calib_propagate == "source"
-    return dataclasses.replace(options, rank_allocation="energy" if calibrated else "uniform")
+    return dataclasses.replace(options, rank_allocation="energy" if options.calib_data is not None else "uniform")
 
 
 def without_calibration(options: ConvertOptions) -> ConvertOptions:

@@ -89,20 +89,25 @@ def resolve_steps(requested: int | None, plan, device: str, seq_len: int) -> int
     return 0
 
 
-def attention_targets(source_layer, runner) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y): the layer's attention inputs (after its input norm) [N, T, D] on the runner's hidden states (the
-    source's stream), and the source attention's outputs there, float32, on their device.
+def stream_targets(source_layer, runner, scope: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) on the runner's current hidden states, float32, on their device: for `scope` attention, the layer's
+    attention inputs (after its input norm) [N, T, D] and the source attention's outputs there; for layer, the hidden
+    states and what the source layer adds to them (`layer_update`).
 
-    Only the source's stream: targets taken along the converted model's stream (`--calib-propagate converted`, each
-    layer also asked to take back what the layers before it lost, h_src + attn_src(h_src) - h_conv) tied at 100 steps
-    and 3e-4 and broke down at the defaults (probe C_seq_uniform, 2907 on the development text): refused."""
-    x = runner.attention_input(source_layer)
+    The hidden states are the stream the runner carries: the source's (`--calib-propagate source`), or the converted
+    model's (converted: each layer is then trained on the inputs it will see, to do what the source layer would do
+    with them). Targets that also asked each layer to take back what the layers before it lost
+    (h_src + attn_src(h_src) - h_conv) broke down (probe C_seq_uniform, 2907 on the development text): not offered."""
+    if scope == "attention":
+        x, module, forward = runner.attention_input(source_layer), source_layer.self_attn, attention_output
+    else:
+        x, module, forward = runner.hidden, source_layer, layer_update
     cos, sin = runner.position_embeddings
     ys = []
     with torch.no_grad():
         for chunk in x.split(runner.batch):
             pe = (cos.expand(chunk.shape[0], -1, -1), sin.expand(chunk.shape[0], -1, -1))
-            ys.append(attention_output(source_layer.self_attn, chunk, pe))
+            ys.append(forward(module, chunk, pe))
     return x, torch.cat(ys)
 
 

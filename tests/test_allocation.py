@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import mla_convert  # noqa: F401
-from mla_convert.errors import UserError
 from mla_convert.lowrank import allocate_ranks
 from mla_convert.modeling.compat import output_cache
 
@@ -60,12 +59,13 @@ def test_energy_allocation_converts_at_the_same_cache(steep_first_layer, convert
     uniform = convert_tiny(steep_first_layer, rank=8, rope_dims=4, rank_allocation="uniform")
     shared = convert_tiny(steep_first_layer, rank=8, rope_dims=4, rank_allocation="energy")
     default = convert_tiny(steep_first_layer, rank=8, rope_dims=4)  # energy by default (source calibration)
-    sequential = convert_tiny(steep_first_layer, rank=8, rope_dims=4, calib_propagate="converted")  # uniform
+    # along the converted stream too: the spectra come from the source's stream before any layer is converted
+    sequential = convert_tiny(steep_first_layer, rank=8, rope_dims=4, calib_propagate="converted")
     cfg_u, cfg_s, cfg_d, cfg_q = (json.loads((f / "config.json").read_text())
                                   for f in (uniform, shared, default, sequential))
-    assert cfg_u["kv_lora_rank"] == cfg_q["kv_lora_rank"] == [8, 8]
-    assert cfg_d["kv_lora_rank"] == cfg_s["kv_lora_rank"]
-    assert json.loads((sequential / "provenance.json").read_text())["options"]["rank_allocation"] == "uniform"
+    assert cfg_u["kv_lora_rank"] == [8, 8]
+    assert cfg_d["kv_lora_rank"] == cfg_s["kv_lora_rank"] == cfg_q["kv_lora_rank"]
+    assert json.loads((sequential / "provenance.json").read_text())["options"]["rank_allocation"] == "energy"
     assert sum(cfg_s["kv_lora_rank"]) == 16 and cfg_s["kv_lora_rank"][0] < 8 < cfg_s["kv_lora_rank"][1]
     record = json.loads((shared / "provenance.json").read_text())
     assert record["plan"]["ranks"] == cfg_s["kv_lora_rank"]
@@ -76,11 +76,6 @@ def test_energy_allocation_converts_at_the_same_cache(steep_first_layer, convert
         out = model(ids, use_cache=True)
     for layer, rank in enumerate(cfg_s["kv_lora_rank"]):
         assert output_cache(out).layers[layer].keys.shape[-1] == rank  # the latent cache has the layer's rank
-
-
-def test_energy_allocation_needs_source_statistics(sources, convert_tiny):
-    with pytest.raises(UserError, match="--calib-propagate source"):
-        convert_tiny(sources["llama-gqa"], rank=8, rope_dims=4, rank_allocation="energy", calib_propagate="converted")
 
 
 def test_split_factorization_records_per_token_values(sources, convert_tiny):

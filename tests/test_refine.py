@@ -15,7 +15,6 @@ import mla_convert  # noqa: F401
 from mla_convert import refine
 from mla_convert.cli import app
 from mla_convert.convert import Plan, max_rank
-from mla_convert.errors import UserError
 from tiny import tiny_text
 
 from conftest import assert_user_error
@@ -56,14 +55,18 @@ def test_full_rank_is_left_exact(sources, convert_tiny):
         assert all(r["before"] < refine.EXACT and not r["kept"] for r in record)
 
 
-@pytest.mark.parametrize("allocation,scope", [("uniform", "attention"), ("energy", "attention"), ("uniform", "layer")])
-def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny, allocation, scope):
+@pytest.mark.parametrize("allocation,scope,propagate", [("uniform", "attention", "source"),
+                                                         ("energy", "attention", "source"),
+                                                         ("uniform", "layer", "source"),
+                                                         ("energy", "layer", "converted")])
+def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny, allocation, scope, propagate):
     """At a low rank and few RoPE pairs, the refined model's next-token distributions are closer to the source's on
     text no calibration read, and the record says what each layer gained (with the energy allocation too, whose
-    statistics pass runs before any layer is converted)."""
+    statistics pass runs before any layer is converted, and along the converted model's stream)."""
     kind = "llama-gqa"
     src = AutoModelForCausalLM.from_pretrained(sources[kind], dtype=torch.float32).eval()
-    lossy = dict(rank=4, rope_dims=4, calib_samples=16, calib_seq_len=64, rank_allocation=allocation)
+    lossy = dict(rank=4, rope_dims=4, calib_samples=16, calib_seq_len=64, rank_allocation=allocation,
+                 calib_propagate=propagate)
     plain = convert_tiny(sources[kind], refine_steps=0, **lossy)
     refined = convert_tiny(sources[kind], refine_steps=150, refine_lr=3e-3, refine_scope=scope, **lossy)
     from transformers import AutoTokenizer
@@ -83,15 +86,19 @@ def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, conv
     assert "Refinement:" in card
 
 
-def test_sequential_targets_are_refused_and_auto_does_not_refine_along_the_converted_stream(sources, convert_tiny):
-    """Refinement along the converted model's stream broke down at the defaults (probe C_seq_uniform): asked for, it
-    is one clear error before anything is written; by default (auto) that conversion is not refined."""
-    lossy = dict(rank=4, rope_dims=4, calib_propagate="converted")
-    with pytest.raises(UserError, match="--calib-propagate source, or --refine-steps 0"):
-        convert_tiny(sources["llama-gqa"], refine_steps=10, **lossy)
-    folder = convert_tiny(sources["llama-gqa"], **lossy)  # refine_steps None: auto
-    provenance = json.loads((folder / "provenance.json").read_text())
-    assert provenance["options"]["refine_steps"] == 0 and provenance["plan"]["refine"] == []
+def test_converted_stream_trains_each_layer_on_the_inputs_it_will_see(sources, convert_tiny):
+    """Along the converted model's stream (`--calib-propagate converted`) the first layer sees the same inputs as
+    along the source's (same record), later layers the converted layers' outputs (a different one); the energy
+    ranks come from the source's stream either way, and auto refines both."""
+    lossy = dict(rank=4, rope_dims=4, calib_samples=8, calib_seq_len=32, refine_steps=None, refine_scope="layer")
+    along = {p: convert_tiny(sources["llama-gqa"], calib_propagate=p, **lossy) for p in ("source", "converted")}
+    plans = {p: _plan(f) for p, f in along.items()}
+    options = {p: json.loads((f / "provenance.json").read_text())["options"] for p, f in along.items()}
+    assert options["source"]["refine_steps"] == options["converted"]["refine_steps"] == refine.DEFAULT_STEPS
+    assert options["converted"]["rank_allocation"] == "energy"
+    assert plans["source"]["ranks"] == plans["converted"]["ranks"]
+    assert plans["source"]["refine"][0] == plans["converted"]["refine"][0]
+    assert plans["source"]["refine"][1]["before"] != plans["converted"]["refine"][1]["before"]
 
 
 class _Scaled(torch.nn.Module):
