@@ -135,6 +135,7 @@ def _convert(
     refine_lr: float,
     refine_seq_len: int,
     refine_scope: str,
+    refine_mlp_lr_scale: float,
     seed: int,
     device: str,
     dtype: Optional[str],
@@ -195,6 +196,7 @@ def _convert(
         refine_lr=refine_lr,
         refine_seq_len=refine_seq_len,
         refine_scope=refine_scope,
+        refine_mlp_lr_scale=refine_mlp_lr_scale,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -336,8 +338,11 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "(at most --calib-seq-len); each step trains on 2048 tokens (one window of 2048, two of 1024)."),
         refine_scope: str = typer.Option(
             "layer", "--refine-scope", help="What --refine-steps trains: layer (default: the whole decoder layer, "
-            "MLP and norms at a tenth of the learning rate, to what the source layer adds to the residual stream) or "
-            "attention (the converted attention, to the source attention's outputs; about half the refinement time)."),
+            "MLP and norms too, to what the source layer adds to the residual stream) or attention (the converted "
+            "attention, to the source attention's outputs; about half the refinement time)."),
+        refine_mlp_lr_scale: float = typer.Option(  # refine.MLP_LR_SCALE, written out
+            0.1, "--refine-mlp-lr-scale", help="With --refine-scope layer: the learning rate of the MLP and norms, as "
+            "a multiple of --refine-lr (0: the attention alone trains, to the whole layer's target)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

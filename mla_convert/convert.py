@@ -85,6 +85,7 @@ class ConvertOptions:
     refine_lr: float = refine.DEFAULT_LR
     refine_seq_len: int = refine.SEQ_LEN  # tokens per refinement window (from each sequence's start)
     refine_scope: str = refine.DEFAULT_SCOPE  # attention | layer: what refinement trains (mla_convert.refine.SCOPES)
+    refine_mlp_lr_scale: float = refine.MLP_LR_SCALE  # layer scope: the MLP's and norms' learning rate / refine_lr
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -380,6 +381,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--refine-lr must be positive, got {options.refine_lr}")
     if options.refine_scope not in refine.SCOPES:
         raise UserError(f"--refine-scope must be one of {', '.join(refine.SCOPES)}, got {options.refine_scope}")
+    if not options.refine_mlp_lr_scale >= 0:
+        raise UserError(f"--refine-mlp-lr-scale must be 0 or more, got {options.refine_mlp_lr_scale}")
     if options.refine_seq_len < 16:
         raise UserError(f"--refine-seq-len must be at least 16 tokens, got {options.refine_seq_len}")
     if options.refine_steps and options.calib_data is None:
@@ -1200,7 +1203,7 @@ def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, ta
         module, forward, slow = layer.self_attn, refine.attention_output, ()
     record = refine.refine_module(module, *targets, position_embeddings, options.refine_steps, options.refine_lr,
                                      seq_len=options.refine_seq_len, seed=options.seed + i, forward=forward,
-                                     slow=slow, slow_lr=options.refine_lr * refine.SLOW_LR_SCALE)
+                                     slow=slow, slow_lr=options.refine_lr * options.refine_mlp_lr_scale)
     log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],
              "kept" if record["kept"] else "not kept")
     plan.refine_record.append({"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}})

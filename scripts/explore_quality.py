@@ -3,7 +3,6 @@
 
     W=2 python scripts/explore_quality.py NAME key=value ...   (ConvertOptions fields, JSON values)
     e.g. W=2 python scripts/explore_quality.py C_r16 kv_budget=96 rope_dims=16
-    (module.CONSTANT=value sets a module-level prior for the run, e.g. refine.SLOW_LR_SCALE=1.0)
 
 Converts the embedded SmolLM2-135M in process with the data-free default calibration (`self`: its sampled text is
 cached, so every probe calibrates on the same tokens) unless `calib_data=` says otherwise, and scores the first W
@@ -88,20 +87,11 @@ def main() -> None:
         except json.JSONDecodeError:
             pass
         opts[key] = value
-    import importlib
-
-    for key in [k for k in opts if "." in k]:  # module.CONSTANT=value: a module-level prior of mla_convert, e.g.
-        module, attr = key.rsplit(".", 1)  # refine.SLOW_LR_SCALE=1.0 (recorded with the row)
-        target = importlib.import_module(f"mla_convert.{module}")
-        if not hasattr(target, attr):
-            raise SystemExit(f"mla_convert.{module} has no {attr}")
-        setattr(target, attr, opts[key])
-    constants = {k: opts.pop(k) for k in [k for k in opts if "." in k]}
     out = ROOT / "out" / f"probe-{name}"
     start = time.time()
     convert(open_source(None), out, ConvertOptions(**opts), overwrite=True, progress=False)
     seconds = time.time() - start
-    shown = {**{k: v for k, v in opts.items() if k != "dtype"}, **constants}
+    shown = {k: v for k, v in opts.items() if k != "dtype"}
     record({"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3), "W": windows,
             "convert_s": round(seconds, 1), **shown})
     if not os.environ.get("KEEP"):  # KEEP=1: leave the converted folder (e.g. for bench_quality.py --folder)

@@ -205,8 +205,26 @@ def test_cli_defaults_are_the_library_defaults():
             expected = "auto" if option.name == "refine_steps" and library.refine_steps is None else None
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
-    assert {"calib_samples", "calib_seq_len", "refine_lr", "refine_seq_len", "refine_steps"} <= checked
+    assert {"calib_samples", "calib_seq_len", "refine_lr", "refine_seq_len", "refine_steps",
+            "refine_mlp_lr_scale"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
+    assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE
+
+
+def test_mlp_learning_rate_reaches_the_loop(sources, convert_tiny):
+    """`refine_mlp_lr_scale` is the MLP's learning rate in the whole-layer scope: at 0 the MLP and norms stay the
+    source's while the attention still trains (to the whole layer's target); above 0 they train."""
+    lossy = dict(rank=4, rope_dims=4, calib_samples=8, calib_seq_len=32, refine_steps=30, refine_scope="layer")
+    plain = _weights(convert_tiny(sources["llama-gqa"], refine_steps=0, **{k: v for k, v in lossy.items()
+                                                                          if k != "refine_steps"}))
+    for scale in (0.0, 1.0):
+        folder = convert_tiny(sources["llama-gqa"], refine_mlp_lr_scale=scale, **lossy)
+        trained = _weights(folder)
+        mlp = [k for k in plain if ".mlp." in k or "layernorm" in k]
+        attention = [k for k in plain if ".self_attn." in k]
+        assert any(r["kept"] for r in _plan(folder)["refine"])
+        assert any(not torch.equal(plain[k], trained[k]) for k in attention)
+        assert any(not torch.equal(plain[k], trained[k]) for k in mlp) == (scale > 0), scale
 
 
 def test_refinement_window_reaches_the_loop(sources, convert_tiny):
