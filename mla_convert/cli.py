@@ -341,7 +341,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "MLP and norms too, to what the source layer adds to the residual stream) or attention (the converted "
             "attention, to the source attention's outputs; about half the refinement time)."),
         refine_mlp_lr_scale: float = typer.Option(  # refine.MLP_LR_SCALE, written out
-            0.1, "--refine-mlp-lr-scale", help="With --refine-scope layer: the learning rate of the MLP and norms, as "
+            1.0, "--refine-mlp-lr-scale", help="With --refine-scope layer: the learning rate of the MLP and norms, as "
             "a multiple of --refine-lr (0: the attention alone trains, to the whole layer's target)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
