@@ -60,7 +60,7 @@ def test_energy_allocation_converts_at_the_same_cache(steep_first_layer, convert
     shared = convert_tiny(steep_first_layer, rank=8, rope_dims=4, rank_allocation="energy")
     default = convert_tiny(steep_first_layer, rank=8, rope_dims=4)  # energy by default (source calibration)
     # along the converted stream too: the spectra come from the source's stream before any layer is converted
-    sequential = convert_tiny(steep_first_layer, rank=8, rope_dims=4, calib_propagate="converted")
+    sequential = convert_tiny(steep_first_layer, rank=8, rope_dims=4, calib_propagate="converted", refine_steps=0)
     cfg_u, cfg_s, cfg_d, cfg_q = (json.loads((f / "config.json").read_text())
                                   for f in (uniform, shared, default, sequential))
     assert cfg_u["kv_lora_rank"] == [8, 8]
