@@ -909,7 +909,6 @@ def convert(
                     if past is not None and all(j in done for j in range(past[0] + 1)):
                         skip_through, runner.hidden = past[0], past[1].to(device)
                 if runner is not None and i > skip_through:
-                    layer_tensors = _on(_raw_layer(source, i, family), device)
                     if options.calib_propagate == "converted":  # the layer as kept (its MLP too, if refined)
                         kept_tensors = {n[len(prefix) :]: t.to(device)
                                         for n, t in _read_layer(kept / _layer_file(i))[0].items()}
@@ -917,16 +916,23 @@ def convert(
                                        if n.startswith("self_attn.")}
                         runner.advance(_converted_layer(config, plan, family, rope_pairs, i, kept_tensors, mla_tensors))
                     else:
-                        runner.advance(_source_layer(config, family, i, layer_tensors))
+                        runner.advance(_source_layer(config, family, i, _on(_raw_layer(source, i, family), device)))
                 continue
             clock = LayerClock(device)
             prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i)
             targets = None
-            if runner is not None and options.refine_steps > 0:  # on the stream the runner carries
+            refining = runner is not None and options.refine_steps > 0
+            # the whole layer along the source's stream: its update is what the advance below computes anyway
+            from_advance = refining and options.refine_scope == "layer" and options.calib_propagate == "source"
+            if refining and not from_advance:  # on the stream the runner carries
                 targets = refine.stream_targets(source_layer, runner, options.refine_scope)
             if runner is not None and options.calib_propagate == "source":
+                inputs = runner.hidden
                 runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
                 source_layer = None
+                if from_advance:
+                    targets = (inputs, runner.hidden - inputs)  # = refine.stream_targets(..., "layer")
+                del inputs
             clock.lap("calibration")
             with torch.device(device):
                 mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
