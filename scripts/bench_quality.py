@@ -167,7 +167,10 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "recipes/smollm2-135m-self.yaml model=out/probe-C_layer_slow1 max_tokens=16384 eval_every=0 "
     "output=runs/mlp1-96-self-16k`, 79 s of training by the loop's log, held-out sampled text 37.7 -> 29.8): 67.81 / "
     "38.51 / 37.94, 2.89x / 2.79x / 2.14x, closing 19% / 9% / 17% of the gap; where the fine-tune from the "
-    "MLP-at-a-tenth default ended (2.88x / 2.92x / 2.21x), or a little lower.",
+    "MLP-at-a-tenth default ended (2.88x / 2.92x / 2.21x), or a little lower. As served (`mla-convert eval "
+    "out/probe-C_layer_slow1 --data ../shared/data/wikitext-2/wiki.test.raw --seq-len 2048 --windows 4 --engine E "
+    "--dtype D`): float32 77.883 in vLLM's CPU build (CPU_MLA), as in transformers (77.88); bfloat16 77.717 in vLLM "
+    "(AMX_MLA) against 77.688 in transformers.",
     "",
     "**As served.** The attention-refined default at 25% (rows `mla-convert-attn`, converted again by the main job, `bash scripts/main.sh`, "
     "into out/smollm2-135m-mla-25) scores in vLLM's CPU build what it scores in transformers: `mla-convert eval "
