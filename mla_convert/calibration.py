@@ -66,10 +66,12 @@ def window_counts(weights: list[float], n_samples: int) -> list[int]:
     return counts
 
 
-def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: int, temperature: float | None = None,
+                       sample_tokens: int | None = None) -> torch.Tensor:
     """The calibration windows [N, T] of a spec (see `parse_mixture`): random windows of each text, consecutive
-    windows of text sampled from the source for `self` (chat answers, joined) and `self-doc` (one document a window),
-    in the weights' proportions, in the order given."""
+    windows of text sampled from the source for `self` (chat answers of `sample_tokens` new tokens at most, joined)
+    and `self-doc` (one document a window), in the weights' proportions, in the order given. Sampling at
+    `temperature`; None: the selftext defaults."""
     from mla_convert.selftext import self_tokens
 
     parts = check_calib_spec(spec, n_samples)
@@ -77,8 +79,9 @@ def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: in
     out = []
     for (name, _), count in zip(parts, counts):
         if name in STYLES:
-            document = dict(sample_tokens=seq_len, style=STYLES[name]) if name == SELF_DOC else {}  # one per window
-            ids = self_tokens(source, count * seq_len, seed, **document)
+            length = dict(sample_tokens=seq_len, style=STYLES[name]) if name == SELF_DOC else {  # one per window
+                "sample_tokens": sample_tokens}
+            ids = self_tokens(source, count * seq_len, seed, temperature=temperature, **length)
             out.append(ids[: count * seq_len].view(count, seq_len))
         else:
             out.append(token_windows(source.tokenizer(), load_text(name), count, seq_len, seed))

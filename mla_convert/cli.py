@@ -126,6 +126,8 @@ def _convert(
     calib_data: Optional[list[str]],
     calib_samples: int,
     calib_seq_len: int,
+    calib_temperature: float,
+    calib_sample_tokens: int,
     calib_propagate: str,
     rank_allocation: Optional[str],
     value_inputs: str,
@@ -187,6 +189,8 @@ def _convert(
         calib_data=None if calib_data.lower() == "none" else calib_data,
         calib_samples=calib_samples,
         calib_seq_len=calib_seq_len,
+        calib_temperature=calib_temperature,
+        calib_sample_tokens=calib_sample_tokens,
         calib_propagate=calib_propagate,
         rank_allocation=rank_allocation,
         value_inputs=value_inputs,
@@ -302,6 +306,11 @@ def _make_convert_command(family: Optional[str], help_text: str):
             2048, "--calib-seq-len", help="Tokens per calibration window (the attention profiles see distances up to "
             "this; match the contexts you serve)."
         ),
+        calib_temperature: float = typer.Option(  # selftext.TEMPERATURE, written out: that module imports torch
+            1.0, "--calib-temperature", help="Sampling temperature of the 'self' and 'self-doc' calibration text."),
+        calib_sample_tokens: int = typer.Option(  # selftext.SAMPLE_TOKENS, written out
+            256, "--calib-sample-tokens", help="New tokens at most per sampled 'self' answer (an answer ends earlier at "
+            "its EOS; a 'self-doc' document fills a window)."),
         calib_propagate: str = typer.Option(
             "source", "--calib-propagate", help="Later layers calibrate (and refine) on the source's (source) or the "
             "converted earlier layers' activations (converted: each layer fit to do what the source layer does with "

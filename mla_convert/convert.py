@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mla_convert import lowrank, provenance, refine, rope
+from mla_convert import lowrank, provenance, refine, rope, selftext
 from mla_convert.card import write_model_card
 from mla_convert.checkpoint import AUX_FILES, SHARD_BYTES, ShardedWriter, Source, file_stamp, resume_dir, staged_output
 from mla_convert.dtypes import DTYPES
@@ -71,6 +71,10 @@ class ConvertOptions:
     # 102.9, 16 98.4, 32 99.8 (and slower); the refinement trains on the first SEQ_LEN tokens of all but one window
     calib_samples: int = 16
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
+    # `self` text (mla_convert.selftext): the sampling temperature and the new tokens per sampled answer (self-doc:
+    # per window); chosen on the development split (benchmarks/quality.md)
+    calib_temperature: float = selftext.TEMPERATURE
+    calib_sample_tokens: int = selftext.SAMPLE_TOKENS
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
     # uniform | energy: share the latent dims among layers by their spectra; None: energy with calibration text,
     # else uniform (resolve_allocation, in `convert`). Chosen on the
@@ -399,6 +403,10 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
                         "(or use --qk-norm exact)")
     if options.calib_samples <= 0 or options.calib_seq_len <= 0:
         raise UserError("--calib-samples and --calib-seq-len must be positive")
+    if not (options.calib_temperature > 0 and math.isfinite(options.calib_temperature)):
+        raise UserError(f"--calib-temperature must be positive, got {options.calib_temperature}")
+    if options.calib_sample_tokens <= 0:
+        raise UserError(f"--calib-sample-tokens must be positive, got {options.calib_sample_tokens}")
     if options.nope_dims is None:
         d_n = default_nope_dims(options, head_dim, d_r, qk_norm)
     else:
@@ -1221,6 +1229,7 @@ def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, ta
 def _calibration_runner(source: Source, options: ConvertOptions):
     from mla_convert.calibration import LayerRunner, calibration_tokens
 
-    tokens = calibration_tokens(source, options.calib_data, options.calib_samples, options.calib_seq_len, options.seed)
+    tokens = calibration_tokens(source, options.calib_data, options.calib_samples, options.calib_seq_len, options.seed,
+                                temperature=options.calib_temperature, sample_tokens=options.calib_sample_tokens)
     embed = source.get_raw("model.embed_tokens.weight")  # rows are looked up, then made float32: no float32 table
     return LayerRunner(source.config, embed, tokens)

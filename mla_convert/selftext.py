@@ -151,12 +151,15 @@ def sample_batch(model, tokenizer, index: int, seed: int, temperature: float, sa
     return samples
 
 
-def self_tokens(source, n_tokens: int, seed: int, temperature: float = TEMPERATURE,
-                sample_tokens: int = SAMPLE_TOKENS, batch: int | None = None, style: str = "chat") -> torch.Tensor:
+def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = None,
+                sample_tokens: int | None = None, batch: int | None = None, style: str = "chat") -> torch.Tensor:
     """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring), in
-    batches of `batch` samples (default BATCH, DOC_BATCH for documents). In the document style every `sample_tokens`
-    ids are one document."""
+    batches of `batch` samples (default BATCH, DOC_BATCH for documents), at `temperature` (default TEMPERATURE) and
+    `sample_tokens` (default SAMPLE_TOKENS) a sample. In the document style every `sample_tokens` ids are one
+    document."""
     batch = batch or (DOC_BATCH if style == "document" else BATCH)
+    temperature = TEMPERATURE if temperature is None else temperature
+    sample_tokens = SAMPLE_TOKENS if sample_tokens is None else sample_tokens
     if not temperature > 0 or sample_tokens <= 0:
         raise UserError("self-generated text needs a positive temperature and sample length")
     settings, path = cache_entry(source, seed, temperature, sample_tokens, batch, style)

@@ -75,6 +75,8 @@ def test_unknown_or_refused_family(sources, tmp_path, calib, model_type, needle)
         (["--rank", 8, "--rank-allocation", "greedy"], "--rank-allocation"),
         (["--rank", 8, "--latent-rounds", -1], "--latent-rounds"),
         (["--rank", 8, "--refine-mlp-lr-scale", -1], "--refine-mlp-lr-scale"),
+        (["--rank", 8, "--calib-temperature", 0], "--calib-temperature"),
+        (["--rank", 8, "--calib-sample-tokens", 0], "--calib-sample-tokens"),
         (["--rank", 8, "--latent-rounds", 2, "--value-inputs", "token"], "--value-inputs attended"),
         (["--rank", 8, "--latent-rounds", 2, "--factorization", "split"], "--factorization joint"),
         ([], "--rank"),

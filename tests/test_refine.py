@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
-from mla_convert import refine
+from mla_convert import refine, selftext
 from mla_convert.cli import app
 from mla_convert.convert import Plan, max_rank
 from tiny import tiny_text
@@ -205,10 +205,11 @@ def test_cli_defaults_are_the_library_defaults():
             expected = "auto" if option.name == "refine_steps" and library.refine_steps is None else None
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
-    assert {"calib_samples", "calib_seq_len", "refine_lr", "refine_seq_len", "refine_steps",
-            "refine_mlp_lr_scale"} <= checked
+    assert {"calib_samples", "calib_seq_len", "calib_temperature", "calib_sample_tokens", "refine_lr",
+            "refine_seq_len", "refine_steps", "refine_mlp_lr_scale"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
     assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE
+    assert (library.calib_temperature, library.calib_sample_tokens) == (selftext.TEMPERATURE, selftext.SAMPLE_TOKENS)
 
 
 def test_mlp_learning_rate_reaches_the_loop(sources, convert_tiny):

@@ -127,14 +127,23 @@ def test_chat_template_prompts():
 
 
 def test_convert_data_free(sources, convert_tiny, cache):
-    """The default calibration is the source's own text: no file needed; the record names it."""
-    out = convert_tiny(sources["llama-gqa"], rank=8, rope_dims=8, calib_data="self")
+    """The default calibration is the source's own text: no file needed; the record names it and the sampling
+    settings, which reach the sampler (its cache is keyed by them; answers stop at the given length)."""
+    out = convert_tiny(sources["llama-gqa"], rank=8, rope_dims=8, calib_data="self", calib_temperature=0.5,
+                       calib_sample_tokens=8)
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["options"]["calib_data"] == "self"
-    assert list(cache.glob("*.json"))
+    assert (prov["options"]["calib_temperature"], prov["options"]["calib_sample_tokens"]) == (0.5, 8)
+    records = [json.loads(f.read_text()) for f in cache.glob("*.json")]
+    assert [(r["settings"]["temperature"], r["settings"]["sample_tokens"]) for r in records] == [(0.5, 8)]
+    tok = open_source(str(sources["llama-gqa"])).tokenizer()
+    width = max(len(p) for p in selftext.prompts(tok, 0, selftext.BATCH))
+    assert max(len(s) for r in records for b in r["batches"] for s in b["tokens"]) <= width + 8
     from mla_convert.convert import ConvertOptions
 
     assert ConvertOptions().calib_data == "self"
+    assert (ConvertOptions().calib_temperature, ConvertOptions().calib_sample_tokens) == (
+        selftext.TEMPERATURE, selftext.SAMPLE_TOKENS)
 
 
 def test_eval_warns_on_any_text_of_a_mixture(sources, convert_tiny, cache, calib_text):
