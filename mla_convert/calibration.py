@@ -71,8 +71,10 @@ def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: in
     """The calibration windows [N, T] of a spec (see `parse_mixture`): random windows of each text, consecutive
     windows of text sampled from the source for `self` (chat answers of `sample_tokens` new tokens at most, joined)
     and `self-doc` (one document a window), in the weights' proportions, in the order given. Sampling at
-    `temperature`; None: the selftext defaults."""
-    from mla_convert.selftext import self_tokens
+    `temperature` (None: CALIB_TEMPERATURE); `sample_tokens` None: the selftext default."""
+    from mla_convert.selftext import CALIB_TEMPERATURE, self_tokens
+
+    temperature = CALIB_TEMPERATURE if temperature is None else temperature
 
     parts = check_calib_spec(spec, n_samples)
     counts = window_counts([w for _, w in parts], n_samples)

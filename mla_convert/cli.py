@@ -306,8 +306,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
             2048, "--calib-seq-len", help="Tokens per calibration window (the attention profiles see distances up to "
             "this; match the contexts you serve)."
         ),
-        calib_temperature: float = typer.Option(  # selftext.TEMPERATURE, written out: that module imports torch
-            1.0, "--calib-temperature", help="Sampling temperature of the 'self' and 'self-doc' calibration text."),
+        calib_temperature: float = typer.Option(  # selftext.CALIB_TEMPERATURE, written out: that module imports torch
+            1.2, "--calib-temperature", help="Sampling temperature of the 'self' and 'self-doc' calibration text "
+            "(above 1: more varied text; chosen on held-out text, benchmarks/quality.md)."),
         calib_sample_tokens: int = typer.Option(  # selftext.SAMPLE_TOKENS, written out
             256, "--calib-sample-tokens", help="New tokens at most per sampled 'self' answer (an answer ends earlier at "
             "its EOS; a 'self-doc' document fills a window)."),

@@ -73,7 +73,7 @@ class ConvertOptions:
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     # `self` text (mla_convert.selftext): the sampling temperature and the new tokens per sampled answer (self-doc:
     # per window); chosen on the development split (benchmarks/quality.md)
-    calib_temperature: float = selftext.TEMPERATURE
+    calib_temperature: float = selftext.CALIB_TEMPERATURE
     calib_sample_tokens: int = selftext.SAMPLE_TOKENS
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
     # uniform | energy: share the latent dims among layers by their spectra; None: energy with calibration text,

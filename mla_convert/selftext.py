@@ -1,6 +1,7 @@
 """Data-free text: token sequences sampled from the source model itself (`--calib-data self`, `finetune --data self`).
 
-Two styles, sampled at temperature `TEMPERATURE` in seeded batches with the source's KV cache:
+Two styles, sampled in seeded batches with the source's KV cache, at temperature `CALIB_TEMPERATURE` for calibration
+(`--calib-temperature`) and `TEMPERATURE` for fine-tuning text:
 
 - `self` (chat): `SAMPLE_TOKENS` new tokens per sequence. An instruct model (its tokenizer has a chat template) answers
   the built-in requests of `PROMPTS` through that template, so the text is what it writes in use; a base model
@@ -34,9 +35,13 @@ log = logging.getLogger(__name__)
 SELF = "self"  # chat style
 SELF_DOC = "self-doc"  # document style
 STYLES = {SELF: "chat", SELF_DOC: "document"}
-# Temperature 1: the model's own distribution (untuned); length and batch chosen by sampling cost on 2 shared CPU
-# cores (64 x 512 a batch was far slower per token); benchmarks/quality.md, "What chose what".
+# Fine-tuning text (`finetune --data self`): temperature 1, the model's own distribution. Calibration text
+# (`--calib-data self`, `--calib-temperature`): 1.2, chosen on the development split at 25% with refinement
+# (benchmarks/quality.md, series C): 0.7 114.6, 1.0 75.6, 1.2 66.6 (hotter text covers more of what the layers can
+# be asked; cooler text loops). Length 256 (0.7: 1024 new tokens scored 123.4 against 114.6) and batch also by
+# sampling cost (64 x 512 a batch was far slower per token); "What chose what" in benchmarks/quality.md.
 TEMPERATURE = 1.0
+CALIB_TEMPERATURE = 1.2
 SAMPLE_TOKENS = 256
 BATCH = 16
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch

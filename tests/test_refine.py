@@ -209,7 +209,7 @@ def test_cli_defaults_are_the_library_defaults():
             "refine_seq_len", "refine_steps", "refine_mlp_lr_scale"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
     assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE
-    assert (library.calib_temperature, library.calib_sample_tokens) == (selftext.TEMPERATURE, selftext.SAMPLE_TOKENS)
+    assert (library.calib_temperature, library.calib_sample_tokens) == (selftext.CALIB_TEMPERATURE, selftext.SAMPLE_TOKENS)
 
 
 def test_mlp_learning_rate_reaches_the_loop(sources, convert_tiny):

@@ -80,7 +80,7 @@ def test_mixture_windows(sources, cache, calib_text):
     assert mixed.shape == (8, 16)
     text = token_windows(src.tokenizer(), calib_text.read_text(), 2, 16, 0)
     assert torch.equal(mixed[:2], text)
-    stream = selftext.self_tokens(src, 6 * 16, seed=0)
+    stream = selftext.self_tokens(src, 6 * 16, seed=0, temperature=selftext.CALIB_TEMPERATURE)
     assert torch.equal(mixed[2:], stream[: 6 * 16].view(6, 16))
 
 
@@ -101,7 +101,7 @@ def test_document_windows(sources, cache, monkeypatch):
 
     mixed = calibration_tokens(src, "self:1,self-doc:3", 4, 24, seed=0)
     assert torch.equal(mixed[1:], docs)  # the document windows (cached) after the chat window
-    assert torch.equal(mixed[:1], selftext.self_tokens(src, 24, seed=0)[:24].view(1, 24))
+    assert torch.equal(mixed[:1], selftext.self_tokens(src, 24, seed=0, temperature=selftext.CALIB_TEMPERATURE)[:24].view(1, 24))
     assert len(list(cache.glob("*.json"))) == 2  # chat and document text in their own files
 
 
@@ -143,7 +143,7 @@ def test_convert_data_free(sources, convert_tiny, cache):
 
     assert ConvertOptions().calib_data == "self"
     assert (ConvertOptions().calib_temperature, ConvertOptions().calib_sample_tokens) == (
-        selftext.TEMPERATURE, selftext.SAMPLE_TOKENS)
+        selftext.CALIB_TEMPERATURE, selftext.SAMPLE_TOKENS)
 
 
 def test_eval_warns_on_any_text_of_a_mixture(sources, convert_tiny, cache, calib_text):
