@@ -12,7 +12,7 @@ import torch
 
 from mla_convert.data import load_text, tokenize  # one loader and one tokenizer for every text
 from mla_convert.errors import UserError
-from mla_convert.selftext import SELF_DOC, STYLES
+from mla_convert.selftext import CALIB_TEMPERATURE, SAMPLE_TOKENS, SELF_DOC, STYLES, self_tokens
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +66,19 @@ def window_counts(weights: list[float], n_samples: int) -> list[int]:
     return counts
 
 
-def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: int, temperature: float | None = None,
-                       sample_tokens: int | None = None) -> torch.Tensor:
+def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: int,
+                       temperature: float = CALIB_TEMPERATURE, sample_tokens: int = SAMPLE_TOKENS) -> torch.Tensor:
     """The calibration windows [N, T] of a spec (see `parse_mixture`): random windows of each text, consecutive
     windows of text sampled from the source for `self` (chat answers of `sample_tokens` new tokens at most, joined)
-    and `self-doc` (one document a window), in the weights' proportions, in the order given. Sampling at
-    `temperature` (None: CALIB_TEMPERATURE); `sample_tokens` None: the selftext default."""
-    from mla_convert.selftext import CALIB_TEMPERATURE, self_tokens
-
-    temperature = CALIB_TEMPERATURE if temperature is None else temperature
-
+    and `self-doc` (one document a window), sampled at `temperature`, in the weights' proportions, in the order
+    given."""
     parts = check_calib_spec(spec, n_samples)
     counts = window_counts([w for _, w in parts], n_samples)
     out = []
     for (name, _), count in zip(parts, counts):
         if name in STYLES:
-            length = dict(sample_tokens=seq_len, style=STYLES[name]) if name == SELF_DOC else {  # one per window
-                "sample_tokens": sample_tokens}
+            length = dict(sample_tokens=seq_len, style=STYLES[name]) if name == SELF_DOC else dict(  # a doc a window
+                sample_tokens=sample_tokens)
             ids = self_tokens(source, count * seq_len, seed, temperature=temperature, **length)
             out.append(ids[: count * seq_len].view(count, seq_len))
         else:

@@ -1,8 +1,7 @@
 #!/usr/bin/env python
 """Quick one-shot quality probe used to choose the defaults (benchmarks/quality.md, "Probes").
 
-    W=2 python scripts/explore_quality.py NAME key=value ...   (ConvertOptions fields, JSON values; module.NAME=value
-                                                               sets a constant of mla_convert.module)
+    W=2 python scripts/explore_quality.py NAME key=value ...   (ConvertOptions fields, JSON values)
     e.g. W=2 python scripts/explore_quality.py C_r16 kv_budget=96 rope_dims=16
 
 Converts the embedded SmolLM2-135M in process with the data-free default calibration (`self`: its sampled text is
@@ -87,19 +86,10 @@ def main() -> None:
             value = json.loads(value)
         except json.JSONDecodeError:
             pass
-        if "." in key:  # a module constant, e.g. selftext.TEMPERATURE=0.7 (a setting with no option yet)
-            import importlib
-
-            module, attr = key.rsplit(".", 1)
-            module = importlib.import_module(f"mla_convert.{module}")
-            if not hasattr(module, attr):
-                raise SystemExit(f"mla_convert.{key.rsplit('.', 1)[0]} has no {attr}")
-            setattr(module, attr, value)
         opts[key] = value
     out = ROOT / "out" / f"probe-{name}"
     start = time.time()
-    fields = {k: v for k, v in opts.items() if "." not in k}
-    convert(open_source(None), out, ConvertOptions(**fields), overwrite=True, progress=False)
+    convert(open_source(None), out, ConvertOptions(**opts), overwrite=True, progress=False)
     seconds = time.time() - start
     shown = {k: v for k, v in opts.items() if k != "dtype"}
     record({"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3), "W": windows,
