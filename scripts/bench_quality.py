@@ -190,7 +190,9 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "Fine-tuned with 16,384 self-sampled tokens (row `mla-convert+finetune-self-16k`: `mla-convert finetune --config "
     "recipes/smollm2-135m-self.yaml model=out/probe-C_t12 max_tokens=16384 eval_every=0 output=runs/t12-96-self-16k`, "
     "92 s of training by the loop's log, held-out sampled text 39.5 -> 30.5): 57.02 / 35.89 / 38.12, 2.43x / 2.60x / "
-    "2.15x, closing 23% / 12% / 22% of the gap (from the 1.0 model the same fine-tune ended at 2.89x / 2.79x / 2.14x).",
+    "2.15x, closing 23% / 12% / 22% of the gap (from the 1.0 model the same fine-tune ended at 2.89x / 2.79x / 2.14x). As served "
+    "(`mla-convert eval out/probe-C_t12 --data ../shared/data/wikitext-2/wiki.test.raw --seq-len 2048 --windows 4 "
+    "--engine vllm --dtype float32`): 67.004 in vLLM's CPU build (CPU_MLA), as in transformers (67.00).",
     "",
     "**As served.** The attention-refined default at 25% (rows `mla-convert-attn`, converted again by the main job, `bash scripts/main.sh`, "
     "into out/smollm2-135m-mla-25) scores in vLLM's CPU build what it scores in transformers: `mla-convert eval "
