@@ -116,6 +116,7 @@ class LayerRunner:
     def __init__(self, config, embed: torch.Tensor, tokens: torch.Tensor, batch: int = 8):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+        self.tokens = tokens  # [N, T]
         self.hidden = torch.nn.functional.embedding(tokens, embed).float()  # [N, T, D] (rows first: no float32 table)
         self.batch = batch
         rotary = LlamaRotaryEmbedding(config)

@@ -137,6 +137,7 @@ def _settings_section(steps: list[dict]) -> list[str]:
                          + ".")
             lines.append("")
             lines += _refine_lines(plan.get("refine"))
+            lines += _model_stage_lines(plan.get("refine_model"))
         options = step.get("options")
         if isinstance(options, dict) and options:
             lines += ["| option | value |", "|---|---|"]
@@ -156,6 +157,16 @@ def _refine_lines(record) -> list[str]:
     kept = sum(bool(r["kept"]) for r in record)
     return [f"Refinement: {kept} of {len(record)} layers improved; relative error of the attention outputs on a "
             f"held-out calibration sequence, mean over layers, {before:.4g} -> {after:.4g}.", ""]
+
+
+def _model_stage_lines(record) -> list[str]:
+    """The model stage's effect (mla_convert.refine.refine_model): held-out KL to the source, per token."""
+    if not isinstance(record, dict) or "before" not in record:
+        return []
+    outcome = (f"{record['before']:.4g} -> {record['after']:.4g} (kept)" if record.get("kept") else
+               f"{record['before']:.4g}, not improved: the stage's weights were not kept")
+    return [f"Model stage: the attention trained end to end to the source's next-token distributions; KL to the source "
+            f"per token on a held-out calibration window {outcome}.", ""]
 
 
 def _kv_rows(steps: list[dict], config: dict) -> tuple[list[tuple[str, object, object]], str]:

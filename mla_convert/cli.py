@@ -138,6 +138,8 @@ def _convert(
     refine_seq_len: int,
     refine_scope: str,
     refine_mlp_lr_scale: float,
+    refine_model_steps: Optional[str],
+    refine_model_lr: float,
     seed: int,
     device: str,
     dtype: Optional[str],
@@ -196,11 +198,13 @@ def _convert(
         value_inputs=value_inputs,
         key_inputs=key_inputs,
         latent_rounds=latent_rounds,
-        refine_steps=_parse_refine_steps(refine_steps),
+        refine_steps=_parse_refine_steps(refine_steps, "--refine-steps"),
         refine_lr=refine_lr,
         refine_seq_len=refine_seq_len,
         refine_scope=refine_scope,
         refine_mlp_lr_scale=refine_mlp_lr_scale,
+        refine_model_steps=_parse_refine_steps(refine_model_steps, "--refine-model-steps"),
+        refine_model_lr=refine_model_lr,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -235,13 +239,13 @@ def _refuse_qk_norm_serving(target: str, qk_norm: str) -> None:
                err=True)
 
 
-def _parse_refine_steps(value: Optional[str]) -> Optional[int]:
+def _parse_refine_steps(value: Optional[str], flag: str) -> Optional[int]:
     if value is None or value == "auto":
         return None
     try:
         return int(value)
     except ValueError:
-        raise UserError(f"--refine-steps must be auto or a number of steps, got {value!r}") from None
+        raise UserError(f"{flag} must be auto or a number of steps, got {value!r}") from None
 
 
 def _make_convert_command(family: Optional[str], help_text: str):
@@ -353,6 +357,14 @@ def _make_convert_command(family: Optional[str], help_text: str):
         refine_mlp_lr_scale: float = typer.Option(  # refine.MLP_LR_SCALE, written out
             1.0, "--refine-mlp-lr-scale", help="With --refine-scope layer: the learning rate of the MLP and norms, as "
             "a multiple of --refine-lr (0: the attention alone trains, to the whole layer's target)."),
+        refine_model_steps: Optional[str] = typer.Option(
+            "auto", "--refine-model-steps", help="The model stage, after the layers: train every converted attention "
+            "this many Adam steps end to end so that the model's next-token distributions match the source's on the "
+            "calibration windows (KL; one window held out, kept only if it improves). Holds the whole model in "
+            "memory. auto (default): 32 on a GPU, and on the CPU when the plan estimates at most 30 min and half "
+            "the machine's memory; 0: off. Measured in benchmarks/quality.md."),
+        refine_model_lr: float = typer.Option(  # refine.MODEL_LR, written out
+            3e-4, "--refine-model-lr", help="Learning rate of --refine-model-steps (Adam, warmup then cosine)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +91,11 @@ class ConvertOptions:
     refine_seq_len: int = refine.SEQ_LEN  # tokens per refinement window (from each sequence's start)
     refine_scope: str = refine.DEFAULT_SCOPE  # attention | layer: what refinement trains (mla_convert.refine.SCOPES)
     refine_mlp_lr_scale: float = refine.MLP_LR_SCALE  # layer scope: the MLP's and norms' learning rate / refine_lr
+    # the model stage (mla_convert.refine.refine_model): Adam steps training every converted attention end to end to
+    # the source's next-token distributions on the calibration windows, after the layers; None: auto (see
+    # refine.resolve_model_steps), resolved in `convert`
+    refine_model_steps: int | None = None
+    refine_model_lr: float = refine.MODEL_LR
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -144,6 +150,9 @@ class Plan:
     refine_seconds: float = 0.0
     refine_scope: str = refine.DEFAULT_SCOPE
     refine_record: list = field(default_factory=list)  # per layer: held-out error before/after, kept
+    refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate and its record
+    refine_model_seconds: float = 0.0
+    refine_model_record: dict = field(default_factory=dict)
     nope_kept: list = field(default_factory=list)  # per layer: share of the nope score energy d_n dims keep
 
     def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
@@ -241,6 +250,11 @@ class Plan:
         writing = m["shard_bytes"] + (attn + mlp) * out + BASELINE
         if writing > sum(parts.values()):  # the writer's phase is the heavier one: it is what the estimate shows
             parts = {"runtime": BASELINE, "shard writer buffer": m["shard_bytes"], "one kept layer": (attn + mlp) * out}
+        if self.refine_model_steps:  # the model stage holds the whole converted model (refine.model_stage_bytes)
+            stage = {"runtime": BASELINE, "calibration hidden states": 2 * tokens * hidden * 4,
+                     "model stage": refine.model_stage_bytes(self, seq)}
+            if sum(stage.values()) > sum(parts.values()):
+                parts = stage
         return parts
 
     def memory_estimate(self) -> int:
@@ -273,7 +287,9 @@ class Plan:
             f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
             f"refinement: {self.refine_steps} steps per layer" + (
-                f" (about {self.refine_seconds / 60:.0f} min on a 2-core CPU)" if self.refine_steps else ""),
+                f" (about {self.refine_seconds / 60:.0f} min on a 2-core CPU)" if self.refine_steps else "")
+            + f"; model stage: {self.refine_model_steps} steps" + (
+                f" (about {self.refine_model_seconds / 60:.0f} min)" if self.refine_model_steps else ""),
             f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.2f} GiB"
             f" (x{MEMORY_SAFETY} of: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in self.memory_parts().items() if v)
             + ")",
@@ -391,6 +407,16 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--refine-seq-len must be at least 16 tokens, got {options.refine_seq_len}")
     if options.refine_steps and options.calib_data is None:
         raise UserError("--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)")
+    if options.refine_model_steps is not None and options.refine_model_steps < 0:
+        raise UserError(f"--refine-model-steps must be 0 or more, got {options.refine_model_steps}")
+    if not options.refine_model_lr > 0:
+        raise UserError(f"--refine-model-lr must be positive, got {options.refine_model_lr}")
+    if options.refine_model_steps and options.calib_data is None:
+        raise UserError("--refine-model-steps trains on calibration text: pass --calib-data (or --refine-model-steps 0)")
+    if options.refine_model_steps and options.calib_propagate != "source":
+        raise UserError("--refine-model-steps distils the source's outputs on the calibration stream, which "
+                        "--calib-propagate converted does not carry: use --calib-propagate source (or "
+                        "--refine-model-steps 0)")
     if options.key_inputs not in INPUT_KINDS:
         raise UserError(f"--key-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.key_inputs}")
     if options.rank_allocation not in (*RANK_ALLOCATIONS, None):
@@ -438,6 +464,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         refine_scope=options.refine_scope,
         memory={
             "intermediate": getattr(config, "intermediate_size", 4 * hidden),
+            "vocab": config.vocab_size,
             "source_element": _source_element(source, family),
             "calibrated": bool(options.calib_data) and options.needs_statistics(),
             "attended": bool(options.calib_data) and options.value_inputs == "attended",
@@ -839,6 +866,11 @@ def convert(
     options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window)
     plan.refine_steps = steps
     plan.refine_seconds = refine.estimate_seconds(plan, steps, window)
+    model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window)
+                   if options.calib_data and options.calib_propagate == "source" and options.needs_statistics() else 0)
+    options = dataclasses.replace(options, refine_model_steps=model_steps)
+    plan.refine_model_steps = model_steps
+    plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window)
     if dry_run:
         return plan
     config = source.config
@@ -960,11 +992,14 @@ def convert(
                 if options.calib_propagate == "converted":
                     runner.advance(_converted_layer(config, plan, family, rope_pairs, i, _on(layer_tensors, device),
                                                     mla_tensors))
-                if i < plan.layers - 1:
+                if i < plan.layers - 1 or options.refine_model_steps:  # the model stage reads the last ones
                     _write_activations(kept, i, runner.hidden.cpu())
                 clock.lap("calibration")
             clock.report(bar, i)
             del layer_tensors, attn, mla_tensors, source_layer, out_tensors, statistics
+        trained = {}  # the model stage's attention tensors, which replace the kept layers' in the shards
+        if runner is not None and options.refine_model_steps:
+            trained = _model_stage(source, config, plan, family, rope_pairs, runner, kept, options, device)
         runner = None
         # the shards: the source's other tensors, then each layer's as kept (a resumed run writes the same bytes)
         writer = ShardedWriter(stage, DTYPES[plan.dtype], SHARD_BYTES)
@@ -974,7 +1009,7 @@ def convert(
                 writer.add(name, source.get_raw(name))  # as stored: cast only when --dtype differs
         for i in range(plan.layers):
             for name, tensor in _read_layer(kept / _layer_file(i))[0].items():
-                writer.add(name, tensor)
+                writer.add(name, trained.get(name, tensor))
         writer.finalize()
         out_config = mla_config(config, plan, family, rope_pairs, plan.dtype)
         out_config.save_pretrained(stage)
@@ -993,7 +1028,8 @@ def convert(
             options=dataclasses.asdict(options),
             kv_cache=plan.kv_cache_record(),
             plan={"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "nope_dims": plan.nope_dims,
-                  "nope_kept": plan.nope_kept, "rope_pairs": rope_pairs, "refine": plan.refine_record},
+                  "nope_kept": plan.nope_kept, "rope_pairs": rope_pairs, "refine": plan.refine_record,
+                  "refine_model": plan.refine_model_record},
             seed=options.seed,
             copied_files=copied,
         )
@@ -1224,6 +1260,58 @@ def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, ta
     trained = {n: t.detach().cpu() for n, t in layer.state_dict().items() if not n.startswith("self_attn.")}
     return ({k: v.detach() for k, v in layer.self_attn.state_dict().items()},
             trained if whole and record["kept"] else {})
+
+
+MODEL_STAGE_FILE = "model_stage.safetensors"  # in the resume folder: the trained attention tensors and the record
+
+
+def _model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs, runner, kept: Path,
+                 options: ConvertOptions, device) -> dict[str, torch.Tensor]:
+    """The model stage (`refine.refine_model`): the whole converted model, built in float32 from the source's other
+    tensors and the kept layers, trained end to end to the source's next-token distributions on the calibration
+    windows (the runner's hidden states are the source's after its last layer). Returns the trained attention
+    tensors (none if the stage did not help), which replace the kept layers' when the shards are written; they and
+    the record are kept in the resume folder first, so a run killed later does not train again."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mla_convert.modeling.modeling_mla import MLAForCausalLM
+
+    done = kept / MODEL_STAGE_FILE
+    if done.is_file():
+        with safe_open(str(done), framework="pt") as f:
+            plan.refine_model_record = json.loads(f.metadata()["record"])
+            return {name: f.get_tensor(name) for name in f.keys()}
+    clock = time.perf_counter()
+    layer_prefix = family.layer_prefix.split("{")[0]
+    state = {name: source.get_raw(name).float() for name in source.keys()
+             if not name.startswith(layer_prefix) and "rotary_emb" not in name}
+    for i in range(plan.layers):
+        state.update({n: t.float() for n, t in _read_layer(kept / _layer_file(i))[0].items()})
+    with torch.device(device):
+        model = MLAForCausalLM(mla_config(config, plan, family, rope_pairs, "float32"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is the embedding
+        raise RuntimeError(f"model stage: the converted state does not fit the model ({missing[:3]}, {unexpected[:3]})")
+    model.tie_weights()
+    del state
+    model.eval()
+    with torch.no_grad():
+        teacher = model.model.norm(runner.hidden)  # the source's final norm is the converted model's (not converted)
+    record = refine.refine_model(model, runner.tokens.to(device), teacher, options.refine_model_steps,
+                                 options.refine_model_lr, seq_len=options.refine_seq_len, seed=options.seed)
+    del teacher
+    record = {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}
+    record["seconds"] = round(time.perf_counter() - clock, 1)
+    log.info("refine model: held-out KL %.4g -> %.4g (%s)", record["before"], record["after"],
+             "kept" if record["kept"] else "not kept")
+    trained = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()
+               if record["kept"] and n in refine.model_parameter_names(model)}
+    tmp = done.with_name(done.name + ".tmp")
+    save_file(trained, str(tmp), metadata={"record": json.dumps(record)})
+    os.replace(tmp, done)
+    plan.refine_model_record = record
+    return trained
 
 
 def _calibration_runner(source: Source, options: ConvertOptions):

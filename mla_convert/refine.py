@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -53,12 +54,12 @@ MLP_LR_SCALE = 1.0
 AUTO_CPU_SECONDS = 5400
 
 
-def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH) -> float:
+def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH, whole: bool | None = None) -> float:
     """Forward + backward flops of one refinement step of one layer: the projections (2 x tokens x parameters, the
-    MLP's too where the whole layer trains) and the score and value products over causal windows, both x3 for the
-    backward pass."""
+    MLP's too where the whole layer runs: `whole`, by default where it trains) and the score and value products over
+    causal windows, both x3 for the backward pass."""
     params = plan.attn_params_after / plan.layers
-    if plan.refine_scope == "layer":  # a gated MLP: three hidden x intermediate maps
+    if plan.refine_scope == "layer" if whole is None else whole:  # a gated MLP: three hidden x intermediate maps
         params += 3 * plan.hidden * plan.memory.get("intermediate", 4 * plan.hidden)
     width = plan.nope_dims + plan.rope_dims + plan.head_dim  # q.k and p.v per score
     scores = 2 * batch * plan.heads * seq_len**2 * width
@@ -192,4 +193,165 @@ def refine_module(
         record["kept"] = True
     else:
         module.load_state_dict(saved)
+    return record
+
+
+# The model stage (`--refine-model-steps`): after every layer is converted (and refined), the converted model's
+# attention is trained end to end so that its next-token distributions match the source's on the same calibration
+# windows: KL(source || converted) per token. Layer-wise targets cannot see how the errors of successive layers
+# compound; the source's own output distribution can. It reads no other text (the calibration windows, one held out),
+# and needs the source's final hidden states only, which the calibration stream already computed: no second model.
+MODEL_STEPS = 32
+MODEL_LR = 3e-4
+MODEL_WARMUP = 0.1  # of the steps, linear, then cosine to zero
+LOGIT_CHUNK = 512  # positions whose logits are formed at once: memory does not grow with vocabulary x window
+
+
+AUTO_MODEL_CPU_SECONDS = 1800  # `--refine-model-steps auto` on the CPU: at most this estimate (see resolve_model_steps)
+
+
+def model_step_flops(plan, seq_len: int = SEQ_LEN) -> float:
+    """Forward + backward flops of one model-stage step: every layer (attention and MLP) and the head, on one window
+    of `seq_len` tokens (the head's logits for the teacher too)."""
+    head = 2 * seq_len * plan.hidden * plan.memory.get("vocab", 0)
+    return plan.layers * step_flops(plan, seq_len, 1, whole=True) + 4 * head
+
+
+def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
+    """The model stage's `steps` at `rate` flop/s, with its two held-out passes."""
+    return (steps + 2) * model_step_flops(plan, seq_len) / rate
+
+
+def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int) -> int:
+    """The model stage's steps: `requested`, or (None, auto) MODEL_STEPS on a GPU or where the CPU estimate is at most
+    AUTO_MODEL_CPU_SECONDS and the model stage's memory (`model_stage_bytes`) at most half the machine's, else 0
+    (with a warning that says why)."""
+    if requested is not None:
+        return requested
+    if not device.startswith("cpu"):
+        return MODEL_STEPS
+    seconds = estimate_model_seconds(plan, MODEL_STEPS, seq_len)
+    needed, total = model_stage_bytes(plan, seq_len), _machine_bytes()
+    if seconds <= AUTO_MODEL_CPU_SECONDS and (total is None or needed <= total / 2):
+        return MODEL_STEPS
+    log.warning("no model stage: on this CPU it would take about %.1f h and %.1f GiB (estimates); pass "
+                "--refine-model-steps %d to run it anyway, or convert with --device cuda", seconds / 3600,
+                needed / 2**30, MODEL_STEPS)
+    return 0
+
+
+def model_stage_bytes(plan, seq_len: int = SEQ_LEN) -> int:
+    """Resident bytes of the model stage beyond the calibration hidden states: the whole converted model in float32,
+    the attention's gradients and Adam moments (3 more copies), the saved activations of one window (about 16 hidden
+    and 4 intermediate floats a token per layer, with the attention's score rows for one head at a time) and the
+    logits of LOGIT_CHUNK positions (teacher, student, their log-softmax and gradient)."""
+    inter, vocab = plan.memory.get("intermediate", 4 * plan.hidden), plan.memory.get("vocab", 0)
+    params = plan.attn_params_after + plan.layers * (3 * plan.hidden * inter + 2 * plan.hidden) + vocab * plan.hidden
+    acts = plan.layers * seq_len * (16 * plan.hidden + 4 * inter) * 4 + seq_len * seq_len * 4 * 2
+    return 4 * params + 12 * plan.attn_params_after + acts + 5 * min(LOGIT_CHUNK, seq_len) * vocab * 4
+
+
+def _machine_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _kl_chunks(model, hidden, teacher, backward: bool) -> float:
+    """Sum over positions of KL(softmax(lm_head(teacher)) || softmax(lm_head(hidden))), hidden and teacher
+    [T, D] (after the final norm); the logits of LOGIT_CHUNK positions at a time. With `backward`, the gradient of
+    the mean is accumulated into hidden.grad (a leaf) chunk by chunk."""
+    head = model.get_output_embeddings()
+    total = 0.0
+    count = hidden.shape[0]
+    for start in range(0, count, LOGIT_CHUNK):
+        h, t = hidden[start : start + LOGIT_CHUNK], teacher[start : start + LOGIT_CHUNK]
+        with torch.no_grad():
+            target = torch.log_softmax(head(t).float(), dim=-1)
+        with torch.set_grad_enabled(backward):
+            logp = torch.log_softmax(head(h).float(), dim=-1)
+            kl = torch.nn.functional.kl_div(logp, target, log_target=True, reduction="sum")
+            if backward:
+                (kl / count).backward()
+        total += kl.item()
+    return total
+
+
+def model_kl(model, tokens: torch.Tensor, teacher: torch.Tensor) -> float:
+    """Mean per-token KL(source || model) over windows `tokens` [N, T] whose source final normed hidden states are
+    `teacher` [N, T, D]."""
+    total = 0.0
+    with torch.no_grad():
+        for ids, t in zip(tokens, teacher):
+            hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+            total += _kl_chunks(model, hidden, t, backward=False)
+    return total / tokens.numel()
+
+
+def model_parameter_names(model) -> list[str]:
+    """What the model stage trains: every attention's weights (what the conversion changed); embeddings, norms,
+    MLPs and the head stay as they are."""
+    return [name for name, _ in model.named_parameters() if ".self_attn." in name]
+
+
+def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int, lr: float = MODEL_LR,
+                 seq_len: int = SEQ_LEN, seed: int = 0) -> dict:
+    """Train `model`'s attention (float32, in place) end to end so that its next-token distributions match the
+    source's: `teacher` [N, T, D] holds the source's final hidden states after its final norm on the calibration
+    windows `tokens` [N, T] (its logits are the model's own head applied to them: the head is not trained). Adam, a
+    linear warmup then cosine; one window's first `seq_len` tokens a step, drawn from all but the last window, which is
+    held out. Returns {"before", "after", "kept"}: the held-out mean KL, and whether the trained weights were kept
+    (else the model is restored)."""
+    n = tokens.shape[0]
+    held, train = slice(n - 1, n), slice(0, max(n - 1, 1))
+    before = model_kl(model, tokens[held], teacher[held])
+    record = {"before": before, "after": before, "kept": False}
+    if steps <= 0 or before < EXACT:
+        return record
+    names = set(model_parameter_names(model))
+    params = [p for name, p in model.named_parameters() if name in names]
+    saved = [p.detach().clone() for p in params]
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(params, lr=lr)
+    warmup = max(1, int(MODEL_WARMUP * steps))
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / (warmup + 1)
+        return 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    gen = torch.Generator().manual_seed(seed)
+    xt, tt = tokens[train], teacher[train]
+    seq_len = min(seq_len, tokens.shape[1])
+    model.train()
+    for step in range(steps):
+        row = int(torch.randint(0, xt.shape[0], (1,), generator=gen))
+        ids, target = xt[row, :seq_len], tt[row, :seq_len]
+        hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+        leaf = hidden.detach().requires_grad_(True)
+        loss = _kl_chunks(model, leaf, target, backward=True) / ids.numel()
+        optimizer.zero_grad(set_to_none=True)
+        hidden.backward(leaf.grad)
+        optimizer.step()
+        schedule.step()
+        log.info("refine model: step %d/%d KL %.4f", step + 1, steps, loss)
+    model.eval()
+    for p in params:
+        p.requires_grad_(False)
+    for p in frozen:
+        p.requires_grad_(True)
+    after = model_kl(model, tokens[held], teacher[held])
+    record["after"] = after
+    if after < before:
+        record["kept"] = True
+    else:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
     return record

@@ -14,6 +14,9 @@ Appends one JSON line to benchmarks/quality_probes.jsonl (series C) and prints i
 `--dump-source DIR` writes a safetensors copy of the embedded model (for probes of other tools).
 `--score NAME FOLDER` scores a converted folder (e.g. the main job's) on the same windows and appends its row
 (its conversion options from the folder's provenance.json).
+`--model-stage NAME FOLDER [steps=N lr=X]` runs the model stage (`--refine-model-steps`, mla_convert.refine.
+refine_model) on a converted folder with the calibration windows its provenance names (the same cached tokens), writes
+out/probe-NAME and scores it: what the stage adds to a conversion without converting again.
 """
 
 import json
@@ -59,6 +62,37 @@ def dev_perplexity(folder: Path, windows: int) -> float:
     return evaluate.perplexity(model, ids, 2048, windows, progress=False)["perplexity"]
 
 
+def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
+    """The model stage on a converted folder (see the module docstring); returns its probe row."""
+    from mla_convert import refine
+    from mla_convert.calibration import calibration_tokens
+    from mla_convert.checkpoint import open_source
+    from mla_convert.evaluate import load_model
+
+    kw = {k: json.loads(v) for k, v in (s.split("=", 1) for s in settings)}
+    opts = json.loads((folder / "provenance.json").read_text())["options"]
+    tokens = calibration_tokens(open_source(None), opts["calib_data"], opts["calib_samples"], opts["calib_seq_len"],
+                                opts["seed"], temperature=opts["calib_temperature"],
+                                sample_tokens=opts["calib_sample_tokens"])
+    source, _, _ = load_model(None)
+    with torch.no_grad():
+        teacher = torch.cat([source.model(input_ids=ids[None], use_cache=False).last_hidden_state for ids in tokens])
+    del source
+    model, tok, _ = load_model(str(folder))
+    start = time.time()
+    rec = refine.refine_model(model, tokens, teacher, kw.get("steps", refine.MODEL_STEPS), kw.get("lr", refine.MODEL_LR),
+                              seed=opts["seed"])
+    seconds = time.time() - start
+    out = ROOT / "out" / f"probe-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    shutil.copy(folder / "provenance.json", out / "provenance.json")
+    return {"name": name, "series": "C", "ppl": round(dev_perplexity(out, int(os.environ.get("W", "2"))), 3),
+            "W": int(os.environ.get("W", "2")), "stage_s": round(seconds, 1), "from": str(folder), **kw,
+            "held_kl": [round(rec["before"], 4), round(rec["after"], 4)], "kept": rec["kept"]}
+
+
 def record(row: dict) -> None:
     print(json.dumps(row))
     with (ROOT / "benchmarks" / "quality_probes.jsonl").open("a") as f:
@@ -75,6 +109,8 @@ def main() -> None:
         options = {k: prov["options"][k] for k in ("kv_budget", "rank") if prov["options"].get(k) is not None}
         return record({"name": name, "series": "C", "ppl": round(dev_perplexity(folder, windows), 3), "W": windows,
                        "folder": str(folder), **options, "nope_dims": prov["plan"].get("nope_dims")})
+    if sys.argv[1] == "--model-stage":
+        return record(model_stage(sys.argv[2], Path(sys.argv[3]), sys.argv[4:]))
     from mla_convert.checkpoint import open_source
     from mla_convert.convert import ConvertOptions, convert
 

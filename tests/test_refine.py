@@ -53,6 +53,11 @@ def test_full_rank_is_left_exact(sources, convert_tiny):
         record = _plan(refined)["refine"]
         assert len(record) == src.config.num_hidden_layers
         assert all(r["before"] < refine.EXACT and not r["kept"] for r in record)
+        # the model stage ran (auto) and found nothing to gain either
+        options = json.loads((refined / "provenance.json").read_text())["options"]
+        assert options["refine_model_steps"] == refine.MODEL_STEPS
+        model_record = _plan(refined)["refine_model"]
+        assert model_record["before"] < refine.EXACT and not model_record["kept"]
 
 
 @pytest.mark.parametrize("allocation,scope,propagate", [("uniform", "attention", "source"),
@@ -170,11 +175,18 @@ def test_auto_steps_follow_the_estimated_cost(caplog):
     assert refine.step_flops(big) > 10 * refine.step_flops(small)
 
 
-@pytest.mark.parametrize("value,needle", [("many", "--refine-steps must be auto or a number"),
-                                          ("-3", "--refine-steps must be 0 or more")])
-def test_bad_refine_steps_is_one_clear_line(sources, tmp_path, value, needle):
+@pytest.mark.parametrize("args,needle", [
+    (["--refine-steps", "many"], "--refine-steps must be auto or a number"),
+    (["--refine-steps", "-3"], "--refine-steps must be 0 or more"),
+    (["--refine-model-steps", "many"], "--refine-model-steps must be auto or a number"),
+    (["--refine-model-steps", "-1"], "--refine-model-steps must be 0 or more"),
+    (["--refine-model-lr", "0"], "--refine-model-lr must be positive"),
+    (["--refine-model-steps", "4", "--calib-data", "none"], "--refine-model-steps trains on calibration text"),
+    (["--refine-model-steps", "4", "--calib-propagate", "converted"], "--calib-propagate source"),
+])
+def test_bad_refine_steps_is_one_clear_line(sources, tmp_path, args, needle):
     result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "-o", str(tmp_path / "out"),
-                                      "--kv-budget", "0.5", "--refine-steps", value])
+                                      "--kv-budget", "0.5", *args])
     assert_user_error(result.exit_code, result.output, needle)
     assert not (tmp_path / "out").exists()
 
@@ -202,12 +214,14 @@ def test_cli_defaults_are_the_library_defaults():
         for option in group.commands[name].params:
             if option.name not in fields or option.default is None:
                 continue
-            expected = "auto" if option.name == "refine_steps" and library.refine_steps is None else None
+            auto = option.name in ("refine_steps", "refine_model_steps") and getattr(library, option.name) is None
+            expected = "auto" if auto else None
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
     assert {"calib_samples", "calib_seq_len", "calib_temperature", "calib_sample_tokens", "refine_lr",
-            "refine_seq_len", "refine_steps", "refine_mlp_lr_scale"} <= checked
+            "refine_seq_len", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
+    assert library.refine_model_lr == refine.MODEL_LR
     assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE
     assert (library.calib_temperature, library.calib_sample_tokens) == (selftext.CALIB_TEMPERATURE, selftext.SAMPLE_TOKENS)
 
@@ -240,3 +254,55 @@ def test_refinement_window_reaches_the_loop(sources, convert_tiny):
     assert all(torch.equal(b[k], c[k]) for k in b)
     options = json.loads((whole / "provenance.json").read_text())["options"]
     assert options["refine_seq_len"] == 64
+
+
+def test_model_stage_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny):
+    """The model stage (`refine_model_steps`) trains the converted attention end to end to the source's next-token
+    distributions: on text no calibration read the model is closer to the source; only attention tensors change
+    (embeddings, MLPs and norms are the layers' as converted); the record says what the held-out window gained."""
+    kind = "llama-gqa"
+    src = AutoModelForCausalLM.from_pretrained(sources[kind], dtype=torch.float32).eval()
+    lossy = dict(rank=4, rope_dims=4, calib_samples=16, calib_seq_len=64, refine_steps=0)
+    plain = convert_tiny(sources[kind], refine_model_steps=0, **lossy)
+    staged = convert_tiny(sources[kind], refine_model_steps=60, refine_model_lr=3e-3, **lossy)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sources[kind])
+    ids = tok(tiny_text(600, seed=9), return_tensors="pt").input_ids[:, :128]
+    assert _kl_to_source(src, staged, ids) < 0.9 * _kl_to_source(src, plain, ids)
+    record = _plan(staged)["refine_model"]
+    assert record["kept"] and record["after"] < record["before"]
+    assert _plan(plain)["refine_model"] == {}  # not run: nothing recorded
+    a, b = _weights(plain), _weights(staged)
+    assert a.keys() == b.keys()
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert changed and all(".self_attn." in k for k in changed)
+    assert "Model stage:" in (staged / "README.md").read_text()
+
+
+def test_model_stage_restores_the_weights_when_the_held_out_kl_does_not_drop(sources, convert_tiny):
+    """A stage that makes the held-out window worse (a learning rate that diverges) is not kept: the output is the
+    conversion without it, bit for bit."""
+    lossy = dict(rank=4, rope_dims=4, calib_samples=4, calib_seq_len=32, refine_steps=0)
+    plain = convert_tiny(sources["llama-gqa"], refine_model_steps=0, **lossy)
+    diverged = convert_tiny(sources["llama-gqa"], refine_model_steps=8, refine_model_lr=10.0, **lossy)
+    record = _plan(diverged)["refine_model"]
+    assert not record["kept"] and record["after"] >= record["before"]
+    a, b = _weights(plain), _weights(diverged)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_auto_model_steps_follow_the_estimated_cost(caplog):
+    small = _shaped_plan(30, 576, 9, 3, 64, 64, 32, 1536)  # SmolLM2-135M at 25%
+    small.memory["vocab"] = 49152
+    big = _shaped_plan(32, 4096, 32, 8, 128, 512, 64, 14336)  # Llama-3-8B shapes
+    big.memory["vocab"] = 128256
+    assert refine.estimate_model_seconds(small, refine.MODEL_STEPS) <= refine.AUTO_MODEL_CPU_SECONDS
+    assert refine.resolve_model_steps(None, small, "cpu", refine.SEQ_LEN) == refine.MODEL_STEPS
+    with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
+        assert refine.resolve_model_steps(None, big, "cpu", refine.SEQ_LEN) == 0
+    assert "--refine-model-steps" in caplog.text
+    assert refine.resolve_model_steps(None, big, "cuda", refine.SEQ_LEN) == refine.MODEL_STEPS
+    assert refine.resolve_model_steps(5, big, "cpu", refine.SEQ_LEN) == 5
+    # the stage holds the whole model: an 8B model's float32 copy alone is over 30 GB
+    assert refine.model_stage_bytes(big) > 30e9 > refine.model_stage_bytes(small)

@@ -3,6 +3,7 @@ as an uninterrupted run; other options start over; the staging folder is gone on
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,26 +46,33 @@ def killed_run(args: list[str], after: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", KILLER, *args], env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("propagate", ["source", "converted"])
-def test_killed_conversion_resumes_to_the_same_bytes(four_layers, calib_text, tmp_path, propagate):
-    common = ["llama", str(four_layers), "--kv-budget", "0.5", "--calib-data", str(calib_text), "--calib-samples", "2",
+@pytest.mark.parametrize("propagate,after", [("source", 1), ("converted", 1), ("source", 3)])
+def test_killed_conversion_resumes_to_the_same_bytes(four_layers, calib_text, tmp_path, propagate, after):
+    """Killed after layer 1 (of 4), or after the last layer, before the model stage (which runs only along the
+    source's stream): that stage then starts from the kept activations after the last layer."""
+    common = ["llama", str(four_layers), "--kv-budget", "0.5", "--calib-data", str(calib_text), "--calib-samples", "3",
               "--calib-seq-len", "32", "--calib-propagate", propagate, "--dtype", "bfloat16", "-q"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert CliRunner().invoke(app, [*common, "-o", str(straight)]).exit_code == 0
+    staged = json.loads((straight / "provenance.json").read_text())["plan"]["refine_model"]
+    assert ("before" in staged) == (propagate == "source")  # auto runs the model stage where it can
 
-    killed = killed_run([*common, "-o", str(resumed)], after=1)
+    killed = killed_run([*common, "-o", str(resumed)], after=after)
     assert killed.returncode == -9, killed.stderr[-2000:]
     stage = tmp_path / ".resumed.incomplete"
     assert not resumed.exists()
-    assert sorted(p.name for p in (stage / ".resume").glob("layer-*")) == ["layer-00000.safetensors",
-                                                                            "layer-00001.safetensors"]
-    assert (stage / ".resume" / "activations.safetensors").is_file()  # after layer 0: the resume starts from them
+    assert sorted(p.name for p in (stage / ".resume").glob("layer-*")) == [f"layer-{i:05d}.safetensors"
+                                                                            for i in range(after + 1)]
+    assert (stage / ".resume" / "activations.safetensors").is_file()  # the resume starts from them
+    assert not (stage / ".resume" / "model_stage.safetensors").exists()
 
     result = CliRunner().invoke(app, [*common, "-o", str(resumed)])
     assert result.exit_code == 0, result.output
-    assert "2 of 4 layers were converted already" in result.output
+    assert f"{after + 1} of 4 layers were converted already" in result.output
     for name in OUTPUT_FILES:
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
+    again = json.loads((resumed / "provenance.json").read_text())["plan"]["refine_model"]
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in staged.items() if k != "seconds"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resumed", "straight"]  # staging folder gone
     assert not (resumed / ".resume").exists()
 
