@@ -1198,6 +1198,9 @@ def describe_method(options: ConvertOptions) -> str:
                  "attention's outputs" if options.refine_scope == "attention" else
                  f"; each whole layer (attention, MLP, norms) then trained {options.refine_steps} steps to match what "
                  "the source layer adds to the residual stream")
+    if options.refine_model_steps:
+        fact += (f"; then every attention trained {options.refine_model_steps} steps end to end to the source's "
+                 "next-token distributions on the calibration text")
     return f"{rope_text}, {fact}"
 
 
