@@ -64,7 +64,7 @@ def dev_perplexity(folder: Path, windows: int) -> float:
 
 def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     """The model stage on a converted folder (see the module docstring); returns its probe row."""
-    from mla_convert import refine
+    from mla_convert import refine, selftext
     from mla_convert.calibration import calibration_tokens
     from mla_convert.checkpoint import open_source
     from mla_convert.evaluate import load_model
@@ -72,8 +72,8 @@ def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     kw = {k: json.loads(v) for k, v in (s.split("=", 1) for s in settings)}
     opts = json.loads((folder / "provenance.json").read_text())["options"]
     tokens = calibration_tokens(open_source(None), opts["calib_data"], opts["calib_samples"], opts["calib_seq_len"],
-                                opts["seed"], temperature=opts["calib_temperature"],
-                                sample_tokens=opts["calib_sample_tokens"])
+                                opts["seed"], temperature=opts.get("calib_temperature", selftext.TEMPERATURE),
+                                sample_tokens=opts.get("calib_sample_tokens", selftext.SAMPLE_TOKENS))  # older folders
     source, _, _ = load_model(None)
     with torch.no_grad():
         teacher = torch.cat([source.model(input_ids=ids[None], use_cache=False).last_hidden_state for ids in tokens])

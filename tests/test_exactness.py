@@ -183,7 +183,7 @@ def test_narrowed_nope_is_exact_where_the_latent_is_narrower(sources, convert_ti
     as keeping head_dim nope dims. The score energy kept is recorded per layer."""
     import json
 
-    options = dict(rank=6, rope_dims=8, refine_steps=0)
+    options = dict(rank=6, rope_dims=8, refine_steps=0, refine_model_steps=0)  # the closed form alone
     narrow = convert_tiny(sources[kind], **options)
     wide = convert_tiny(sources[kind], nope_dims=16, **options)
     models = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
