@@ -119,7 +119,8 @@ def test_cuda_conversion_is_exact_at_full_rank_and_matches_cpu(sources, convert_
 
 def plan_for(tmp_path: Path, calib_text: Path, layers: int, **options):
     src = tiny_source("llama-gqa", tmp_path / f"src-{layers}", num_hidden_layers=layers)
-    params = dict(rank=16, calib_data=str(calib_text), calib_samples=2, calib_seq_len=64) | options
+    # the layer stream alone unless asked: the model stage holds the whole model (test below)
+    params = dict(rank=16, calib_data=str(calib_text), calib_samples=2, calib_seq_len=64, refine_model_steps=0) | options
     return convert(open_source(str(src)), tmp_path / "never", ConvertOptions(**params), dry_run=True)
 
 
@@ -139,12 +140,25 @@ def test_memory_estimate_does_not_grow_with_depth(tmp_path, calib_text, monkeypa
     assert none.memory_parts()["calibration hidden states"] == 0 < longer.memory_parts()["calibration hidden states"]
 
 
+def test_model_stage_memory_is_the_whole_model(tmp_path, calib_text):
+    """The model stage holds the whole converted model: where it runs (auto, on a tiny model) the estimate shows it
+    and grows with depth; without it the streamed estimate stays."""
+    staged = [plan_for(tmp_path, calib_text, n, refine_model_steps=None) for n in (2, 8)]
+    assert all(p.refine_model_steps > 0 and "model stage" in p.memory_parts() for p in staged)
+    assert staged[1].memory_estimate() > staged[0].memory_estimate()
+    assert staged[0].memory_parts()["model stage"] > 0
+    assert "model stage" not in plan_for(tmp_path, calib_text, 8).memory_parts()
+
+
 def test_dry_run_prints_the_estimate_and_its_parts(sources, calib_text):
-    result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "--rank", "16", "--dry-run",
-                                      "--calib-data", str(calib_text)])  # fmt: skip
+    args = ["llama", str(sources["llama-gqa"]), "--rank", "16", "--dry-run", "--calib-data", str(calib_text)]
+    result = CliRunner().invoke(app, [*args, "--refine-model-steps", "0"])
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if "estimated peak memory" in line)
     assert "runtime" in line and "one layer's working set" in line and "GiB" in line
+    result = CliRunner().invoke(app, args)  # auto runs the model stage on this tiny model: its memory is shown
+    line = next(line for line in result.output.splitlines() if "estimated peak memory" in line)
+    assert "model stage" in line and "model stage: 32 steps" in result.output
 
 
 def test_progress_reports_each_layers_calibration_and_factorization(sources, convert_tiny, caplog):
