@@ -201,7 +201,7 @@ def refine_module(
 # windows: KL(source || converted) per token. Layer-wise targets cannot see how the errors of successive layers
 # compound; the source's own output distribution can. It reads no other text (the calibration windows, one held out),
 # and needs the source's final hidden states only, which the calibration stream already computed: no second model.
-MODEL_STEPS = 32
+MODEL_STEPS = 64
 MODEL_LR = 3e-4
 MODEL_WARMUP = 0.1  # of the steps, linear, then cosine to zero
 LOGIT_CHUNK = 512  # positions whose logits are formed at once: memory does not grow with vocabulary x window

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
+from mla_convert import refine
 from mla_convert.checkpoint import ShardedWriter, open_source
 from mla_convert.cli import app
 from mla_convert.convert import ConvertOptions, convert, max_rank
@@ -158,7 +159,7 @@ def test_dry_run_prints_the_estimate_and_its_parts(sources, calib_text):
     assert "runtime" in line and "one layer's working set" in line and "GiB" in line
     result = CliRunner().invoke(app, args)  # auto runs the model stage on this tiny model: its memory is shown
     line = next(line for line in result.output.splitlines() if "estimated peak memory" in line)
-    assert "model stage" in line and "model stage: 32 steps" in result.output
+    assert "model stage" in line and f"model stage: {refine.MODEL_STEPS} steps" in result.output
 
 
 def test_progress_reports_each_layers_calibration_and_factorization(sources, convert_tiny, caplog):
