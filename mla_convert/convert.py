@@ -115,6 +115,7 @@ class ConvertOptions:
             or self.dropped_rope == "expected"
             or self.qk_norm == "calibrated"  # the keys' RMS (only sources with q/k norms read it)
             or (self.refine_steps or 0) > 0
+            or (self.refine_model_steps or 0) > 0
         )
 
     def needs_attention_profile(self) -> bool:
