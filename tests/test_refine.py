@@ -71,7 +71,7 @@ def test_refinement_brings_a_lossy_conversion_closer_to_the_source(sources, conv
     kind = "llama-gqa"
     src = AutoModelForCausalLM.from_pretrained(sources[kind], dtype=torch.float32).eval()
     lossy = dict(rank=4, rope_dims=4, calib_samples=16, calib_seq_len=64, rank_allocation=allocation,
-                 calib_propagate=propagate)
+                 calib_propagate=propagate, refine_model_steps=0)  # the layers' refinement alone (the stage: below)
     plain = convert_tiny(sources[kind], refine_steps=0, **lossy)
     refined = convert_tiny(sources[kind], refine_steps=150, refine_lr=3e-3, refine_scope=scope, **lossy)
     from transformers import AutoTokenizer
