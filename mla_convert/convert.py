@@ -1004,10 +1004,8 @@ def convert(
         runner = None
         # the shards: the source's other tensors, then each layer's as kept (a resumed run writes the same bytes)
         writer = ShardedWriter(stage, DTYPES[plan.dtype], SHARD_BYTES)
-        layer_prefix = family.layer_prefix.split("{")[0]
-        for name in source.keys():
-            if not name.startswith(layer_prefix) and "rotary_emb" not in name:
-                writer.add(name, source.get_raw(name))  # as stored: cast only when --dtype differs
+        for name in _other_tensor_names(source, family):
+            writer.add(name, source.get_raw(name))  # as stored: cast only when --dtype differs
         for i in range(plan.layers):
             for name, tensor in _read_layer(kept / _layer_file(i))[0].items():
                 writer.add(name, trained.get(name, tensor))
@@ -1266,6 +1264,12 @@ def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, ta
             trained if whole and record["kept"] else {})
 
 
+def _other_tensor_names(source: Source, family: Family) -> list[str]:
+    """The source's tensors outside its decoder layers (embeddings, final norm, head), which pass through as read."""
+    layer_prefix = family.layer_prefix.split("{")[0]
+    return [name for name in source.keys() if not name.startswith(layer_prefix) and "rotary_emb" not in name]
+
+
 MODEL_STAGE_FILE = "model_stage.safetensors"  # in the resume folder: the trained attention tensors and the record
 
 
@@ -1287,9 +1291,7 @@ def _model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs,
             plan.refine_model_record = json.loads(f.metadata()["record"])
             return {name: f.get_tensor(name) for name in f.keys()}
     clock = time.perf_counter()
-    layer_prefix = family.layer_prefix.split("{")[0]
-    state = {name: source.get_raw(name).float() for name in source.keys()
-             if not name.startswith(layer_prefix) and "rotary_emb" not in name}
+    state = {name: source.get_raw(name).float() for name in _other_tensor_names(source, family)}
     for i in range(plan.layers):
         state.update({n: t.float() for n, t in _read_layer(kept / _layer_file(i))[0].items()})
     with torch.device(device):
@@ -1309,8 +1311,8 @@ def _model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs,
     record["seconds"] = round(time.perf_counter() - clock, 1)
     log.info("refine model: held-out KL %.4g -> %.4g (%s)", record["before"], record["after"],
              "kept" if record["kept"] else "not kept")
-    trained = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()
-               if record["kept"] and n in refine.model_parameter_names(model)}
+    names = set(refine.model_parameter_names(model)) if record["kept"] else set()
+    trained = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if n in names}
     tmp = done.with_name(done.name + ".tmp")
     save_file(trained, str(tmp), metadata={"record": json.dumps(record)})
     os.replace(tmp, done)

@@ -207,7 +207,7 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "(43.79 -> 37.96, 2.15x); 32 steps (row `mla-convert-stage32`) 58.88 / 34.11 / 38.93. Targets at 25% now hold on "
     "every text: WikiText 2.46x against 2.5x, the Debian texts 2.43x and 2.15x against 5x. The stage took 1780 s at "
     "one thread on cores shared with two other jobs (the plan estimates 19 min on 2 cores); it holds the whole model "
-    "in memory (plan estimate 5.5 GiB at its peak for this model), which is why auto runs it on a CPU only for models "
+    "in memory (`--dry-run` estimates a 6.3 GiB peak for this model), which is why auto runs it on a CPU only for models "
     "this small. As served (`mla-convert eval out/probe-C_t12_m64 --data ../shared/data/wikitext-2/wiki.test.raw "
     "--seq-len 2048 --windows 4 --engine vllm --dtype float32`): 57.759 in vLLM's CPU build (CPU_MLA), as in "
     "transformers (57.76), KV cache 69,120 bytes/token as vLLM allocates it. At 50% (probe C_layer50_slow1's folder, "

@@ -88,8 +88,9 @@ def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     shutil.copy(folder / "provenance.json", out / "provenance.json")
-    return {"name": name, "series": "C", "ppl": round(dev_perplexity(out, int(os.environ.get("W", "2"))), 3),
-            "W": int(os.environ.get("W", "2")), "stage_s": round(seconds, 1), "from": str(folder), **kw,
+    windows = int(os.environ.get("W", "2"))
+    return {"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3),
+            "W": windows, "stage_s": round(seconds, 1), "from": str(folder), **kw,
             "held_kl": [round(rec["before"], 4), round(rec["after"], 4)], "kept": rec["kept"]}
 
 
