@@ -205,6 +205,7 @@ MODEL_STEPS = 64
 MODEL_LR = 3e-4
 MODEL_WARMUP = 0.1  # of the steps, linear, then cosine to zero
 LOGIT_CHUNK = 512  # positions whose logits are formed at once: memory does not grow with vocabulary x window
+MODEL_CHECKS = 8  # held-out evaluations during the stage: the best weights seen are kept (early stopping)
 
 
 AUTO_MODEL_CPU_SECONDS = 1800  # `--refine-model-steps auto` on the CPU: at most this estimate (see resolve_model_steps)
@@ -218,8 +219,9 @@ def model_step_flops(plan, seq_len: int = SEQ_LEN) -> float:
 
 
 def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
-    """The model stage's `steps` at `rate` flop/s, with its two held-out passes."""
-    return (steps + 2) * model_step_flops(plan, seq_len) / rate
+    """The model stage's `steps` at `rate` flop/s, with its held-out passes (a forward, about a third of a step: one
+    before training and MODEL_CHECKS during it)."""
+    return (steps + (MODEL_CHECKS + 1) / 3) * model_step_flops(plan, seq_len) / rate
 
 
 def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int) -> int:
@@ -301,17 +303,21 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
     source's: `teacher` [N, T, D] holds the source's final hidden states after its final norm on the calibration
     windows `tokens` [N, T] (its logits are the model's own head applied to them: the head is not trained). Adam, a
     linear warmup then cosine; one window's first `seq_len` tokens a step, drawn from all but the last window, which is
-    held out. Returns {"before", "after", "kept"}: the held-out mean KL, and whether the trained weights were kept
-    (else the model is restored)."""
+    held out. The held-out KL is measured MODEL_CHECKS times during training (the last after the final step); the best
+    weights seen are what the model keeps: the converted weights themselves where no check improved on them.
+
+    Returns {"before", "after", "kept", "step", "last", "curve"}: the held-out mean KL before and of the weights
+    kept, whether trained weights were kept and after which step (0: none), the KL after the last step, and every
+    check as [step, KL]."""
     n = tokens.shape[0]
     held, train = slice(n - 1, n), slice(0, max(n - 1, 1))
     before = model_kl(model, tokens[held], teacher[held])
-    record = {"before": before, "after": before, "kept": False}
+    record = {"before": before, "after": before, "kept": False, "step": 0, "last": before, "curve": []}
     if steps <= 0 or before < EXACT:
         return record
     names = set(model_parameter_names(model))
     params = [p for name, p in model.named_parameters() if name in names]
-    saved = [p.detach().clone() for p in params]
+    best = [p.detach().clone() for p in params]  # the weights with the lowest held-out KL so far
     frozen = [p for p in model.parameters() if p.requires_grad]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -319,6 +325,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         p.requires_grad_(True)
     optimizer = torch.optim.Adam(params, lr=lr)
     warmup = max(1, int(MODEL_WARMUP * steps))
+    every = max(1, steps // MODEL_CHECKS)
 
     def factor(s: int) -> float:
         if s < warmup:
@@ -329,8 +336,8 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
     gen = torch.Generator().manual_seed(seed)
     xt, tt = tokens[train], teacher[train]
     seq_len = min(seq_len, tokens.shape[1])
-    model.train()
-    for step in range(steps):
+    for step in range(1, steps + 1):
+        model.train()
         row = int(torch.randint(0, xt.shape[0], (1,), generator=gen))
         ids, target = xt[row, :seq_len], tt[row, :seq_len]
         hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
@@ -340,18 +347,26 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         hidden.backward(leaf.grad)
         optimizer.step()
         schedule.step()
-        log.info("refine model: step %d/%d KL %.4f", step + 1, steps, loss)
+        log.info("refine model: step %d/%d KL %.4f", step, steps, loss)
+        if step % every and step != steps:
+            continue
+        model.eval()
+        kl = model_kl(model, tokens[held], teacher[held])
+        record["curve"].append([step, kl])
+        log.info("refine model: held-out KL %.4f after step %d (before %.4f)", kl, step, before)
+        if kl < record["after"]:
+            record.update(after=kl, kept=True, step=step)
+            with torch.no_grad():
+                for b, p in zip(best, params):
+                    b.copy_(p)
+    record["last"] = record["curve"][-1][1]
     model.eval()
+    optimizer.zero_grad(set_to_none=True)
     for p in params:
         p.requires_grad_(False)
     for p in frozen:
         p.requires_grad_(True)
-    after = model_kl(model, tokens[held], teacher[held])
-    record["after"] = after
-    if after < before:
-        record["kept"] = True
-    else:
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
+    with torch.no_grad():
+        for p, b in zip(params, best):
+            p.copy_(b)
     return record

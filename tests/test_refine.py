@@ -306,3 +306,28 @@ def test_auto_model_steps_follow_the_estimated_cost(caplog):
     assert refine.resolve_model_steps(5, big, "cpu", refine.SEQ_LEN) == 5
     # the stage holds the whole model: an 8B model's float32 copy alone is over 30 GB
     assert refine.model_stage_bytes(big) > 30e9 > refine.model_stage_bytes(small)
+
+
+def test_model_stage_keeps_the_best_weights_it_checked(sources, convert_tiny):
+    """The stage checks the held-out window MODEL_CHECKS times and keeps the best weights seen: what the model holds
+    afterwards scores exactly the record's `after`, the lowest of the checks (or the converted weights' own, if no
+    check beat them), and a rate that overshoots late in training does not cost what it gained early."""
+    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
+    folder = convert_tiny(sources["llama-gqa"], rank=4, rope_dims=4, refine_steps=0, refine_model_steps=0)
+    ids = torch.randint(0, src.config.vocab_size, (5, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        teacher = torch.cat([src.model(input_ids=x[None]).last_hidden_state for x in ids])
+    for lr, steps in ((3e-3, 16), (1.0, 16), (1e-2, 5)):
+        mla = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        record = refine.refine_model(mla, ids, teacher, steps, lr=lr)
+        checks = [kl for _, kl in record["curve"]]
+        every = max(1, steps // refine.MODEL_CHECKS)
+        assert [s for s, _ in record["curve"]] == [s for s in range(1, steps + 1) if s % every == 0 or s == steps]
+        assert record["curve"][-1][0] == steps and record["last"] == checks[-1]
+        assert record["after"] == min([record["before"], *checks])
+        assert record["kept"] == (record["after"] < record["before"])
+        assert refine.model_kl(mla, ids[-1:], teacher[-1:]) == pytest.approx(record["after"], rel=1e-6)
+        if record["kept"]:
+            assert dict(record["curve"])[record["step"]] == record["after"]
+        if lr == 1.0:  # this rate's best check is not its last: the later weights were dropped
+            assert record["kept"] and record["step"] < steps and record["last"] > record["after"]
