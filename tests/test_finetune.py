@@ -52,6 +52,13 @@ def tiny_run(tmp_path_factory):
 def test_overrides_typed_and_validated(tiny_run):
     cfg = finetune.load_config(tiny_run["recipe"], ["max_steps=7", "finetune.kd_weight=0.25", "train=all", "teacher=auto"])
     assert cfg.max_steps == 7 and cfg.kd_weight == 0.25 and cfg.train == "all" and cfg.eval_seq_len == 32
+    # PyYAML reads `3e-4` (no dot) as text: it is still the number a user means, on the command line or in a recipe
+    cfg = finetune.load_config(tiny_run["recipe"], ["lr=3e-4", "max_tokens=1e3", "kd_temperature=2"])
+    assert cfg.lr == 3e-4 and cfg.max_tokens == 1000 and isinstance(cfg.max_tokens, int) and cfg.kd_temperature == 2.0
+    with pytest.raises(UserError, match="lr must be a number, got '3e-4x'"):
+        finetune.load_config(tiny_run["recipe"], ["lr=3e-4x"])
+    with pytest.raises(UserError, match="max_tokens must be an integer"):
+        finetune.load_config(tiny_run["recipe"], ["max_tokens=2.5e0"])
     with pytest.raises(UserError, match="unknown finetune setting"):
         finetune.load_config(tiny_run["recipe"], ["learning_rate=1"])
     with pytest.raises(UserError, match="needs a teacher"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from pathlib import Path
 
 from mla_convert.dtypes import DTYPES
@@ -15,6 +16,8 @@ from mla_convert.errors import UserError
 STATE_FILE = "trainer_state.json"
 TRAINER_DIR = "trainer"
 METRICS_FILE = "metrics.jsonl"
+# A number YAML 1.1 (PyYAML) reads as text: `3e-4` (no dot in the mantissa), `1e3`; typed() reads it as the number.
+_NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 PLOT_FILE = "loss.png"
 FINAL_DIR = "final"
 # Test hook: exit abruptly (as if killed) right after this optimizer step and its checkpoint, if any.
@@ -123,6 +126,9 @@ class FinetuneConfig:
             if f.name not in section:
                 continue
             value, kinds = section[f.name], str(f.type).replace(" ", "").split("|")
+            if (isinstance(value, str) and "str" not in kinds and {"int", "float"} & set(kinds)
+                    and _NUMBER_TEXT.fullmatch(value.strip())):
+                value = float(value)
             if value is None:
                 if "None" in kinds:
                     continue
