@@ -163,7 +163,8 @@ def _model_stage_lines(record) -> list[str]:
     """The model stage's effect (mla_convert.refine.refine_model): held-out KL to the source, per token."""
     if not isinstance(record, dict) or "before" not in record:
         return []
-    outcome = (f"{record['before']:.4g} -> {record['after']:.4g} (kept)" if record.get("kept") else
+    at = f", the weights after step {record['step']}" if record.get("step") else ""
+    outcome = (f"{record['before']:.4g} -> {record['after']:.4g} (kept{at})" if record.get("kept") else
                f"{record['before']:.4g}, not improved: the stage's weights were not kept")
     return [f"Model stage: the attention trained end to end to the source's next-token distributions; KL to the source "
             f"per token on a held-out calibration window {outcome}.", ""]

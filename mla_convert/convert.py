@@ -1308,9 +1308,10 @@ def _model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs,
                                  options.refine_model_lr, seq_len=options.refine_seq_len, seed=options.seed)
     del teacher
     record = {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}
+    record["curve"] = [[step, round(kl, 6)] for step, kl in record["curve"]]
     record["seconds"] = round(time.perf_counter() - clock, 1)
     log.info("refine model: held-out KL %.4g -> %.4g (%s)", record["before"], record["after"],
-             "kept" if record["kept"] else "not kept")
+             f"kept after step {record['step']} of {options.refine_model_steps}" if record["kept"] else "not kept")
     names = set(refine.model_parameter_names(model)) if record["kept"] else set()
     trained = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if n in names}
     tmp = done.with_name(done.name + ".tmp")

@@ -107,9 +107,9 @@ def main() -> None:
     if sys.argv[1] == "--score":
         name, folder = sys.argv[2], Path(sys.argv[3])
         prov = json.loads((folder / "provenance.json").read_text())
-        options = {k: prov["options"][k] for k in ("kv_budget", "rank") if prov["options"].get(k) is not None}
+        options = {k: v for k in ("kv_budget", "rank") if (v := prov.get("options", {}).get(k)) is not None}
         return record({"name": name, "series": "C", "ppl": round(dev_perplexity(folder, windows), 3), "W": windows,
-                       "folder": str(folder), **options, "nope_dims": prov["plan"].get("nope_dims")})
+                       "folder": str(folder), **options, "nope_dims": prov.get("plan", {}).get("nope_dims")})
     if sys.argv[1] == "--model-stage":
         return record(model_stage(sys.argv[2], Path(sys.argv[3]), sys.argv[4:]))
     from mla_convert.checkpoint import open_source
