@@ -364,7 +364,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "memory. auto (default): 64 on a GPU, and on the CPU when the plan estimates at most 30 min and half "
             "the machine's memory; 0: off. Measured in benchmarks/quality.md."),
         refine_model_lr: float = typer.Option(  # refine.MODEL_LR, written out
-            3e-4, "--refine-model-lr", help="Learning rate of --refine-model-steps (Adam, warmup then cosine)."),
+            1e-4, "--refine-model-lr", help="Learning rate of --refine-model-steps (Adam, warmup then cosine)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "
