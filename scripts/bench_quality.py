@@ -483,7 +483,8 @@ def write_report(args) -> None:
             for p in (r for r in probe_rows if r.get("series", "A") == series):
                 opts = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("name", "ppl", "W", "convert_s", "series"))
                 count = f" ({p['W']} windows)" if p.get("W", 2) != 2 else ""
-                lines.append(f"| {p['name']} | {p['ppl']:.1f}{count} | {opts} |")
+                ppl = "stopped" if p["ppl"] is None else f"{p['ppl']:.1f}"  # a probe stopped before its score
+                lines.append(f"| {p['name']} | {ppl}{count} | {opts} |")
             lines.append("")
     lines += ["![perplexity vs budget](quality.png)", ""]
     (ROOT / "benchmarks" / "quality.md").write_text("\n".join(lines))
