@@ -306,8 +306,9 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
     source's: `teacher` [N, T, D] holds the source's final hidden states after its final norm on the calibration
     windows `tokens` [N, T] (its logits are the model's own head applied to them: the head is not trained). Adam, a
     linear warmup then cosine; one window's first `seq_len` tokens a step, drawn from all but the last window, which is
-    held out. The held-out KL is measured MODEL_CHECKS times during training (the last after the final step); the best
-    weights seen are what the model keeps: the converted weights themselves where no check improved on them.
+    held out. The held-out KL is measured about MODEL_CHECKS times during training (every steps // MODEL_CHECKS steps
+    and after the final one); the best weights seen are what the model keeps: the converted weights themselves where
+    no check improved on them.
 
     Returns {"before", "after", "kept", "step", "last", "curve"}: the held-out mean KL before and of the weights
     kept, whether trained weights were kept and after which step (0: none), the KL after the last step, and every
