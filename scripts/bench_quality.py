@@ -256,7 +256,10 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "recipes/smollm2-135m-self.yaml model=out/probe-C_t12_m64c_lr1e-4 max_tokens=16384 eval_every=0 "
     "output=runs/stage1e-4-96-self-16k`, held-out sampled text 37.10 -> 28.87): 53.12 / 31.63 / 35.74, 2.26x / 2.30x "
     "/ 2.02x, closing 14.7% / 9.8% / 12.2% of the gap on WikiText / Debian Reference / GNU Coding Standards, where "
-    "the recipe's former rate had opened it on two texts.",
+    "the recipe's former rate had opened it on two texts. With 65,536 tokens (row `mla-convert+finetune-self-64k`, "
+    "`max_tokens=65536 output=runs/stage1e-4-96-self-64k`, 331 s of training by the loop's log on 2 quiet cores, "
+    "held-out sampled text 37.10 -> 26.15): 50.78 / 30.23 / 34.38, 2.16x / 2.19x / 1.94x, closing 21.4% / 16.8% / "
+    "18.9%.",
     "",
     "**As served.** The attention-refined default at 25% (rows `mla-convert-attn`, converted again by the main job, `bash scripts/main.sh`, "
     "into out/smollm2-135m-mla-25) scores in vLLM's CPU build what it scores in transformers: `mla-convert eval "
