@@ -16,8 +16,6 @@ from mla_convert.errors import UserError
 STATE_FILE = "trainer_state.json"
 TRAINER_DIR = "trainer"
 METRICS_FILE = "metrics.jsonl"
-# A number YAML 1.1 (PyYAML) reads as text: `3e-4` (no dot in the mantissa), `1e3`; typed() reads it as the number.
-_NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 PLOT_FILE = "loss.png"
 FINAL_DIR = "final"
 # Test hook: exit abruptly (as if killed) right after this optimizer step and its checkpoint, if any.
@@ -27,6 +25,8 @@ SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 # Fields whose change alters which batch a step sees; a resume refuses a checkpoint written with other values.
 DATA_ORDER_FIELDS = ("data", "eval_data", "seq_len", "batch_size", "grad_accum", "seed", "eval_windows", "eval_seq_len")
+# A number YAML 1.1 (PyYAML) reads as text: `3e-4` (no dot in the mantissa), `1e3`; typed() reads it as the number.
+_NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 @dataclasses.dataclass
