@@ -361,8 +361,8 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "auto", "--refine-model-steps", help="The model stage, after the layers: train every converted attention "
             "this many Adam steps end to end so that the model's next-token distributions match the source's on the "
             "calibration windows (KL; one window held out and checked 8 times, the best weights seen kept). Holds "
-            "the whole model in memory. auto (default): 64 on a GPU, and on the CPU when the plan estimates at most 30 min and half "
-            "the machine's memory; 0: off. Measured in benchmarks/quality.md."),
+            "the whole model in memory. auto (default): 64 on a GPU, and on the CPU when the plan estimates at most "
+            "30 min and half the machine's memory; 0: off. Measured in benchmarks/quality.md."),
         refine_model_lr: float = typer.Option(  # refine.MODEL_LR, written out
             1e-4, "--refine-model-lr", help="Learning rate of --refine-model-steps (Adam, warmup then cosine)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
