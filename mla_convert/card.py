@@ -166,7 +166,8 @@ def _model_stage_lines(record) -> list[str]:
     at = f", the weights after step {record['step']}" if record.get("step") else ""
     outcome = (f"{record['before']:.4g} -> {record['after']:.4g} (kept{at})" if record.get("kept") else
                f"{record['before']:.4g}, not improved: the stage's weights were not kept")
-    return [f"Model stage: the attention trained end to end to the source's next-token distributions; KL to the source "
+    trained = "every decoder layer" if record.get("scope") == "layer" else "the attention"  # older records: attention
+    return [f"Model stage: {trained} trained end to end to the source's next-token distributions; KL to the source "
             f"per token on a held-out calibration window {outcome}.", ""]
 
 

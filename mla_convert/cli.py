@@ -153,6 +153,7 @@ def _convert(
     format: str = "native",
     qk_norm: str = "exact",
     nope_dims: Optional[int] = None,
+    refine_model_scope: str = "attention",
 ) -> None:
     _setup_logging(verbose, quiet)
     if output is None and not dry_run:
@@ -205,6 +206,7 @@ def _convert(
         refine_mlp_lr_scale=refine_mlp_lr_scale,
         refine_model_steps=_parse_refine_steps(refine_model_steps, "--refine-model-steps"),
         refine_model_lr=refine_model_lr,
+        refine_model_scope=refine_model_scope,
         seed=seed,
         device=device,
         dtype=dtype,
@@ -365,6 +367,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "30 min and half the machine's memory; 0: off. Measured in benchmarks/quality.md."),
         refine_model_lr: float = typer.Option(  # refine.MODEL_LR, written out
             1e-4, "--refine-model-lr", help="Learning rate of --refine-model-steps (Adam, warmup then cosine)."),
+        refine_model_scope: str = typer.Option(  # refine.MODEL_SCOPE, written out
+            "attention", "--refine-model-scope", help="What --refine-model-steps trains: attention (default: every "
+            "converted attention) or layer (every decoder layer whole: attention, MLP and norms)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

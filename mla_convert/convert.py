@@ -96,6 +96,7 @@ class ConvertOptions:
     # refine.resolve_model_steps), resolved in `convert`
     refine_model_steps: int | None = None
     refine_model_lr: float = refine.MODEL_LR
+    refine_model_scope: str = refine.MODEL_SCOPE  # attention | layer: what the model stage trains (refine.MODEL_SCOPES)
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -153,6 +154,7 @@ class Plan:
     refine_record: list = field(default_factory=list)  # per layer: held-out error before/after, kept
     refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate and its record
     refine_model_seconds: float = 0.0
+    refine_model_scope: str = refine.MODEL_SCOPE
     refine_model_record: dict = field(default_factory=dict)
     nope_kept: list = field(default_factory=list)  # per layer: share of the nope score energy d_n dims keep
 
@@ -253,7 +255,7 @@ class Plan:
             parts = {"runtime": BASELINE, "shard writer buffer": m["shard_bytes"], "one kept layer": (attn + mlp) * out}
         if self.refine_model_steps:  # the model stage holds the whole converted model (refine.model_stage_bytes)
             stage = {"runtime": BASELINE, "calibration hidden states": 2 * tokens * hidden * 4,
-                     "model stage": refine.model_stage_bytes(self, seq)}
+                     "model stage": refine.model_stage_bytes(self, seq, self.refine_model_scope)}
             if sum(stage.values()) > sum(parts.values()):
                 parts = stage
         return parts
@@ -412,6 +414,9 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--refine-model-steps must be 0 or more, got {options.refine_model_steps}")
     if not options.refine_model_lr > 0:
         raise UserError(f"--refine-model-lr must be positive, got {options.refine_model_lr}")
+    if options.refine_model_scope not in refine.MODEL_SCOPES:
+        raise UserError(f"--refine-model-scope must be one of {', '.join(refine.MODEL_SCOPES)}, got "
+                        f"{options.refine_model_scope}")
     if options.refine_model_steps and options.calib_data is None:
         raise UserError("--refine-model-steps trains on calibration text: pass --calib-data (or --refine-model-steps 0)")
     if options.refine_model_steps and options.calib_propagate != "source":
@@ -871,6 +876,7 @@ def convert(
                    if options.calib_data and options.calib_propagate == "source" and options.needs_statistics() else 0)
     options = dataclasses.replace(options, refine_model_steps=model_steps)
     plan.refine_model_steps = model_steps
+    plan.refine_model_scope = options.refine_model_scope
     plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window)
     if dry_run:
         return plan
@@ -1198,7 +1204,8 @@ def describe_method(options: ConvertOptions) -> str:
                  f"; each whole layer (attention, MLP, norms) then trained {options.refine_steps} steps to match what "
                  "the source layer adds to the residual stream")
     if options.refine_model_steps:
-        fact += (f"; then every attention trained {options.refine_model_steps} steps end to end to the source's "
+        trained = "attention" if options.refine_model_scope == "attention" else "whole layer"
+        fact += (f"; then every {trained} trained {options.refine_model_steps} steps end to end to the source's "
                  "next-token distributions on the calibration text")
     return f"{rope_text}, {fact}"
 
@@ -1305,14 +1312,16 @@ def _model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs,
     with torch.no_grad():
         teacher = model.model.norm(runner.hidden)  # the source's final norm is the converted model's (not converted)
     record = refine.refine_model(model, runner.tokens.to(device), teacher, options.refine_model_steps,
-                                 options.refine_model_lr, seq_len=options.refine_seq_len, seed=options.seed)
+                                 options.refine_model_lr, seq_len=options.refine_seq_len, seed=options.seed,
+                                 scope=options.refine_model_scope)
     del teacher
     record = {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}
     record["curve"] = [[step, round(kl, 6)] for step, kl in record["curve"]]
     record["seconds"] = round(time.perf_counter() - clock, 1)
+    record["scope"] = options.refine_model_scope
     log.info("refine model: held-out KL %.4g -> %.4g (%s)", record["before"], record["after"],
              f"kept after step {record['step']} of {options.refine_model_steps}" if record["kept"] else "not kept")
-    names = set(refine.model_parameter_names(model)) if record["kept"] else set()
+    names = set(refine.model_parameter_names(model, options.refine_model_scope)) if record["kept"] else set()
     trained = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if n in names}
     tmp = done.with_name(done.name + ".tmp")
     save_file(trained, str(tmp), metadata={"record": json.dumps(record)})

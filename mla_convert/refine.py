@@ -209,6 +209,10 @@ MODEL_LR = 1e-4
 MODEL_WARMUP = 0.1  # of the steps, linear, then cosine to zero
 LOGIT_CHUNK = 512  # positions whose logits are formed at once: memory does not grow with vocabulary x window
 MODEL_CHECKS = 8  # held-out evaluations during the stage: the best weights seen are kept (early stopping)
+# what the stage trains: every converted attention, or every decoder layer whole (attention, MLP, norms; embeddings,
+# the final norm and the head stay the source's either way)
+MODEL_SCOPES = ("attention", "layer")
+MODEL_SCOPE = "attention"
 
 
 AUTO_MODEL_CPU_SECONDS = 1800  # `--refine-model-steps auto` on the CPU: at most this estimate (see resolve_model_steps)
@@ -245,15 +249,17 @@ def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int) 
     return 0
 
 
-def model_stage_bytes(plan, seq_len: int = SEQ_LEN) -> int:
+def model_stage_bytes(plan, seq_len: int = SEQ_LEN, scope: str = MODEL_SCOPE) -> int:
     """Resident bytes of the model stage beyond the calibration hidden states: the whole converted model in float32,
-    the attention's gradients and Adam moments (3 more copies), the saved activations of one window (about 16 hidden
+    the trained tensors' gradients, Adam moments and best copy (`scope`: the attention's or the whole layers', 4 more
+    copies), the saved activations of one window (about 16 hidden
     and 4 intermediate floats a token per layer, with the attention's score rows for one head at a time) and the
     logits of LOGIT_CHUNK positions (teacher, student, their log-softmax and gradient)."""
     inter, vocab = plan.memory.get("intermediate", 4 * plan.hidden), plan.memory.get("vocab", 0)
-    params = plan.attn_params_after + plan.layers * (3 * plan.hidden * inter + 2 * plan.hidden) + vocab * plan.hidden
+    layers = plan.attn_params_after + plan.layers * (3 * plan.hidden * inter + 2 * plan.hidden)
+    trained = layers if scope == "layer" else plan.attn_params_after
     acts = plan.layers * seq_len * (16 * plan.hidden + 4 * inter) * 4 + seq_len * seq_len * 4 * 2
-    return 4 * params + 12 * plan.attn_params_after + acts + 5 * min(LOGIT_CHUNK, seq_len) * vocab * 4
+    return 4 * (layers + vocab * plan.hidden) + 16 * trained + acts + 5 * min(LOGIT_CHUNK, seq_len) * vocab * 4
 
 
 def _machine_bytes() -> int | None:
@@ -294,15 +300,18 @@ def model_kl(model, tokens: torch.Tensor, teacher: torch.Tensor) -> float:
     return total / tokens.numel()
 
 
-def model_parameter_names(model) -> list[str]:
-    """What the model stage trains: every attention's weights (what the conversion changed); embeddings, norms,
-    MLPs and the head stay as they are."""
-    return [name for name, _ in model.named_parameters() if ".self_attn." in name]
+def model_parameter_names(model, scope: str = MODEL_SCOPE) -> list[str]:
+    """What the model stage trains: every attention's weights (`attention`: what the conversion changed) or every
+    decoder layer's (`layer`: attention, MLP and norms); embeddings, the final norm and the head stay as they are."""
+    if scope not in MODEL_SCOPES:
+        raise ValueError(f"model stage scope must be one of {MODEL_SCOPES}, got {scope!r}")
+    keep = (lambda name: ".self_attn." in name) if scope == "attention" else (lambda name: ".layers." in name)
+    return [name for name, _ in model.named_parameters() if keep(name)]
 
 
 def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int, lr: float = MODEL_LR,
-                 seq_len: int = SEQ_LEN, seed: int = 0) -> dict:
-    """Train `model`'s attention (float32, in place) end to end so that its next-token distributions match the
+                 seq_len: int = SEQ_LEN, seed: int = 0, scope: str = MODEL_SCOPE) -> dict:
+    """Train `model`'s attention (or, `scope` layer, its whole decoder layers; float32, in place) end to end so that its next-token distributions match the
     source's: `teacher` [N, T, D] holds the source's final hidden states after its final norm on the calibration
     windows `tokens` [N, T] (its logits are the model's own head applied to them: the head is not trained). Adam, a
     linear warmup then cosine; one window's first `seq_len` tokens a step, drawn from all but the last window, which is
@@ -319,7 +328,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
     record = {"before": before, "after": before, "kept": False, "step": 0, "last": before, "curve": []}
     if steps <= 0 or before < EXACT:
         return record
-    names = set(model_parameter_names(model))
+    names = set(model_parameter_names(model, scope))
     params = [p for name, p in model.named_parameters() if name in names]
     best = [p.detach().clone() for p in params]  # the weights with the lowest held-out KL so far
     frozen = [p for p in model.parameters() if p.requires_grad]

@@ -183,6 +183,7 @@ def test_auto_steps_follow_the_estimated_cost(caplog):
     (["--refine-model-lr", "0"], "--refine-model-lr must be positive"),
     (["--refine-model-steps", "4", "--calib-data", "none"], "--refine-model-steps trains on calibration text"),
     (["--refine-model-steps", "4", "--calib-propagate", "converted"], "--calib-propagate source"),
+    (["--refine-model-scope", "model"], "--refine-model-scope must be one of attention, layer"),
 ])
 def test_bad_refine_steps_is_one_clear_line(sources, tmp_path, args, needle):
     result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "-o", str(tmp_path / "out"),
@@ -219,9 +220,9 @@ def test_cli_defaults_are_the_library_defaults():
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
     assert {"calib_samples", "calib_seq_len", "calib_temperature", "calib_sample_tokens", "refine_lr",
-            "refine_seq_len", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr"} <= checked
+            "refine_seq_len", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr", "refine_model_scope"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
-    assert library.refine_model_lr == refine.MODEL_LR
+    assert library.refine_model_lr == refine.MODEL_LR and library.refine_model_scope == refine.MODEL_SCOPE
     assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE
     assert (library.calib_temperature, library.calib_sample_tokens) == (selftext.CALIB_TEMPERATURE, selftext.SAMPLE_TOKENS)
 
@@ -279,6 +280,32 @@ def test_model_stage_brings_a_lossy_conversion_closer_to_the_source(sources, con
     assert changed and all(".self_attn." in k for k in changed)
     assert 0 < record["step"] <= 60 and [s for s, _ in record["curve"]][-1] == 60
     assert f"(kept, the weights after step {record['step']})" in (staged / "README.md").read_text()
+
+
+def test_model_stage_layer_scope_trains_whole_layers_only(sources, convert_tiny):
+    """`refine_model_scope="layer"`: the stage trains every decoder layer whole (attention, MLP and norms, written to
+    the shards as trained), never the embeddings, the final norm or the head; the method line says so."""
+    kind = "llama-gqa"
+    src = AutoModelForCausalLM.from_pretrained(sources[kind], dtype=torch.float32).eval()
+    lossy = dict(rank=4, rope_dims=4, calib_samples=16, calib_seq_len=64, refine_steps=0)
+    plain = convert_tiny(sources[kind], refine_model_steps=0, **lossy)
+    staged = convert_tiny(sources[kind], refine_model_steps=60, refine_model_lr=3e-3, refine_model_scope="layer",
+                          **lossy)
+    record = _plan(staged)["refine_model"]
+    assert record["kept"] and record["after"] < record["before"]
+    a, b = _weights(plain), _weights(staged)
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert any(".mlp." in k for k in changed) and any(".self_attn." in k for k in changed)
+    assert any("layernorm" in k for k in changed)
+    assert all(".layers." in k for k in changed), changed - {k for k in changed if ".layers." in k}
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(sources[kind])(tiny_text(600, seed=9), return_tensors="pt").input_ids[:, :128]
+    assert _kl_to_source(src, staged, ids) < _kl_to_source(src, plain, ids)
+    provenance = json.loads((staged / "provenance.json").read_text())
+    assert provenance["options"]["refine_model_scope"] == "layer"
+    assert "every whole layer trained 60 steps end to end" in provenance["method"]
+    assert record["scope"] == "layer" and "every decoder layer trained end to end" in (staged / "README.md").read_text()
 
 
 def test_model_stage_restores_the_weights_when_the_held_out_kl_does_not_drop(sources, convert_tiny):
