@@ -313,16 +313,20 @@ def max_rank(config) -> int:
 
 
 def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> int:
-    """d_r when --rope-dims is not given: a third of the cache budget, at most head_dim and at most 64 (the rope key
-    width of vLLM's MLA kernels, `SERVED_ROPE_MAX`: a wider key cannot be served there); head_dim/2 (same cap) with
-    --rank.
+    """d_r when --rope-dims is not given: a third of the cache budget, at most three quarters of head_dim and at most
+    64 (the rope key width of vLLM's MLA kernels, `SERVED_ROPE_MAX`: a wider key cannot be served there); head_dim/2
+    (same cap) with --rank.
 
-    Measured on SmolLM2-135M at 50% of its cache (benchmarks/quality.md, 2-window sweep): d_r 64 of 192 beat 32 and 96;
-    the RoPE pairs lose more than the rank until the latent gets small, so the rope key takes a large share."""
+    Measured on SmolLM2-135M (head_dim 64; benchmarks/quality.md): the RoPE pairs lose more than the rank until the
+    latent gets small, so the rope key takes a large share, but not the whole head. At 25% (96) d_r 32 beat 16 and 48
+    on the development split; at 50% (192) the refined layers scored 32.90 with d_r 48 against 34.97 with 64 (probes
+    C_t12_50_r48, C_t12_50), where a 2-window closed-form sweep of the earlier code had put 64 ahead of 32 and 96."""
     from mla_convert.serving.layout import SERVED_ROPE_MAX
 
     step = 2 if options.rope_merge else 2 * groups  # without merging every kv head keeps the same number of pairs
     cap = min(head_dim, max(step, SERVED_ROPE_MAX // step * step))
+    if options.kv_budget is not None:
+        cap = min(cap, max(step, 3 * head_dim // 4 // step * step))
     if options.kv_budget is None:
         return min(head_dim // 2, cap)
     budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget

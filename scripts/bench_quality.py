@@ -207,7 +207,7 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "(43.79 -> 37.96, 2.15x); 32 steps (row `mla-convert-stage32`) 58.88 / 34.11 / 38.93. Targets at 25% now hold on "
     "every text: WikiText 2.46x against 2.5x, the Debian texts 2.43x and 2.15x against 5x. The stage took 1780 s at "
     "one thread on cores shared with two other jobs (the plan estimates 19 min on 2 cores); it holds the whole model "
-    "in memory (`--dry-run` estimates a 6.3 GiB peak for this model), which is why auto runs it on a CPU only for models "
+    "in memory (`--dry-run` estimates a 6.4 GiB peak for this model), which is why auto runs it on a CPU only for models "
     "this small. As served (`mla-convert eval out/probe-C_t12_m64 --data ../shared/data/wikitext-2/wiki.test.raw "
     "--seq-len 2048 --windows 4 --engine vllm --dtype float32`): 57.759 in vLLM's CPU build (CPU_MLA), as in "
     "transformers (57.76), KV cache 69,120 bytes/token as vLLM allocates it. At 50% (probe C_layer50_slow1's folder, "
@@ -247,6 +247,22 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "model end to end (its stage kept after step 48, held-out KL 0.2345 -> 0.2095, as in the probe; 47.02 on the 16 "
     "test windows against the source's 20.16, and 58.222 on these 4 as served by vLLM's CPU build, float32, CPU_MLA, "
     "the same as the probe's folder in transformers).",
+    "",
+    "**The rope key at 50%** (`--rope-dims`, default a third of the budget, at most three quarters of head_dim since; "
+    "docs/method.md): the default had been a third capped at head_dim, 64 of the 192 at 50%, chosen on the early "
+    "2-window closed-form sweep on test windows. Re-measured with today's refinement on `wiki-dev`: the refined layers "
+    "with a 48-dim rope key (so 144 latent dims instead of 128) scored 32.90 against 34.97 with 64 (probes "
+    "C_t12_50_r48, C_t12_50), and 32.27 against 34.15 with the model stage (C_t12_50_r48_m64c, C_t12_50_m64c_lr1e-4; "
+    "held-out KL 0.0666 -> 0.0663, kept). At 25% a third (32) is already below the cap, and beat 16 and 48 there: "
+    "nothing changes at 25% or 37.5%. On the evaluation texts (row `mla-convert` at 50% against `mla-convert-r64`, the "
+    "probe's folder scored with `--folder`): WikiText -2.6% (30.03 -> 29.25, 1.25x), Debian Reference -2.0% (17.72 -> "
+    "17.37, 1.26x), GNU Coding Standards -1.8% (22.32 -> 21.92, 1.24x): WikiText still misses its 1.2x, by less. As "
+    "served: `mla-convert eval out/probe-C_t12_50_r48_m64c --data ../shared/data/wikitext-2/wiki.test.raw --seq-len "
+    "2048 --windows 4 --engine vllm --dtype float32` gives 29.254 in vLLM's CPU build (CPU_MLA; the rope key padded to "
+    "the engine's 64), the same as transformers, with the KV cache at 69,120 bytes/token as vLLM allocates it. The "
+    "stage training every decoder layer whole (`--refine-model-scope layer`, an option) was measured on the same "
+    "layers: a tie at 25% (59.24 against 59.36, probe C_t12_m64c_layer) and nothing kept at 50% (no check beat the "
+    "converted weights, C_t12_50_r48_m64c_layer): the attention stays what the stage trains.",
     "",
     "**The fine-tune's rate for the new default** (`recipes/smollm2-135m-self.yaml`, lr 3e-4 since, was 1e-3): chosen "
     "on `wiki-dev` from the 3e-4-stage default (59.45 before fine-tuning), 16,384 self-sampled tokens: 61.91 at 1e-3, "

@@ -202,6 +202,8 @@ def test_default_rope_key_fits_the_engines(tmp_path):
 
     assert default_rope_dims(ConvertOptions(kv_budget=0.5), groups=8, head_dim=128) == 64  # a third would be 340
     assert default_rope_dims(ConvertOptions(kv_budget=0.25), groups=3, head_dim=64) == 32  # SmolLM2 at 25%: a third
+    assert default_rope_dims(ConvertOptions(kv_budget=0.5), groups=3, head_dim=64) == 48  # 3/4 of head_dim, not 64
+    assert default_rope_dims(ConvertOptions(kv_budget=0.375), groups=3, head_dim=64) == 48  # a third
     assert default_rope_dims(ConvertOptions(rank=512), groups=8, head_dim=256) == 64
     src = tiny_source("llama-mha", tmp_path / "src", hidden_size=256, head_dim=64)  # rope key up to 4 x 64 dims
     result = CliRunner().invoke(app, ["llama", str(src), "--rank", "64", "--rope-dims", "80", "--calib-data", "none",
