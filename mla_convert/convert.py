@@ -325,10 +325,9 @@ def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> in
 
     step = 2 if options.rope_merge else 2 * groups  # without merging every kv head keeps the same number of pairs
     cap = min(head_dim, max(step, SERVED_ROPE_MAX // step * step))
-    if options.kv_budget is not None:
-        cap = min(cap, max(step, 3 * head_dim // 4 // step * step))
     if options.kv_budget is None:
         return min(head_dim // 2, cap)
+    cap = min(cap, max(step, 3 * head_dim // 4 // step * step))
     budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
     return int(min(cap, max(step, step * round(budget / 3 / step))))
 

@@ -252,9 +252,9 @@ def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int) 
 def model_stage_bytes(plan, seq_len: int = SEQ_LEN, scope: str = MODEL_SCOPE) -> int:
     """Resident bytes of the model stage beyond the calibration hidden states: the whole converted model in float32,
     the trained tensors' gradients, Adam moments and best copy (`scope`: the attention's or the whole layers', 4 more
-    copies), the saved activations of one window (about 16 hidden
-    and 4 intermediate floats a token per layer, with the attention's score rows for one head at a time) and the
-    logits of LOGIT_CHUNK positions (teacher, student, their log-softmax and gradient)."""
+    copies), the saved activations of one window (about 16 hidden and 4 intermediate floats a token per layer, with
+    the attention's score rows for one head at a time) and the logits of LOGIT_CHUNK positions (teacher, student,
+    their log-softmax and gradient)."""
     inter, vocab = plan.memory.get("intermediate", 4 * plan.hidden), plan.memory.get("vocab", 0)
     layers = plan.attn_params_after + plan.layers * (3 * plan.hidden * inter + 2 * plan.hidden)
     trained = layers if scope == "layer" else plan.attn_params_after
@@ -305,19 +305,19 @@ def model_parameter_names(model, scope: str = MODEL_SCOPE) -> list[str]:
     decoder layer's (`layer`: attention, MLP and norms); embeddings, the final norm and the head stay as they are."""
     if scope not in MODEL_SCOPES:
         raise ValueError(f"model stage scope must be one of {MODEL_SCOPES}, got {scope!r}")
-    keep = (lambda name: ".self_attn." in name) if scope == "attention" else (lambda name: ".layers." in name)
-    return [name for name, _ in model.named_parameters() if keep(name)]
+    marker = ".self_attn." if scope == "attention" else ".layers."
+    return [name for name, _ in model.named_parameters() if marker in name]
 
 
 def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int, lr: float = MODEL_LR,
                  seq_len: int = SEQ_LEN, seed: int = 0, scope: str = MODEL_SCOPE) -> dict:
-    """Train `model`'s attention (or, `scope` layer, its whole decoder layers; float32, in place) end to end so that its next-token distributions match the
-    source's: `teacher` [N, T, D] holds the source's final hidden states after its final norm on the calibration
-    windows `tokens` [N, T] (its logits are the model's own head applied to them: the head is not trained). Adam, a
-    linear warmup then cosine; one window's first `seq_len` tokens a step, drawn from all but the last window, which is
-    held out. The held-out KL is measured about MODEL_CHECKS times during training (every steps // MODEL_CHECKS steps
-    and after the final one); the best weights seen are what the model keeps: the converted weights themselves where
-    no check improved on them.
+    """Train `model`'s attention (`scope` layer: its whole decoder layers; float32, in place) end to end so that its
+    next-token distributions match the source's: `teacher` [N, T, D] holds the source's final hidden states after its
+    final norm on the calibration windows `tokens` [N, T] (its logits are the model's own head applied to them: the head
+    is not trained). Adam, a linear warmup then cosine; one window's first `seq_len` tokens a step, drawn from all but
+    the last window, which is held out. The held-out KL is measured about MODEL_CHECKS times during training (every
+    steps // MODEL_CHECKS steps and after the final one); the best weights seen are what the model keeps: the converted
+    weights themselves where no check improved on them.
 
     Returns {"before", "after", "kept", "step", "last", "curve"}: the held-out mean KL before and of the weights
     kept, whether trained weights were kept and after which step (0: none), the KL after the last step, and every

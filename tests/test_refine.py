@@ -220,7 +220,8 @@ def test_cli_defaults_are_the_library_defaults():
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
     assert {"calib_samples", "calib_seq_len", "calib_temperature", "calib_sample_tokens", "refine_lr",
-            "refine_seq_len", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr", "refine_model_scope"} <= checked
+            "refine_seq_len", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr",
+            "refine_model_scope"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
     assert library.refine_model_lr == refine.MODEL_LR and library.refine_model_scope == refine.MODEL_SCOPE
     assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE
