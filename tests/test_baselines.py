@@ -1,0 +1,36 @@
+"""The benchmark's baselines (scripts/bench_quality.py) are their papers' closed forms: the options they pass to
+`mla-convert llama` plan none of this project's refinement, whatever the CLI's defaults become."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mla_convert.cli import app
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_quality.py"
+
+
+def _bench_quality():
+    spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("method", ["transmla", "mla-convert"])
+def test_baseline_plans_no_refinement(sources, method):
+    """The tiny llama-gqa source caches 64 elements per token per layer; at 32 the default plans both refinement
+    stages on this CPU, and the TransMLA-style baseline neither."""
+    options = _bench_quality().method_options(method, 32)
+    result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "--dry-run", "--calib-data", "self",
+                                      *options])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("refinement:"))
+    if method == "transmla":
+        assert line.startswith("refinement: 0 steps per layer; model stage: 0 steps"), line
+    else:
+        assert "refinement: 0 steps" not in line and "model stage: 0 steps" not in line, line
