@@ -272,7 +272,9 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "converted at one thread, 29.25), and every other text holds its 1.5x. The TransMLA-style baseline on the same 16 windows (its closed form alone: the "
     "script now passes it `--refine-model-steps 0`, as the model stage became a default after its earlier rows; 136 s of "
     "conversion, calibrated on the 16 default windows) scores 74.00 / 44.48 / 45.19 (3.67x / 3.61x / 3.35x): the "
-    "default is 67% / 65% / 64% below it. The 25% point was not measured on 16 windows.",
+    "default is 67% / 65% / 64% below it. As served: `mla-convert eval out/bench-quality/mlaconvert-192-self --data "
+    "../shared/data/wikitext-2/wiki.test.raw --seq-len 2048 --windows 16 --engine vllm --dtype float32` gives 24.576 "
+    "in vLLM's CPU build (CPU_MLA, 220 s), as in transformers (24.576). The 25% point was not measured on 16 windows.",
     "",
     "**The fine-tune's rate for the new default** (`recipes/smollm2-135m-self.yaml`, lr 3e-4 since, was 1e-3): chosen "
     "on `wiki-dev` from the 3e-4-stage default (59.45 before fine-tuning), 16,384 self-sampled tokens: 61.91 at 1e-3, "
