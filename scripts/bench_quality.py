@@ -390,9 +390,8 @@ PROBE_SERIES = {
 }
 
 
-# What the baselines do not have, spelled out so that a change of mla-convert's defaults never reaches them.
-# The baselines are their papers' closed forms: none of this project's additions (per-layer ranks, latent rounds,
-# refinement of the layers, the model stage) may reach them by default.
+# What the baselines (their papers' closed forms) do not have: this project's per-layer ranks, latent rounds,
+# refinement of the layers and model stage, spelled out so that a change of mla-convert's defaults never reaches them.
 PLAIN = ["--value-inputs", "token", "--key-inputs", "token", "--latent-rounds", "0", "--rank-allocation", "uniform",
          "--refine-steps", "0", "--refine-model-steps", "0"]
 
