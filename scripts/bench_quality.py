@@ -277,6 +277,15 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "../shared/data/wikitext-2/wiki.test.raw --seq-len 2048 --windows 16 --engine vllm --dtype float32` gives 24.576 "
     "in vLLM's CPU build (CPU_MLA, 220 s), as in transformers (24.576). The 25% point was not measured on 16 windows.",
     "",
+    "**32 calibration windows** (`--calib-samples 32`, measured, not yet the default): the 16 default windows and 16 "
+    "more of the same cached self text. The refinement's 200 one-window steps then see 31 training windows instead "
+    "of 15 (6 passes over them instead of 13). On `wiki-dev` at 25% 55.96 against 59.36 (probes C_t12_c32 and "
+    "C_t12_m64c_lr1e-4, model stage included; 7,343 s at one thread beside the 50% probe, about 1.5x the 16-window "
+    "time). On the evaluation texts (row `mla-convert-c32`, the probe's folder scored with `--folder`), 4 windows: "
+    "55.21 / 31.98 / 37.10 (2.35x / 2.32x / 2.10x) against 58.22 / 33.56 / 38.26 for the default (-5.2% / -4.7% / "
+    "-3.0%); 16 windows: 44.46 / 27.85 / 27.79 (2.21x / 2.26x / 2.06x). The 50% probe (C_t12_50_r48_c32) decides "
+    "whether 32 windows become the default for both budgets.",
+    "",
     "**The fine-tune's rate for the new default** (`recipes/smollm2-135m-self.yaml`, lr 3e-4 since, was 1e-3): chosen "
     "on `wiki-dev` from the 3e-4-stage default (59.45 before fine-tuning), 16,384 self-sampled tokens: 61.91 at 1e-3, "
     "55.88 at 3e-4, 55.76 at 1e-4 (a tie; 3e-4 ends lower on the loop's held-out sampled text, 28.84 against 30.06); "
