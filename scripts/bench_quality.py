@@ -280,11 +280,13 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "**32 calibration windows** (`--calib-samples 32`, measured, not yet the default): the 16 default windows and 16 "
     "more of the same cached self text. The refinement's 200 one-window steps then see 31 training windows instead "
     "of 15 (6 passes over them instead of 13). On `wiki-dev` at 25% 55.96 against 59.36 (probes C_t12_c32 and "
-    "C_t12_m64c_lr1e-4, model stage included; 7,343 s at one thread beside the 50% probe, about 1.5x the 16-window "
-    "time). On the evaluation texts (row `mla-convert-c32`, the probe's folder scored with `--folder`), 4 windows: "
+    "C_t12_m64c_lr1e-4, model stage included; 7,343 s at one thread beside the 50% probe, against 3,763 s for the "
+    "16-window layers under the same conditions, probe C_t12_L, plus 1,145 s for their stage, run separately: about "
+    "1.5x). On the evaluation texts (row `mla-convert-c32`, the probe's folder scored with `--folder`), 4 windows: "
     "55.21 / 31.98 / 37.10 (2.35x / 2.32x / 2.10x) against 58.22 / 33.56 / 38.26 for the default (-5.2% / -4.7% / "
     "-3.0%); 16 windows: 44.46 / 27.85 / 27.79 (2.21x / 2.26x / 2.06x). At 50% on `wiki-dev` 31.46 against 32.27 "
-    "(probes C_t12_50_r48_c32 and C_t12_50_r48_m64c, -2.5%; 9,014 s at one thread), but on the 16 evaluation windows "
+    "(probes C_t12_50_r48_c32 and C_t12_50_r48_m64c, -2.5%; 9,014 s at one thread, against 4,651 s + 1,464 s for the "
+    "16-window layers and stage, C_t12_50_r48 and C_t12_50_r48_m64c: about 1.5x), but on the 16 evaluation windows "
     "only 24.49 / 15.33 / 16.34 against 24.58 / 15.42 / 16.40 (-0.4% / -0.6% / -0.4%): WikiText stays above its 1.2x "
     "(1.21x; 24.19 needed). Not yet the default: the main job's time with it is not measured.",
     "",
