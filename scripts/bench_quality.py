@@ -288,7 +288,13 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "(probes C_t12_50_r48_c32 and C_t12_50_r48_m64c, -2.5%; 9,014 s at one thread, against 4,651 s + 1,464 s for the "
     "16-window layers and stage, C_t12_50_r48 and C_t12_50_r48_m64c: about 1.5x), but on the 16 evaluation windows "
     "only 24.49 / 15.33 / 16.34 against 24.58 / 15.42 / 16.40 (-0.4% / -0.6% / -0.4%): WikiText stays above its 1.2x "
-    "(1.21x; 24.19 needed). Not yet the default: the main job's time with it is not measured.",
+    "(1.21x; 24.19 needed). Not yet the default: the main job's time with it is not measured. Could the model stage "
+    "train harder at 50% on the 31 training windows? The 32-window 50% layers converted again without it (probe "
+    "C_t12_50_r48_c32_L: 32.155 on `wiki-dev`, 4,032 s at two threads alone; the default stage takes them to 31.46) "
+    "then took two stronger stages, and neither was kept: at lr 3e-4 every held-out check was worse than the converted "
+    "weights (KL 0.0659 -> 0.0858 at the first check, 0.0778 at the last), and with the whole decoder layers trained "
+    "(scope layer, 1e-4) too (0.0659 -> 0.0733, 0.0667 at the last; probes C_t12_50_r48_c32_m64c_lr3e-4 and "
+    "C_t12_50_r48_c32_m64c_layer). The stage's default (attention, 1e-4, 64 steps) stays.",
     "",
     "**The fine-tune's rate for the new default** (`recipes/smollm2-135m-self.yaml`, lr 3e-4 since, was 1e-3): chosen "
     "on `wiki-dev` from the 3e-4-stage default (59.45 before fine-tuning), 16,384 self-sampled tokens: 61.91 at 1e-3, "

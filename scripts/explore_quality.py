@@ -16,7 +16,8 @@ Appends one JSON line to benchmarks/quality_probes.jsonl (series C) and prints i
 (its conversion options from the folder's provenance.json).
 `--model-stage NAME FOLDER [steps=N lr=X scope=S]` runs the model stage (`--refine-model-steps`, mla_convert.refine.
 refine_model) on a converted folder with the calibration windows its provenance names (the same cached tokens), writes
-out/probe-NAME and scores it: what the stage adds to a conversion without converting again.
+out/probe-NAME and scores it: what the stage adds to a conversion without converting again. Its row holds
+the held-out KL at each check (`curve`: [step, KL]).
 """
 
 import json
@@ -91,7 +92,8 @@ def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     windows = int(os.environ.get("W", "2"))
     return {"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3),
             "W": windows, "stage_s": round(seconds, 1), "from": str(folder), **kw,
-            "held_kl": [round(rec["before"], 4), round(rec["after"], 4)], "kept": rec["kept"]}
+            "held_kl": [round(rec["before"], 4), round(rec["after"], 4)], "kept": rec["kept"],
+            "curve": [[step, round(kl, 4)] for step, kl in rec["curve"]]}
 
 
 def record(row: dict) -> None:
