@@ -126,7 +126,7 @@ def _convert(
     calib_data: Optional[list[str]],
     calib_samples: int,
     calib_seq_len: int,
-    calib_temperature: float,
+    calib_temperature: Optional[float],
     calib_sample_tokens: int,
     calib_propagate: str,
     rank_allocation: Optional[str],
@@ -312,9 +312,10 @@ def _make_convert_command(family: Optional[str], help_text: str):
             2048, "--calib-seq-len", help="Tokens per calibration window (the attention profiles see distances up to "
             "this; match the contexts you serve)."
         ),
-        calib_temperature: float = typer.Option(  # selftext.CALIB_TEMPERATURE, written out: that module imports torch
-            1.2, "--calib-temperature", help="Sampling temperature of the 'self' and 'self-doc' calibration text "
-            "(above 1: more varied text; chosen on held-out text, benchmarks/quality.md)."),
+        calib_temperature: Optional[float] = typer.Option(
+            None, "--calib-temperature", help="Sampling temperature of the 'self' and 'self-doc' calibration text "
+            "(above 1: more varied text). Default: 1.2 where the MLA cache is under 37.5% of the source's, else 1.0 "
+            "(chosen on held-out text at 25% and 50%, benchmarks/quality.md).", show_default=False),
         calib_sample_tokens: int = typer.Option(  # selftext.SAMPLE_TOKENS, written out
             256, "--calib-sample-tokens", help="New tokens at most per sampled 'self' answer (an answer ends earlier at "
             "its EOS; a 'self-doc' document fills a window)."),

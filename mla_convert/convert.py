@@ -72,9 +72,10 @@ class ConvertOptions:
     # 102.9, 16 98.4, 32 99.8 (and slower); the refinement trains on the first SEQ_LEN tokens of all but one window
     calib_samples: int = 16
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
-    # `self` text (mla_convert.selftext): the sampling temperature and the new tokens per sampled answer (self-doc:
-    # per window); chosen on the development split (benchmarks/quality.md)
-    calib_temperature: float = selftext.CALIB_TEMPERATURE
+    # `self` text (mla_convert.selftext): the sampling temperature (None: selftext.calib_temperature of the share of
+    # the cache kept, resolved in `convert`) and the new tokens per sampled answer (self-doc: per window); chosen on
+    # the development split (benchmarks/quality.md)
+    calib_temperature: float | None = None
     calib_sample_tokens: int = selftext.SAMPLE_TOKENS
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
     # uniform | energy: share the latent dims among layers by their spectra; None: energy with calibration text,
@@ -438,7 +439,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
                         "(or use --qk-norm exact)")
     if options.calib_samples <= 0 or options.calib_seq_len <= 0:
         raise UserError("--calib-samples and --calib-seq-len must be positive")
-    if not (options.calib_temperature > 0 and math.isfinite(options.calib_temperature)):
+    if options.calib_temperature is not None and not (options.calib_temperature > 0
+                                                      and math.isfinite(options.calib_temperature)):
         raise UserError(f"--calib-temperature must be positive, got {options.calib_temperature}")
     if options.calib_sample_tokens <= 0:
         raise UserError(f"--calib-sample-tokens must be positive, got {options.calib_sample_tokens}")
@@ -870,6 +872,8 @@ def convert(
         log.info("--factorization split: values keep their per-token fit (--value-inputs token)")
         options = dataclasses.replace(options, value_inputs="token")
     plan = make_plan(source, family, options)
+    if options.calib_temperature is None:
+        options = dataclasses.replace(options, calib_temperature=selftext.calib_temperature(plan.ratio))
     window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
     steps = refine.resolve_steps(options.refine_steps, plan, options.device, window) if options.calib_data else 0
     options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window)

@@ -1,7 +1,7 @@
 """Data-free text: token sequences sampled from the source model itself (`--calib-data self`, `finetune --data self`).
 
-Two styles, sampled in seeded batches with the source's KV cache, at temperature `CALIB_TEMPERATURE` for calibration
-(`--calib-temperature`) and `TEMPERATURE` for fine-tuning text:
+Two styles, sampled in seeded batches with the source's KV cache, at the temperature `calib_temperature` gives for
+calibration (`--calib-temperature`) and at `TEMPERATURE` for fine-tuning text:
 
 - `self` (chat): `SAMPLE_TOKENS` new tokens per sequence. An instruct model (its tokenizer has a chat template) answers
   the built-in requests of `PROMPTS` through that template, so the text is what it writes in use; a base model
@@ -36,12 +36,14 @@ SELF = "self"  # chat style
 SELF_DOC = "self-doc"  # document style
 STYLES = {SELF: "chat", SELF_DOC: "document"}
 # Fine-tuning text (`finetune --data self`): temperature 1, the model's own distribution. Calibration text
-# (`--calib-data self`, `--calib-temperature`): 1.2, chosen on the development split at 25% with refinement
-# (benchmarks/quality.md, series C): 0.7 114.6, 1.0 75.6, 1.2 66.6 (hotter text covers more of what the layers can
-# be asked; cooler text loops). Length 256 (0.7: 1024 new tokens scored 123.4 against 114.6) and batch also by
-# sampling cost (64 x 512 a batch was far slower per token); "What chose what" in benchmarks/quality.md.
+# (`--calib-data self`, `--calib-temperature`): `calib_temperature`, by the share of the source's cache the conversion
+# keeps, chosen on the development split with refinement (benchmarks/quality.md, series C). At 25%: 0.7 114.6, 1.0
+# 75.6, 1.2 66.6 (hotter text covers more of what the layers can be asked; cooler text loops). At 50%: see
+# `calib_temperature`. Length 256 (0.7: 1024 new tokens scored 123.4 against 114.6) and batch also by sampling cost
+# (64 x 512 a batch was far slower per token); "What chose what" in benchmarks/quality.md.
 TEMPERATURE = 1.0
-CALIB_TEMPERATURE = 1.2
+CALIB_TEMPERATURE = 1.2  # below HOT_BELOW of the source's cache
+HOT_BELOW = 0.375  # halfway between the two measured budgets (25%: 1.2, 50%: 1.0)
 SAMPLE_TOKENS = 256
 BATCH = 16
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
@@ -75,6 +77,18 @@ PROMPTS = [
     "Write the README of an open-source library for date handling.",
     "Describe how a bill becomes a law in a parliamentary democracy.",
 ]
+
+
+def calib_temperature(kept: float) -> float:
+    """The default temperature of `self` calibration text for a conversion that keeps `kept` (a fraction) of the
+    source's KV cache: CALIB_TEMPERATURE below HOT_BELOW, else TEMPERATURE, the model's own distribution.
+
+    Measured on SmolLM2-135M with refined layers on the development split (benchmarks/quality.md, series C): at 25%
+    1.2 beat 1.0 by 11.9% (66.6 against 75.6); at 50% 1.0 beat 1.2 twice, by 0.6% with the current defaults (32.07
+    against 32.27) and by 1.6% with the earlier 64-dim rope key (34.41 against 34.97). A small latent gains from text
+    that covers more of what it can be asked; a wide one from the text the model writes. Between the two budgets, the
+    nearer one's choice (not measured there)."""
+    return CALIB_TEMPERATURE if kept < HOT_BELOW else TEMPERATURE
 
 
 def cache_dir() -> Path:

@@ -219,13 +219,16 @@ def test_cli_defaults_are_the_library_defaults():
             expected = "auto" if auto else None
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
-    assert {"calib_samples", "calib_seq_len", "calib_temperature", "calib_sample_tokens", "refine_lr",
+    assert {"calib_samples", "calib_seq_len", "calib_sample_tokens", "refine_lr",
             "refine_seq_len", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr",
             "refine_model_scope"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
     assert library.refine_model_lr == refine.MODEL_LR and library.refine_model_scope == refine.MODEL_SCOPE
     assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE
-    assert (library.calib_temperature, library.calib_sample_tokens) == (selftext.CALIB_TEMPERATURE, selftext.SAMPLE_TOKENS)
+    assert library.calib_sample_tokens == selftext.SAMPLE_TOKENS
+    temperature = [o for o in group.commands["convert"].params if o.name == "calib_temperature"]
+    assert library.calib_temperature is None and temperature[0].default is None  # by the cache kept (selftext)
+    assert f"{selftext.HOT_BELOW:.1%}" in temperature[0].help
 
 
 def test_mlp_learning_rate_reaches_the_loop(sources, convert_tiny):

@@ -142,8 +142,26 @@ def test_convert_data_free(sources, convert_tiny, cache):
     from mla_convert.convert import ConvertOptions
 
     assert ConvertOptions().calib_data == "self"
-    assert (ConvertOptions().calib_temperature, ConvertOptions().calib_sample_tokens) == (
-        selftext.CALIB_TEMPERATURE, selftext.SAMPLE_TOKENS)
+    assert (ConvertOptions().calib_temperature, ConvertOptions().calib_sample_tokens) == (None, selftext.SAMPLE_TOKENS)
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_default_temperature_follows_the_cache_kept(sources, convert_tiny, cache, budget):
+    """Without --calib-temperature the `self` text is sampled hotter for a small cache (1.2 below 37.5% of the
+    source's) and at the model's own temperature (1.0) for a wider one; provenance and the cache record what ran."""
+    out = convert_tiny(sources["llama-gqa"], kv_budget=budget, calib_data="self", calib_sample_tokens=8,
+                       refine_steps=0, refine_model_steps=0)
+    prov = json.loads((out / "provenance.json").read_text())
+    config = json.loads((sources["llama-gqa"] / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    ranks = prov["plan"]["ranks"]
+    kept = (sum(ranks) / len(ranks) + prov["plan"]["rope_dims"]) / (2 * config["num_key_value_heads"] * head_dim)
+    assert kept == pytest.approx(budget)
+    expected = selftext.CALIB_TEMPERATURE if budget < selftext.HOT_BELOW else selftext.TEMPERATURE
+    assert expected == (1.2 if budget == 0.25 else 1.0) and selftext.calib_temperature(kept) == expected
+    assert prov["options"]["calib_temperature"] == expected
+    records = [json.loads(f.read_text()) for f in cache.glob("*.json")]
+    assert [r["settings"]["temperature"] for r in records] == [expected]
 
 
 def test_eval_warns_on_any_text_of_a_mixture(sources, convert_tiny, cache, calib_text):
