@@ -312,7 +312,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
             2048, "--calib-seq-len", help="Tokens per calibration window (the attention profiles see distances up to "
             "this; match the contexts you serve)."
         ),
-        calib_temperature: Optional[float] = typer.Option(
+        calib_temperature: Optional[float] = typer.Option(  # selftext.calib_temperature's rule, written out (torch)
             None, "--calib-temperature", help="Sampling temperature of the 'self' and 'self-doc' calibration text "
             "(above 1: more varied text). Default: 1.2 where the MLA cache is under 37.5% of the source's, else 1.0 "
             "(chosen on held-out text at 25% and 50%, benchmarks/quality.md).", show_default=False),

@@ -152,10 +152,7 @@ def test_default_temperature_follows_the_cache_kept(sources, convert_tiny, cache
     out = convert_tiny(sources["llama-gqa"], kv_budget=budget, calib_data="self", calib_sample_tokens=8,
                        refine_steps=0, refine_model_steps=0)
     prov = json.loads((out / "provenance.json").read_text())
-    config = json.loads((sources["llama-gqa"] / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    ranks = prov["plan"]["ranks"]
-    kept = (sum(ranks) / len(ranks) + prov["plan"]["rope_dims"]) / (2 * config["num_key_value_heads"] * head_dim)
+    kept = prov["kv_cache"]["ratio"]
     assert kept == pytest.approx(budget)
     expected = selftext.CALIB_TEMPERATURE if budget < selftext.HOT_BELOW else selftext.TEMPERATURE
     assert expected == (1.2 if budget == 0.25 else 1.0) and selftext.calib_temperature(kept) == expected
