@@ -109,9 +109,10 @@ def write_shard(path: Path, tensors: list[tuple[str, list[int]]], make) -> None:
         f.truncate()
 
 
-def build(name: str, layers: int, folder: Path, sparse: bool = False) -> Path:
-    """A random-weight (or, with `sparse`, all-hole) checkpoint of `name`'s shapes with `layers` layers."""
-    from transformers import AutoConfig
+def build(name: str, layers: int, folder: Path, sparse: bool = False, tokenizer_from: str | None = None) -> Path:
+    """A random-weight (or, with `sparse`, all-hole) checkpoint of `name`'s shapes with `layers` layers; the tokenizer
+    is the embedded SmolLM2-135M's, or the one saved in `tokenizer_from` (a machine without the embedded model)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from mla_convert.evaluate import load_model
 
@@ -125,7 +126,10 @@ def build(name: str, layers: int, folder: Path, sparse: bool = False) -> Path:
     config = AutoConfig.for_model(model_type, **shape, bos_token_id=1, eos_token_id=2)
     config.dtype = "bfloat16"
     config.save_pretrained(folder)
-    _, tokenizer, _ = load_model(None)  # SmolLM2-135M's tokenizer (see the docstring)
+    if tokenizer_from:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    else:
+        _, tokenizer, _ = load_model(None)  # SmolLM2-135M's tokenizer (see the docstring)
     tokenizer.save_pretrained(folder)
     gen = torch.Generator().manual_seed(0)
     make = (lambda n, d: None) if sparse else (lambda n, d: random_tensor(n, d, gen))
@@ -151,30 +155,47 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def unchanged_identical(src: Path, out: Path) -> tuple[int, int]:
-    """(unchanged tensors compared, how many differ): every tensor outside self_attn, raw bytes and dtype."""
+def trained_layers(out: Path) -> list[int]:
+    """The layers whose MLP and norms the conversion trained: whole-layer refinement (`--refine-scope layer`) kept
+    there, as provenance.json records it. The model stage's default scope trains attention only."""
+    prov = json.loads((out / "provenance.json").read_text())
+    if prov["options"].get("refine_scope") != "layer":
+        return []
+    return [r["layer"] for r in prov["plan"].get("refine") or [] if r.get("kept")]
+
+
+def unchanged_identical(src: Path, out: Path, trained: list[int]) -> dict:
+    """Every tensor outside self_attn, raw bytes and dtype: those the conversion does not change (compared, how many
+    differ) and those of the `trained` layers (how many differ: refinement changed them on purpose)."""
     from mla_convert.checkpoint import open_source
 
     a, b = open_source(str(src)), open_source(str(out))
-    names = [n for n in a.keys() if ".self_attn." not in n]
-    differ = 0
-    for n in names:
+    prefixes = tuple(f"model.layers.{i}." for i in trained)
+    counts = {"unchanged_tensors": 0, "unchanged_differ": 0, "trained_tensors": 0, "trained_differ": 0}
+    for n in a.keys():
+        if ".self_attn." in n:
+            continue
         x, y = a.get_raw(n), b.get_raw(n)
         same = x.dtype == y.dtype and x.shape == y.shape
-        differ += not (same and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)))
-    return len(names), differ
+        differ = not (same and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)))
+        kind = "trained" if n.startswith(prefixes) else "unchanged"
+        counts[f"{kind}_tensors"] += 1
+        counts[f"{kind}_differ"] += differ
+    return counts
 
 
 def mla_command(family: str, src: Path, args, *extra: str) -> list[str]:
     return [sys.executable, "-m", "mla_convert.cli", family, str(src), "--kv-budget", str(args.kv_budget),
-            "--calib-data", str(DATA / "wiki.valid.tokens"), "--calib-samples", str(args.samples),
+            "--calib-data", str(args.calib_file), "--calib-samples", str(args.samples),
             "--calib-seq-len", str(args.seq_len), "--device", args.device, *extra]  # fmt: skip
 
 
 def parse_plan(output: str) -> dict:
     estimate = re.search(r"estimated peak memory ([\d.]+) GiB", output)
     attn = re.search(r"attention parameters: ([\d,]+) -> ([\d,]+)", output)
-    return {"estimate_gib": float(estimate.group(1)) if estimate else None,
+    steps = re.search(r"refinement: (\d+) steps per layer.*; model stage: (\d+) steps", output)
+    return {"refine_steps": [int(steps.group(1)), int(steps.group(2))] if steps else None,
+            "estimate_gib": float(estimate.group(1)) if estimate else None,
             "attn_params": [int(attn.group(1).replace(",", "")), int(attn.group(2).replace(",", ""))] if attn else None}
 
 
@@ -199,7 +220,7 @@ def run(args) -> None:
            "device": args.device, "kv_budget": args.kv_budget, **machine()}  # fmt: skip
     start = time.perf_counter()
     if not (args.keep and src.exists()):
-        build(args.shape, layers, src)
+        build(args.shape, layers, src, tokenizer_from=args.tokenizer)
     row["build_s"] = round(time.perf_counter() - start, 1)
     row["source_bytes"] = folder_bytes(src)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -207,8 +228,11 @@ def run(args) -> None:
     row.update(parse_plan(output), wall_s=round(wall, 1), peak_rss_bytes=rss, output_bytes=folder_bytes(out),
                load_after=[round(x, 2) for x in os.getloadavg()])
     row["peak_over_estimate"] = round(rss / (row["estimate_gib"] * 2**30), 3) if row["estimate_gib"] else None
-    row["layer_seconds"] = re.findall(r"calibration [\d.]+s, factorization [\d.]+s", output)[-1:]
-    row["unchanged_tensors"], row["unchanged_differ"] = unchanged_identical(src, out)
+    row["layer_seconds"] = re.findall(r"calibration [\d.]+s, factorization [\d.]+s(?:, refine [\d.]+s)?", output)[-1:]
+    prov = json.loads((out / "provenance.json").read_text())["plan"]
+    row["refine_kept_layers"] = trained_layers(out)
+    row["model_stage"] = {k: (prov.get("refine_model") or {}).get(k) for k in ("kept", "seconds")}
+    row.update(unchanged_identical(src, out, row["refine_kept_layers"]))
     print(json.dumps(row, indent=1))
     save(case, row)
     if not args.keep:
@@ -230,6 +254,23 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def steps(r: dict) -> str:
+    """The refinement steps per layer and the model stage's, as the plan printed them (rows before they were
+    recorded ran on a CPU, where auto skips both at these shapes)."""
+    refine, stage = r.get("refine_steps") or [0, 0]
+    kept = (r.get("model_stage") or {}).get("kept")
+    return f"{refine} / {stage}" + (f" (stage {'kept' if kept else 'not kept'})" if stage else "")
+
+
+def unchanged(r: dict) -> str:
+    """Identical / compared; with the tensors whole-layer refinement trained (changed on purpose) beside them."""
+    text = f"{r['unchanged_tensors'] - r['unchanged_differ']} / {r['unchanged_tensors']}"
+    if r.get("trained_tensors"):
+        layers = ", ".join(map(str, r["refine_kept_layers"]))
+        text += f" (+{r['trained_tensors']} trained by refinement, layer {layers}: {r['trained_differ']} changed)"
+    return text
+
+
 def report(rows: dict) -> None:
     runs = [(k, r) for k, r in rows.items() if "wall_s" in r]
     lines = [
@@ -241,8 +282,8 @@ def report(rows: dict) -> None:
         "ru_maxrss, the estimate is the one the plan printed (`Plan.memory_estimate`, explained below).",
         "",
         "| case | wall | per layer (last) | peak RSS GiB | estimate GiB | peak / estimate | source GB | output GB | "
-        "attention params | unchanged tensors identical | load before / after |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "attention params | refinement / model stage steps | unchanged tensors identical | load before / after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, r in runs:
         attn = r.get("attn_params") or [0, 0]
@@ -250,14 +291,13 @@ def report(rows: dict) -> None:
             f"| {case} | {r['wall_s'] / 60:.1f} min | {'; '.join(r.get('layer_seconds') or ['-'])} | "
             f"{gib(r['peak_rss_bytes'])} | {r['estimate_gib']:.2f} | {r['peak_over_estimate']:.2f} | "
             f"{r['source_bytes'] / 1e9:.1f} | {r['output_bytes'] / 1e9:.1f} | {attn[0] / 1e9:.2f} G -> "
-            f"{attn[1] / 1e9:.2f} G | {r['unchanged_tensors'] - r['unchanged_differ']} / {r['unchanged_tensors']} | "
-            f"{r['load_before'][0]} / {r['load_after'][0]} |"
+            f"{attn[1] / 1e9:.2f} G | {steps(r)} | {unchanged(r)} | {r['load_before'][0]} / {r['load_after'][0]} |"
         )
     for case, r in rows.items():
         if "progress" in r:  # a run still going when the report was written: what its monitor saw so far
             lines.append(f"| {case} (unfinished) | {r['progress']} | | {gib(r['peak_rss_bytes'])} so far | "
                          f"{r['estimate_gib']:.2f} | {r['peak_rss_bytes'] / (r['estimate_gib'] * 2**30):.2f} | "
-                         f"{r['source_bytes'] / 1e9:.1f} | | | | |")
+                         f"{r['source_bytes'] / 1e9:.1f} | | | | | |")
     machines = {(r["machine"], r["cores"], r["torch_threads"], r["cuda"]) for _, r in runs}
     lines += ["", "Machines: " + "; ".join(f"{m}, {c} cores, torch threads {t}" + (f", {g}" if g else "")
                                           for m, c, t, g in sorted(machines, key=str)), ""]  # fmt: skip
@@ -276,7 +316,9 @@ other layers. Layers stream from the source one at a time, read with plain file 
 stay mapped: a mapped 5 GB shard counts in the resident set until it is closed, which is most of what the first 8B
 run measured, 5.9 GB against an estimate of 3.4 GiB). The shards are written last, from the kept layer files, by a
 writer holding at most one 2 GiB shard. Tensors the conversion does not change (embeddings, lm_head, norms, MLP) are
-copied through as stored, in their own dtype, never as float32; the last column checks them byte for byte.
+copied through as stored, in their own dtype, never as float32; the "unchanged" column checks them byte for byte.
+Where whole-layer refinement (`--refine-scope layer`, the default when it refines) was kept, that layer's MLP and norms
+were trained on purpose: they are counted apart.
 
 At its heaviest a layer holds its tensors as stored, its attention in float32, its calibration statistics (float64
 [D+1, D+1]: 2 second moments plus one per kv group for the attended values: 1.25 GiB at 8B shapes) and the larger of
@@ -295,14 +337,27 @@ about 39 GiB at 32 layers of 8B shapes; use the uniform default at this size).
 
 ## Runs and machine
 
-The rows ran on a shared 2-core machine with other jobs running (load average about 10 on 2 cores: wall times are
-upper bounds, several times a quiet machine's); `OMP_NUM_THREADS=2`. The first 4-layer run and the 32-layer run used
-earlier code (noted per row in benchmarks/scale.json): both peaked in the calibration statistics, which then made
-1 GB float64 temporaries (the attended-input products of all kv groups at once, and a divided copy of the attended
-moments); both are gone since (one group at a time, division in place). They printed the estimate of their code;
-their peaks, 4.45 GiB at 4 layers and 4.59 GiB at 32 (+3%, under both estimates), are the depth check. The later
-4-layer rows are the current code. The 32-layer run's last layers took 34 s each once the machine's load fell. No GPU was lent: the `--device cuda`
-row is missing (`python scripts/bench_scale.py run llama3-8b --device cuda` on a machine with one adds it).
+The 4-layer rows and the Qwen row ran on a shared 2-core machine with other jobs running (load average about 10 on 2
+cores: their wall times are upper bounds, several times a quiet machine's); `OMP_NUM_THREADS=2`. The 32-layer row
+was re-run on the final code on a quiet machine (load about 1-2): 9.5 min wall, 7 s calibration and 10 s
+factorization per layer. The first 4-layer run used earlier code (noted in benchmarks/scale.json), which peaked in the
+calibration statistics on 1 GB float64 temporaries (the attended-input products of all kv groups at once, and a
+divided copy of the attended moments); both are gone since (one group at a time, division in place). The depth check,
+same code: 3.58 GiB at 4 layers, 3.65 GiB at 32 (+2%), both 0.83-0.84 of the printed 4.32 GiB. An earlier 32-layer
+run on the older code peaked at 4.59 GiB (estimate 5.02) against 4.45 GiB at 4 layers with that code.
+
+The `cuda` row ran on a lent NVIDIA H200 (16 cores; 2026-11-26): `python scripts/bench_scale.py run llama3-8b
+--layers 4 --device cuda --tokenizer .dev/tokenizer --calib-file .dev/wiki.valid.tokens` (that machine has neither
+the embedded model nor ../shared, so the tokenizer and the text were carried; `scripts/gpu_checks.sh` runs it with the
+CUDA tests and the decode benchmark). On a GPU the defaults refine every layer (200 steps, whole layer) and run the
+model stage (64 steps), which auto skips on this CPU at 8B shapes (hours). Per layer: calibration 0.9 s,
+factorization 0.1 s, refinement 12.7 s; the model stage 9.8 s; 90.7 s in all for 4 layers, of which about 25 s are
+the process start and the shards' reads and writes. On the random weights refinement was kept in layer 0 only, so
+its MLP and norms (5 tensors) changed; the other 18 are byte-identical. The 32-layer conversion on the GPU was not
+run: the session's device time was 15 minutes, and building the 16 GB random checkpoint alone takes about 5.5 min
+there (81 s for 4 layers). From the per-layer times, 32 layers would take about 32 x 14 s = 7.5 min of layer work
+plus the model stage and I/O, roughly 10 min: an estimate, not a measurement. With `--refine-steps 0
+--refine-model-steps 0` the layer work on the GPU is about 1 s a layer (plus reading and writing the shards).
 
 Attention parameters grow (1.34 G -> 1.44 G at 32 layers of 8B shapes, `--kv-budget 0.25`): the MLA query carries a
 rope part per head (`q_proj` [H (d_h + d_r), D]), which the smaller key/value maps do not pay back at this budget;
@@ -321,6 +376,10 @@ def main() -> None:
         p.add_argument("--samples", type=int, default=1)
         p.add_argument("--seq-len", type=int, default=512)
         p.add_argument("--device", default="cpu")
+        p.add_argument("--calib-file", type=Path, default=DATA / "wiki.valid.tokens",
+                       help="calibration text (default: WikiText-2 validation from ../shared)")
+        p.add_argument("--tokenizer", default=None,
+                       help="a saved tokenizer folder instead of the embedded SmolLM2-135M's (a machine without it)")
         p.add_argument("--keep", action="store_true", help="keep (and reuse) the source and output folders")
     sub.add_parser("report")
     args = parser.parse_args()

@@ -36,6 +36,7 @@ CASES = [
     ("float16", 2, 9, 150, 64, 32, "float16", 3, [150, 7]),
     ("strided_queries", 2, 6, 90, 64, 32, "float32", 2, None),  # q views of [B, H, T, d] as the model passes them
     ("merge_chunks", 2, 3, 700, 300, 16, "float32", 20, [700, 333]),  # 11 splits, merged 8 a load; 333 empties 5
+    ("smollm_half_budget", 2, 9, 130, 144, 48, "float32", 3, [130, 65]),  # the 50% default: neither dim a power of 2
 ]
 # bfloat16 runs on GPU only: Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits
 # (runtime/interpreter.py, create_dot), so interpreter results for bf16 are meaningless.
@@ -353,6 +354,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU_CASES = [
     (1, 9, 8192, 64, 32), (8, 9, 8193, 64, 32), (4, 16, 1000, 512, 64), (2, 128, 4096, 512, 64), (3, 5, 77, 48, 0),
     (16, 9, 32768, 64, 32),
+    (8, 9, 4099, 144, 48),  # SmolLM2-135M at 50% of its cache (the default d_r 48, d_c 144)
+    (4, 32, 3000, 448, 64),  # Llama-3-8B at 25% (d_r 64, d_c 448)
 ]
 
 
