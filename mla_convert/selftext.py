@@ -14,8 +14,9 @@ calibration (`--calib-temperature`) and at `TEMPERATURE` for fine-tuning text:
 The samples are joined into one token stream that is cut into windows.
 
 Generated batches are cached as plain JSON (token ids plus the decoded text, for reading), one file per source
-fingerprint, seed and sampling settings, under $MLA_CONVERT_CACHE/self-text (default ~/.cache/mla-convert): a second
-conversion reads them instead of sampling again, and a longer request samples only the batches it lacks.
+fingerprint, seed, sampling settings and (chat) prompt list, under $MLA_CONVERT_CACHE/self-text (default
+~/.cache/mla-convert): a second conversion reads them instead of sampling again, and a longer request samples only the
+batches it lacks.
 """
 
 from __future__ import annotations
@@ -232,6 +233,8 @@ def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch
                 "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
     if style != "chat":  # keyed only when not chat: the chat caches written before styles existed stay valid
         settings["style"] = style
+    else:  # the requests the chat text answers: another prompt list is other text
+        settings["prompts"] = hashlib.sha256(json.dumps(PROMPTS).encode()).hexdigest()[:16]
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     return settings, cache_dir() / f"{key}.json"
 

@@ -3,6 +3,8 @@
 
     W=2 python scripts/explore_quality.py NAME key=value ...   (ConvertOptions fields, JSON values)
     e.g. W=2 python scripts/explore_quality.py C_r16 kv_budget=96 rope_dims=16
+    module.NAME=value sets a constant of mla_convert.module for the probe (e.g. selftext.PROMPTS); a value @FILE is
+    the JSON in FILE (recorded as its name and length).
 
 Converts the embedded SmolLM2-135M in process with the data-free default calibration (`self`: its sampled text is
 cached, so every probe calibrates on the same tokens) unless `calib_data=` says otherwise, and scores the first W
@@ -20,6 +22,7 @@ out/probe-NAME and scores it: what the stage adds to a conversion without conver
 the held-out KL at each check (`curve`: [step, KL]).
 """
 
+import importlib
 import json
 import os
 import shutil
@@ -118,19 +121,32 @@ def main() -> None:
     from mla_convert.convert import ConvertOptions, convert
 
     name = sys.argv[1]
-    opts = dict(dtype="float32")
+    opts, overrides = dict(dtype="float32"), {}
     for kv in sys.argv[2:]:
         key, value = kv.split("=", 1)
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
-        opts[key] = value
+        shown = value
+        if value.startswith("@"):  # @FILE: the JSON value in FILE (e.g. a prompt list), recorded by name and size
+            value = json.loads(Path(value[1:]).read_text())
+            shown = f"{shown} ({len(value)})" if isinstance(value, list) else shown
+        else:
+            try:
+                value = shown = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+        if "." in key:  # module.NAME: a constant of mla_convert.module, set for this probe only
+            module, attr = key.rsplit(".", 1)
+            target = importlib.import_module(f"mla_convert.{module}")
+            if not hasattr(target, attr):
+                raise SystemExit(f"mla_convert.{module} has no {attr}")
+            setattr(target, attr, value)
+            overrides[key] = shown
+        else:
+            opts[key] = value
     out = ROOT / "out" / f"probe-{name}"
     start = time.time()
     convert(open_source(None), out, ConvertOptions(**opts), overwrite=True, progress=False)
     seconds = time.time() - start
-    shown = {k: v for k, v in opts.items() if k != "dtype"}
+    shown = {k: v for k, v in opts.items() if k != "dtype"} | overrides
     record({"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3), "W": windows,
             "convert_s": round(seconds, 1), **shown})
     if not os.environ.get("KEEP"):  # KEEP=1: leave the converted folder (e.g. for bench_quality.py --folder)

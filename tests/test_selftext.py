@@ -60,6 +60,16 @@ def test_self_text_is_seeded_and_cached(sources, cache, monkeypatch):
     assert not torch.equal(selftext.self_tokens(src, 200, seed=1)[:100], a[:100])  # another seed, other text
 
 
+def test_cache_is_keyed_by_the_prompts(sources, cache, monkeypatch):
+    """Chat text answers PROMPTS: another list must not read the text sampled for this one."""
+    src = open_source(str(sources["llama-gqa"]))
+    settings, path = selftext.cache_entry(src, 0, 1.0, 64, 4)
+    monkeypatch.setattr(selftext, "PROMPTS", selftext.PROMPTS[::-1])
+    other, other_path = selftext.cache_entry(src, 0, 1.0, 64, 4)
+    assert other_path != path and other["prompts"] != settings["prompts"]
+    assert "prompts" not in selftext.cache_entry(src, 0, 1.0, 64, 4, style="document")[0]  # documents have none
+
+
 def test_foreign_or_broken_cache_is_sampled_again(sources, cache):
     src = open_source(str(sources["llama-gqa"]))
     a = selftext.self_tokens(src, 100, seed=3)
