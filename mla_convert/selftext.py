@@ -49,6 +49,9 @@ SAMPLE_TOKENS = 256
 BATCH = 16
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
 CACHE_VERSION = 1  # bump when the sampling procedure changes: old cache files are then not read
+# The hash of the PROMPTS the cache files so far were sampled with: their key omits it. Any other list (edited here,
+# or set by a probe) is added to the key, so it never reads their text.
+CACHED_PROMPTS = "bd52d72160f6eb3a"
 
 # Requests of many kinds (prose, technical documentation, code, dialogue, lists), so that the calibration text covers
 # more than one register. They are instructions, not data: the text is the model's own.
@@ -233,8 +236,8 @@ def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch
                 "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
     if style != "chat":  # keyed only when not chat: the chat caches written before styles existed stay valid
         settings["style"] = style
-    else:  # the requests the chat text answers: another prompt list is other text
-        settings["prompts"] = hashlib.sha256(json.dumps(PROMPTS).encode()).hexdigest()[:16]
+    elif (prompts_key := hashlib.sha256(json.dumps(PROMPTS).encode()).hexdigest()[:16]) != CACHED_PROMPTS:
+        settings["prompts"] = prompts_key  # another request list is other text (the caches made before stay valid)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     return settings, cache_dir() / f"{key}.json"
 

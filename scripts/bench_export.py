@@ -227,8 +227,9 @@ def main() -> None:
     lines += [f"- {w}" for w in deepseek_layout_notes(open_source(None).config, ranks, d_r)] or ["- none"]
     lines += [
         "",
-        "Not run: vLLM and SGLang (no GPU was available to this benchmark). The serving notes above are read from the "
-        "engines' code (see docs/serving.md), not measured.",
+        "Not run by this benchmark: the engines. The notes above are read from their code (docs/serving.md). vLLM's "
+        "CPU build serving folders made the same way (its own conversions) is measured in benchmarks/serving.md "
+        "(scripts/bench_serving.py); SGLang is not run.",
         "",
         f"transformers {ppl['native']['transformers']}. Wall time (s): "
         + ", ".join(f"{k} {v:.0f}" for k, v in timings.items())

@@ -156,12 +156,16 @@ def folder_bytes(folder: Path) -> int:
 
 
 def trained_layers(out: Path) -> list[int]:
-    """The layers whose MLP and norms the conversion trained: whole-layer refinement (`--refine-scope layer`) kept
-    there, as provenance.json records it. The model stage's default scope trains attention only."""
+    """The layers whose MLP and norms the conversion trained, as provenance.json records it: every layer where a
+    model stage of scope layer was kept, else those where whole-layer refinement (`--refine-scope layer`) was kept.
+    The model stage's default scope trains attention only."""
     prov = json.loads((out / "provenance.json").read_text())
+    stage, refined = prov["plan"].get("refine_model") or {}, prov["plan"].get("refine") or []
+    if stage.get("kept") and stage.get("scope") == "layer":
+        return list(range(len(prov["plan"]["ranks"])))
     if prov["options"].get("refine_scope") != "layer":
         return []
-    return [r["layer"] for r in prov["plan"].get("refine") or [] if r.get("kept")]
+    return [r["layer"] for r in refined if r.get("kept")]
 
 
 def unchanged_identical(src: Path, out: Path, trained: list[int]) -> dict:
@@ -245,7 +249,8 @@ def plan(args) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     output, _, _ = timed(mla_command(SHAPES[args.shape]["family"], src, args, "--dry-run"), env)
     shutil.rmtree(src)
-    lines = [line for line in output.splitlines() if not line.startswith(("warning", "dry run"))]
+    lines = [line for line in output.splitlines()
+             if not line.startswith(("warning", "dry run", "not refining", "no model stage"))]
     save(f"{args.shape} plan", {"shape": args.shape, "plan": lines, "calibration": f"{args.samples} x {args.seq_len}",
                                 **parse_plan(output)})  # fmt: skip
 
@@ -257,17 +262,20 @@ def gib(n: float) -> str:
 def steps(r: dict) -> str:
     """The refinement steps per layer and the model stage's, as the plan printed them (rows before they were
     recorded ran on a CPU, where auto skips both at these shapes)."""
-    refine, stage = r.get("refine_steps") or [0, 0]
+    if not r.get("refine_steps"):
+        return "- (not recorded; none ran)"
+    refine, stage = r["refine_steps"]
     kept = (r.get("model_stage") or {}).get("kept")
-    return f"{refine} / {stage}" + (f" (stage {'kept' if kept else 'not kept'})" if stage else "")
+    return f"{refine} / {stage}" + (f" (stage {'kept' if kept else 'not kept'})" if stage and kept is not None else "")
 
 
 def unchanged(r: dict) -> str:
     """Identical / compared; with the tensors whole-layer refinement trained (changed on purpose) beside them."""
     text = f"{r['unchanged_tensors'] - r['unchanged_differ']} / {r['unchanged_tensors']}"
     if r.get("trained_tensors"):
-        layers = ", ".join(map(str, r["refine_kept_layers"]))
-        text += f" (+{r['trained_tensors']} trained by refinement, layer {layers}: {r['trained_differ']} changed)"
+        layers = r["refine_kept_layers"]
+        text += (f" (+{r['trained_tensors']} trained, layer{'s' if len(layers) > 1 else ''} "
+                 f"{', '.join(map(str, layers))}: {r['trained_differ']} changed)")
     return text
 
 
@@ -339,12 +347,15 @@ about 39 GiB at 32 layers of 8B shapes; use the uniform default at this size).
 
 The 4-layer rows and the Qwen row ran on a shared 2-core machine with other jobs running (load average about 10 on 2
 cores: their wall times are upper bounds, several times a quiet machine's); `OMP_NUM_THREADS=2`. The 32-layer row
-was re-run on the final code on a quiet machine (load about 1-2): 9.5 min wall, 7 s calibration and 10 s
+was re-run on the code of 2026-11-23 on a quiet machine (load about 1-2): 9.5 min wall, 7 s calibration and 10 s
 factorization per layer. The first 4-layer run used earlier code (noted in benchmarks/scale.json), which peaked in the
 calibration statistics on 1 GB float64 temporaries (the attended-input products of all kv groups at once, and a
 divided copy of the attended moments); both are gone since (one group at a time, division in place). The depth check,
 same code: 3.58 GiB at 4 layers, 3.65 GiB at 32 (+2%), both 0.83-0.84 of the printed 4.32 GiB. An earlier 32-layer
-run on the older code peaked at 4.59 GiB (estimate 5.02) against 4.45 GiB at 4 layers with that code.
+run on the older code peaked at 4.59 GiB (estimate 5.02) against 4.45 GiB at 4 layers with that code. The CPU rows
+predate two later defaults: the nope query/key narrowed to head_dim - d_r (`--nope-dims`, 2026-11-24: smaller query
+and key maps, so fewer attention parameters and a slightly smaller output) and refinement (which auto skips on this CPU
+at these shapes, so their conversion work is unchanged). The 70B plan below is today's code.
 
 The `cuda` row ran on a lent NVIDIA H200 (16 cores; 2026-11-26): `python scripts/bench_scale.py run llama3-8b
 --layers 4 --device cuda --tokenizer .dev/tokenizer --calib-file .dev/wiki.valid.tokens` (that machine has neither
@@ -357,11 +368,13 @@ its MLP and norms (5 tensors) changed; the other 18 are byte-identical. The 32-l
 run: the session's device time was 15 minutes, and building the 16 GB random checkpoint alone takes about 5.5 min
 there (81 s for 4 layers). From the per-layer times, 32 layers would take about 32 x 14 s = 7.5 min of layer work
 plus the model stage and I/O, roughly 10 min: an estimate, not a measurement. With `--refine-steps 0
---refine-model-steps 0` the layer work on the GPU is about 1 s a layer (plus reading and writing the shards).
+--refine-model-steps 0` the layer work would be about 1 s a layer (0.9 s + 0.1 s measured above; that run was not
+made), plus reading and writing the shards.
 
-Attention parameters grow (1.34 G -> 1.44 G at 32 layers of 8B shapes, `--kv-budget 0.25`): the MLA query carries a
-rope part per head (`q_proj` [H (d_h + d_r), D]), which the smaller key/value maps do not pay back at this budget;
-the KV cache is what shrinks (4x).
+Attention parameters: with today's defaults they shrink a little (4 layers of 8B shapes: 0.168 G -> 0.145 G, the
+`cuda` row; the 70B plan: 12.08 G -> 11.13 G), because the nope query/key is narrowed to head_dim - d_r. Before that
+default the MLA query carried a rope part per head on top of the full head (`q_proj` [H (d_h + d_r), D]) and they grew
+(the CPU rows: 1.34 G -> 1.44 G at 32 layers). The KV cache is what shrinks (4x at `--kv-budget 0.25`).
 """
 
 

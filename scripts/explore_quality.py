@@ -66,6 +66,51 @@ def dev_perplexity(folder: Path, windows: int) -> float:
     return evaluate.perplexity(model, ids, 2048, windows, progress=False)["perplexity"]
 
 
+OVERRIDES_FILE = "probe_overrides.json"
+
+
+def parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(overrides: dict, given: dict | None = None) -> dict:
+    """Set each `module.NAME` of `overrides` on mla_convert.module for this process; returns how to record them
+    (`given`: the arguments as typed, so that a @FILE value is recorded as its name and length). Refused where the
+    override could not act: a constant another mla_convert module holds under the same name (imported by name:
+    setting it here would change nothing there) or the default of a ConvertOptions field (pass the option)."""
+    import dataclasses
+    import pkgutil
+
+    import mla_convert
+    from mla_convert.convert import ConvertOptions
+
+    for info in pkgutil.iter_modules(mla_convert.__path__):  # loaded, so that a copy made at import is seen
+        try:
+            importlib.import_module(f"mla_convert.{info.name}")
+        except ImportError:  # an optional dependency
+            pass
+    defaults = [f.default for f in dataclasses.fields(ConvertOptions)]
+    shown = {}
+    for key, value in overrides.items():
+        module, attr = key.rsplit(".", 1)
+        target = importlib.import_module(f"mla_convert.{module}")
+        if not hasattr(target, attr):
+            raise SystemExit(f"mla_convert.{module} has no {attr}")
+        old = getattr(target, attr)
+        copies = [m.__name__ for n, m in list(sys.modules.items())
+                  if n.startswith("mla_convert") and m is not target and getattr(m, attr, None) is old]  # fmt: skip
+        if copies or any(d is old or (type(d) is type(old) and d == old) for d in defaults):
+            held = ", ".join(copies) or "a ConvertOptions default"
+            raise SystemExit(f"{key}: also held by {held}, so setting it here would not act: pass the option instead")
+        setattr(target, attr, value)
+        text = (given or {}).get(key, "")
+        shown[key] = f"{text} ({len(value)})" if text.startswith("@") and isinstance(value, list) else value
+    return shown
+
+
 def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     """The model stage on a converted folder (see the module docstring); returns its probe row."""
     from mla_convert import refine, selftext
@@ -75,6 +120,8 @@ def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
 
     kw = {k: json.loads(v) for k, v in (s.split("=", 1) for s in settings)}
     opts = json.loads((folder / "provenance.json").read_text())["options"]
+    if (folder / OVERRIDES_FILE).is_file():  # the probe's constants (e.g. its prompt list): the same text again
+        apply_overrides(json.loads((folder / OVERRIDES_FILE).read_text()))
     tokens = calibration_tokens(open_source(None), opts["calib_data"], opts["calib_samples"], opts["calib_seq_len"],
                                 opts["seed"], temperature=opts.get("calib_temperature", selftext.TEMPERATURE),
                                 sample_tokens=opts.get("calib_sample_tokens", selftext.SAMPLE_TOKENS))  # older folders
@@ -124,29 +171,16 @@ def main() -> None:
     opts, overrides = dict(dtype="float32"), {}
     for kv in sys.argv[2:]:
         key, value = kv.split("=", 1)
-        shown = value
-        if value.startswith("@"):  # @FILE: the JSON value in FILE (e.g. a prompt list), recorded by name and size
-            value = json.loads(Path(value[1:]).read_text())
-            shown = f"{shown} ({len(value)})" if isinstance(value, list) else shown
-        else:
-            try:
-                value = shown = json.loads(value)
-            except json.JSONDecodeError:
-                pass
-        if "." in key:  # module.NAME: a constant of mla_convert.module, set for this probe only
-            module, attr = key.rsplit(".", 1)
-            target = importlib.import_module(f"mla_convert.{module}")
-            if not hasattr(target, attr):
-                raise SystemExit(f"mla_convert.{module} has no {attr}")
-            setattr(target, attr, value)
-            overrides[key] = shown
-        else:
-            opts[key] = value
+        value = json.loads(Path(value[1:]).read_text()) if value.startswith("@") else parse_value(value)
+        (overrides if "." in key else opts)[key] = value
+    shown = apply_overrides(overrides, {k: a for k, a in (kv.split("=", 1) for kv in sys.argv[2:]) if "." in k})
     out = ROOT / "out" / f"probe-{name}"
     start = time.time()
     convert(open_source(None), out, ConvertOptions(**opts), overwrite=True, progress=False)
     seconds = time.time() - start
-    shown = {k: v for k, v in opts.items() if k != "dtype"} | overrides
+    if overrides:  # kept with the folder, so that --model-stage rebuilds the same calibration text
+        (out / OVERRIDES_FILE).write_text(json.dumps(overrides))
+    shown = {k: v for k, v in opts.items() if k != "dtype"} | shown
     record({"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3), "W": windows,
             "convert_s": round(seconds, 1), **shown})
     if not os.environ.get("KEEP"):  # KEEP=1: leave the converted folder (e.g. for bench_quality.py --folder)

@@ -4,9 +4,12 @@
 #      model's decode through it, the CUDA-graph decode step, a conversion with --device cuda);
 #   2. an 8B-shaped conversion with --device cuda (scripts/bench_scale.py: random weights, Llama-3-8B shapes,
 #      LAYERS layers, calibrated on 1 x 512 tokens, default refinement and model stage);
-#   3. the whole-model decode benchmark at the converter's default 25% shape (scripts/bench_decode.py).
+#   3. the whole-model decode benchmark and the kernel table at the converter's default 25% shape, then at 50%
+#      (d_c 144, d_r 48; scripts/bench_decode.py).
 # Each step has its own time limit, and a step that fails or runs out does not stop the next. Everything it writes
-# goes to OUTDIR: log.txt, scale.json / scale.md (benchmarks/scale.* with the new row merged), decode_gpu_*.
+# goes to OUTDIR: log.txt, scale.json / scale.md (benchmarks/scale.* with the new row merged, only when the conversion
+# finished), decode_gpu_<gpu>.md/.json and decode_gpu_<gpu>_half.md/.json. LAYERS=32 needs SCALE_LIMIT of about 900
+# (building the 16 GB random checkpoint alone took 5.5 min on an H200 machine's CPU).
 #
 #   bash scripts/gpu_checks.sh OUTDIR [TOKENIZER_DIR CALIB_FILE]
 #
@@ -23,11 +26,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 exec > >(tee -a "$out/log.txt") 2>&1
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, say how it ended and how long it took
-    local name=$1 limit=$2 start=$SECONDS
+    local name=$1 limit=$2 start=$SECONDS status
     shift 2
     echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
     timeout "$limit" "$@"
-    echo "=== $name: exit $? after $((SECONDS - start))s"
+    status=$?
+    echo "=== $name: exit $status after $((SECONDS - start))s"
+    return $status
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -39,11 +44,14 @@ extra=()
 [ -n "$tokenizer" ] && extra+=(--tokenizer "$tokenizer")
 [ -n "$calib" ] && extra+=(--calib-file "$calib")
 step "8B-shaped conversion, $layers layers, --device cuda" "${SCALE_LIMIT:-240}" \
-    $py scripts/bench_scale.py run llama3-8b --layers "$layers" --device cuda "${extra[@]}"
-cp benchmarks/scale.json benchmarks/scale.md "$out/" 2>/dev/null
+    $py scripts/bench_scale.py run llama3-8b --layers "$layers" --device cuda ${extra[@]+"${extra[@]}"} &&
+    cp benchmarks/scale.json benchmarks/scale.md "$out/"
 
 gpu=$($py -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())" 2>/dev/null || echo gpu)
-step "whole-model decode" "${DECODE_LIMIT:-200}" $py scripts/bench_decode.py --device cuda --skip-layer \
-    --model-contexts 1k,8k,32k --model-batches 1,8,32 --model-budget "${MODEL_BUDGET:-0.5}" \
+decode=($py scripts/bench_decode.py --device cuda --skip-layer --model-contexts 1k,8k,32k --model-batches 1,8,32
+        --model-budget "${MODEL_BUDGET:-0.5}")
+step "whole-model decode, 25%" "${DECODE_LIMIT:-200}" "${decode[@]}" \
     --out "$out/decode_gpu_$gpu.md" --json "$out/decode_gpu_$gpu.json"
+step "whole-model decode, 50%" "${DECODE_LIMIT:-200}" "${decode[@]}" --d-c 144 --d-r 48 \
+    --out "$out/decode_gpu_${gpu}_half.md" --json "$out/decode_gpu_${gpu}_half.json"
 echo "=== done after ${SECONDS}s"

@@ -175,6 +175,17 @@ def test_auto_steps_follow_the_estimated_cost(caplog):
     assert refine.step_flops(big) > 10 * refine.step_flops(small)
 
 
+def test_cli_prints_the_auto_warnings_once(sources, calib_text, monkeypatch):
+    """The CLI plans once quietly (serving notes) before the conversion: its warnings come out once, not twice."""
+    monkeypatch.setattr(refine, "AUTO_CPU_SECONDS", -1.0)
+    monkeypatch.setattr(refine, "AUTO_MODEL_CPU_SECONDS", -1.0)
+    result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "--rank", "8", "--calib-data", str(calib_text),
+                                      "--dry-run"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.output.count("not refining the converted layers") == 1
+    assert result.output.count("no model stage") == 1
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--refine-steps", "many"], "--refine-steps must be auto or a number"),
     (["--refine-steps", "-3"], "--refine-steps must be 0 or more"),

@@ -61,13 +61,17 @@ def test_self_text_is_seeded_and_cached(sources, cache, monkeypatch):
 
 
 def test_cache_is_keyed_by_the_prompts(sources, cache, monkeypatch):
-    """Chat text answers PROMPTS: another list must not read the text sampled for this one."""
+    """Chat text answers PROMPTS: another list samples its own text instead of reading this one's."""
     src = open_source(str(sources["llama-gqa"]))
-    settings, path = selftext.cache_entry(src, 0, 1.0, 64, 4)
+    selftext.self_tokens(src, 200, seed=0)
+    calls = []
+    real = selftext.sample_batch
+    monkeypatch.setattr(selftext, "sample_batch", lambda *args: calls.append(args[2]) or real(*args))
     monkeypatch.setattr(selftext, "PROMPTS", selftext.PROMPTS[::-1])
-    other, other_path = selftext.cache_entry(src, 0, 1.0, 64, 4)
-    assert other_path != path and other["prompts"] != settings["prompts"]
-    assert "prompts" not in selftext.cache_entry(src, 0, 1.0, 64, 4, style="document")[0]  # documents have none
+    assert "prompts" in selftext.cache_entry(src, 0, 1.0, 64, 4)[0]
+    selftext.self_tokens(src, 200, seed=0)
+    assert calls and calls[0] == 0  # sampled again from the first batch
+    assert len(list(cache.glob("*.json"))) == 2
 
 
 def test_foreign_or_broken_cache_is_sampled_again(sources, cache):

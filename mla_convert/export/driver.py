@@ -162,6 +162,17 @@ def resolve_target(target: str | None, format: str, output: Path | None) -> tupl
     return target, native_out
 
 
+def _plan_quietly(convert, source, native_out, options, family):
+    """The plan alone (a dry run), its warnings held back: the conversion that follows prints them once."""
+    logger = logging.getLogger("mla_convert")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return convert(source, native_out, options, family, dry_run=True)
+    finally:
+        logger.setLevel(level)
+
+
 def convert_to_target(source, output: Path | None, native_out: Path | None, options, family: str | None, *,
                       target: str, format: str, explicit: set[str], overwrite: bool, dry_run: bool, progress: bool,
                       say: Callable[..., None]) -> None:
@@ -184,7 +195,7 @@ def convert_to_target(source, output: Path | None, native_out: Path | None, opti
                             "silently: serve the native checkpoint through the vLLM plugin instead (convert without "
                             "--format deepseek; docs/serving.md), or convert with --target deepseek and run "
                             "`mla-convert export --keep-biases` (transformers only) or `--drop-biases --allow-approx`")
-        plan = convert(source, native_out, options, family, dry_run=True)
+        plan = _plan_quietly(convert, source, native_out, options, family)
         if format == "deepseek" and plan.dtype == "float16":
             raise UserError("the DeepSeek-V3 export cannot hold float16 (its identity latent norm needs bfloat16's "
                             "range): pass --dtype bfloat16 or --dtype float32")
@@ -195,7 +206,7 @@ def convert_to_target(source, output: Path | None, native_out: Path | None, opti
     if target != "deepseek":  # the native checkpoint serves through the vLLM plugin if its layout fits
         from mla_convert.serving.layout import serving_notes
 
-        plan = convert(source, native_out, options, family, dry_run=True)
+        plan = _plan_quietly(convert, source, native_out, options, family)
         for note in serving_notes(plan.kv_lora_rank, plan.rope_dims):
             say(f"warning: {note}", err=True)
     plan = convert(source, native_out, options, family, overwrite=overwrite, dry_run=dry_run, progress=progress)
