@@ -155,11 +155,10 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def trained_layers(out: Path) -> list[int]:
-    """The layers whose MLP and norms the conversion trained, as provenance.json records it: every layer where a
-    model stage of scope layer was kept, else those where whole-layer refinement (`--refine-scope layer`) was kept.
-    The model stage's default scope trains attention only."""
-    prov = json.loads((out / "provenance.json").read_text())
+def trained_layers(prov: dict) -> list[int]:
+    """The layers whose MLP and norms the conversion trained, as its provenance (provenance.json, loaded) records
+    it: every layer where a model stage of scope layer was kept, else those where whole-layer refinement
+    (`--refine-scope layer`) was kept. The model stage's default scope trains attention only."""
     stage, refined = prov["plan"].get("refine_model") or {}, prov["plan"].get("refine") or []
     if stage.get("kept") and stage.get("scope") == "layer":
         return list(range(len(prov["plan"]["ranks"])))
@@ -233,9 +232,9 @@ def run(args) -> None:
                load_after=[round(x, 2) for x in os.getloadavg()])
     row["peak_over_estimate"] = round(rss / (row["estimate_gib"] * 2**30), 3) if row["estimate_gib"] else None
     row["layer_seconds"] = re.findall(r"calibration [\d.]+s, factorization [\d.]+s(?:, refine [\d.]+s)?", output)[-1:]
-    prov = json.loads((out / "provenance.json").read_text())["plan"]
-    row["refine_kept_layers"] = trained_layers(out)
-    row["model_stage"] = {k: (prov.get("refine_model") or {}).get(k) for k in ("kept", "seconds")}
+    prov = json.loads((out / "provenance.json").read_text())
+    row["refine_kept_layers"] = trained_layers(prov)
+    row["model_stage"] = {k: (prov["plan"].get("refine_model") or {}).get(k) for k in ("kept", "seconds")}
     row.update(unchanged_identical(src, out, row["refine_kept_layers"]))
     print(json.dumps(row, indent=1))
     save(case, row)

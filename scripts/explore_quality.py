@@ -168,12 +168,12 @@ def main() -> None:
     from mla_convert.convert import ConvertOptions, convert
 
     name = sys.argv[1]
-    opts, overrides = dict(dtype="float32"), {}
+    opts, overrides, typed = dict(dtype="float32"), {}, {}
     for kv in sys.argv[2:]:
-        key, value = kv.split("=", 1)
-        value = json.loads(Path(value[1:]).read_text()) if value.startswith("@") else parse_value(value)
+        key, typed[key] = kv.split("=", 1)
+        value = json.loads(Path(typed[key][1:]).read_text()) if typed[key].startswith("@") else parse_value(typed[key])
         (overrides if "." in key else opts)[key] = value
-    shown = apply_overrides(overrides, {k: a for k, a in (kv.split("=", 1) for kv in sys.argv[2:]) if "." in k})
+    shown = apply_overrides(overrides, typed)
     out = ROOT / "out" / f"probe-{name}"
     start = time.time()
     convert(open_source(None), out, ConvertOptions(**opts), overwrite=True, progress=False)
