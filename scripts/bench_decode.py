@@ -697,10 +697,19 @@ def bench_kernel(mla, args, device, dtype, copy_bw, log):
 SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 8192), (8, 32768), (32, 32768), (32, 65536)]
 
 
-def sweep_variants():
+def sweep_variants(d_c: int = 64):
+    """The launch variants the sweep times, the kernel's defaults first ({}). A latent wider than 64 gets its own
+    set (benchmarks/decode_gpu.sweep144.json, d_c 144): row blocks 32-128, 4 or 8 warps, 2 or 3 stages, two split
+    rules (that run also timed the latent read as two tiles, 128 + 16, an experiment since removed: 11% slower)."""
+    if d_c > 64:
+        rules = ((2, 256, 2048, 64), (4, 128, None, 128))
+        return [{}] + [dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=ppsm,
+                            min_split_rows=min_rows, max_split_rows=max_rows, max_splits=most)
+                       for block_n in (32, 64, 128) for num_warps in (4, 8)
+                       for num_stages in (2, 3) for ppsm, min_rows, max_rows, most in rules]
     base = dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, min_split_rows=256, max_split_rows=None,
                 max_splits=64)
-    out = []
+    out = [{}]
     for block_n in (64, 128, 256):
         for num_warps in (4, 8):
             for num_stages in (2, 3, 4):
@@ -723,6 +732,7 @@ def kernel_sweep(mla, device, dtype, copy_bw, log):
     esize = torch.tensor([], dtype=dtype).element_size()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
+    variants = sweep_variants(d_c)
     for batch, context in SWEEP_SHAPES:
         mla_bytes = batch * context * (d_c + d_r) * esize
         n_sets = input_sets(mla_bytes)
@@ -731,7 +741,7 @@ def kernel_sweep(mla, device, dtype, copy_bw, log):
         x = sets[0]
         want = mla_decode_reference(x["q_latent"].float(), x["q_rope"].float(), x["latent"].float(),
                                     x["k_rope"].float(), lengths, scale)
-        for tune in sweep_variants():
+        for tune in variants:
             cfg = launch_config(batch, heads, context, d_c, d_r, sms, **tune)
             row = {"batch": batch, "context": context, "tune": tune, "num_splits": cfg["num_splits"]}
             try:
@@ -748,11 +758,11 @@ def kernel_sweep(mla, device, dtype, copy_bw, log):
             rows.append(row)
         ok = [r for r in rows if r["batch"] == batch and r["context"] == context and "us" in r]
         best = min(ok, key=lambda r: r["us"])
-        default = ok[0]
+        default = ok[0]  # the {} variant: launch_config's defaults
         log(f"sweep  B={batch:<3d} ctx={context:<6d} default {default['us']:7.1f} us "
             f"({default['bw'] / 1e9:5.0f} GB/s)  best {best['us']:7.1f} us ({best['bw'] / 1e9:5.0f} GB/s, "
             f"{best['bw'] / copy_bw:.0%} of copy) {best['tune']} splits {best['num_splits']}; "
-            f"max rel err {max(r['rel_err'] for r in ok):.1e}; {len(ok)}/{len(sweep_variants())} ran")
+            f"max rel err {max(r['rel_err'] for r in ok):.1e}; {len(ok)}/{len(variants)} ran")
         del sets
         gc.collect()
         torch.cuda.empty_cache()

@@ -179,6 +179,8 @@ def test_launch_config_tuning_knobs():
     assert (long_splits["num_splits"], long_splits["split_len"]) == (9, 3712)
     wide_latent = launch_config(1, 16, 4096, 512, 64, 132)
     assert (wide_latent["BLOCK_N"], wide_latent["num_stages"]) == (32, 2)  # shared memory
+    half_budget = launch_config(8, 9, 32768, 144, 48, 132)  # SmolLM2 at 50%: a 256-wide tile, 32 rows, 3 stages
+    assert (half_budget["BLOCK_C"], half_budget["BLOCK_N"], half_budget["num_stages"]) == (256, 32, 3)
     wide = launch_config(1, 9, 32768, 64, 32, 132, block_n=128, programs_per_sm=8, min_split_rows=64, max_splits=256,
                          num_warps=8, num_stages=3)
     assert (wide["num_splits"], wide["split_len"], wide["BLOCK_N"]) == (256, 128, 128)
@@ -383,6 +385,9 @@ WIDE_TUNES = [dict(block_n=16, num_warps=8, num_stages=3),
               dict(block_n=32, num_warps=4, num_stages=2, programs_per_sm=8, min_split_rows=64, max_splits=256)]
 TUNE_CASES = [(shape, tune) for shape in [(1, 9, 32768, 64, 32), (8, 9, 5000, 64, 32)] for tune in NARROW_TUNES]
 TUNE_CASES += [((2, 16, 3000, 512, 64), tune) for tune in WIDE_TUNES]
+# The 50% shape of SmolLM2 (d_c 144 in a 256-wide tile) at the row blocks and stages its sweep tried.
+TUNE_CASES += [((8, 9, 4099, 144, 48), tune) for tune in [dict(block_n=64, num_stages=3), dict(num_stages=2),
+                                                          dict(block_n=128, num_warps=8, num_stages=2)]]
 
 
 @pytest.mark.gpu
