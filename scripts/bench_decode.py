@@ -702,23 +702,14 @@ def sweep_variants(d_c: int = 64):
     set (benchmarks/decode_gpu.sweep144.json, d_c 144): row blocks 32-128, 4 or 8 warps, 2 or 3 stages, two split
     rules (that run also timed the latent read as two tiles, 128 + 16, an experiment since removed: 11% slower)."""
     if d_c > 64:
-        rules = ((2, 256, 2048, 64), (4, 128, None, 128))
-        return [{}] + [dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=ppsm,
-                            min_split_rows=min_rows, max_split_rows=max_rows, max_splits=most)
-                       for block_n in (32, 64, 128) for num_warps in (4, 8)
-                       for num_stages in (2, 3) for ppsm, min_rows, max_rows, most in rules]
-    base = dict(block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, min_split_rows=256, max_split_rows=None,
-                max_splits=64)
-    out = [{}]
-    for block_n in (64, 128, 256):
-        for num_warps in (4, 8):
-            for num_stages in (2, 3, 4):
-                for ppsm, min_rows, max_rows, most in ((2, 256, None, 64), (2, 256, 2048, 64), (4, 128, None, 128),
-                                                       (8, 64, None, 256)):
-                    out.append(dict(base, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                                    programs_per_sm=ppsm, min_split_rows=min_rows, max_split_rows=max_rows,
-                                    max_splits=most))
-    return out
+        block_ns, stages, rules = (32, 64, 128), (2, 3), ((2, 256, 2048, 64), (4, 128, None, 128))
+    else:
+        block_ns, stages = (64, 128, 256), (2, 3, 4)
+        rules = ((2, 256, None, 64), (2, 256, 2048, 64), (4, 128, None, 128), (8, 64, None, 256))
+    return [{}] + [dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, programs_per_sm=ppsm,
+                        min_split_rows=min_rows, max_split_rows=max_rows, max_splits=most)
+                   for block_n in block_ns for num_warps in (4, 8) for num_stages in stages
+                   for ppsm, min_rows, max_rows, most in rules]
 
 
 @torch.no_grad()
