@@ -12,8 +12,10 @@ source, the data-free default); perplexity on each text of `--texts`, the first 
   wikitext          WikiText-2 raw test
   debian-reference  the Debian Reference manual (package debian-reference-en; scripts/domain_texts.py)
   gnu-standards     the GNU Coding Standards (package gnu-standards; scripts/domain_texts.py)
-  wiki-dev          the development split: the second half of wiki.valid.tokens (choices are made here only;
-                    wiki-calibrated probes read the first half)
+  wiki-dev          the second half of wiki.valid.tokens (wiki-calibrated probes read the first half)
+  devref-dev        the Debian Developer's Reference (package developers-reference; scripts/domain_texts.py)
+  fortunes-dev      English epigrams and verse (package fortunes; scripts/domain_texts.py)
+The last three are the development split (DEV_TEXTS): choices are made on them only, never on the evaluation texts.
 No evaluation text is ever calibrated on. Each conversion and each evaluation runs as its own `mla-convert`
 process, timed, with its peak RSS (wait4).
 
@@ -48,7 +50,10 @@ TEXTS = {
     "debian-reference": DOMAINS / "debian-reference.txt",
     "gnu-standards": DOMAINS / "gnu-standards.txt",
     "wiki-dev": DEV / "wiki.valid.second-half.tokens",
+    "devref-dev": DEV / "devref.txt",
+    "fortunes-dev": DEV / "fortunes.txt",
 }
+DEV_TEXTS = ("wiki-dev", "devref-dev", "fortunes-dev")  # the development split: three domains, none evaluated on
 # Calibration texts by name: "self" is the data-free default (text sampled from the source).
 CALIBS = {
     "self": "self",
@@ -459,6 +464,10 @@ PROBE_SERIES = {
          "`self` calibration, the first 2 windows of `wiki-dev`), 25%; unlisted: the defaults of this code. What "
          "chose the refinement (`--refine-steps`) and its settings. The first four rows ran through an in-process "
          "script of the same protocol before explore_quality.py was moved onto it.",
+    "D": "the development split of three domains (`W=4 python scripts/explore_quality.py NAME key=value ...`, or "
+         "`--score NAME FOLDER` for a folder converted before): the first 4 windows of `wiki-dev`, `devref-dev` and "
+         "`fortunes-dev` each; `dev ratio` is the geometric mean of the three ratios to the source (row `source`), "
+         "the score a choice is made on since; unlisted options: the defaults of this code.",
 }
 
 
@@ -514,9 +523,11 @@ def timed(cmd: list[str], log: Path) -> tuple[int, float, int]:
 
 
 def prepare_texts() -> None:
-    """The domain texts (from their Debian packages) and the two halves of wiki.valid.tokens, when missing."""
-    if not all(TEXTS[n].is_file() for n in ("debian-reference", "gnu-standards")):
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "domain_texts.py"), "--out", str(DOMAINS)], check=True)
+    """The domain texts (evaluation and development, from their Debian packages) and the two halves of
+    wiki.valid.tokens, when missing."""
+    if not all(TEXTS[n].is_file() for n in ("debian-reference", "gnu-standards", "devref-dev", "fortunes-dev")):
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "domain_texts.py"), "--out", str(DOMAINS),
+                        "--dev-out", str(DEV)], check=True)  # fmt: skip
     if not (DEV / "wiki.valid.second-half.tokens").is_file():
         DEV.mkdir(parents=True, exist_ok=True)
         lines = (DATA / "wiki.valid.tokens").read_text(encoding="utf-8").splitlines(keepends=True)
@@ -585,8 +596,12 @@ def write_report(args) -> None:
         "",
         "**Splits.** Calibration: `self` (text sampled from the source, the data-free default) or WikiText-2 "
         "validation. Development split for choices: the second half of `wiki.valid.tokens` (`wiki-dev`), which no "
-        "calibration reads (wiki-calibrated probes use the first half). Evaluation only: WikiText-2 test, "
-        "debian-reference, gnu-standards; no choice is made on them.",
+        "calibration reads (wiki-calibrated probes use the first half); since the probes of series D (at the end of "
+        "this file) with two documents of other domains from Debian packages beside it, the Debian Developer's "
+        "Reference (`devref-dev`, package developers-reference) and English epigrams and verse (`fortunes-dev`, "
+        "package fortunes), 4 windows of each, a choice made on the geometric mean of the three ratios to the "
+        "source (`dev ratio`). Evaluation only: WikiText-2 test, debian-reference, gnu-standards; no choice is made "
+        "on them.",
         "",
         *NOTES,
         *acceptance(rows),
@@ -612,6 +627,9 @@ def write_report(args) -> None:
                   "probe's series:", ""]  # fmt: skip
         probe_rows = [json.loads(line) for line in probes.read_text().splitlines() if line.strip()]
         for series, text in PROBE_SERIES.items():
+            if series == "D":
+                lines += dev_probe_table([r for r in probe_rows if r.get("series") == series], text)
+                continue
             lines += [f"**Series {series}**: {text} The source scores {PROBE_SOURCE_PPL[series]}.", "",
                       "| probe | perplexity (2 windows unless noted) | options |", "|---|---|---|"]  # fmt: skip
             for p in (r for r in probe_rows if r.get("series", "A") == series):
@@ -625,6 +643,18 @@ def write_report(args) -> None:
     if counts:
         chosen = [r for r in rows if r["windows"] == (16 if 16 in counts else counts[0])]
         plot(chosen, next((r for r in chosen if r["method"] == "source"), None))
+
+
+def dev_probe_table(rows: list[dict], text: str) -> list[str]:
+    """Series D: each probe's perplexity on every development text, its dev ratio and its options."""
+    lines = [f"**Series D**: {text}", "", "| probe | " + " | ".join(DEV_TEXTS) + " | dev ratio | options |",
+             "|---|" + "---|" * len(DEV_TEXTS) + "---|---|"]  # fmt: skip
+    for p in rows:
+        opts = ", ".join(f"{k}={v}" for k, v in p.items()
+                         if k not in ("name", "ppl", "W", "series", "dev", "dev_ratio"))  # fmt: skip
+        cells = [f"{p['dev'][t]:.2f}" for t in DEV_TEXTS]
+        lines.append(f"| {p['name']} | " + " | ".join(cells) + f" | {p['dev_ratio']:.4f} | {opts} |")
+    return lines + [""]
 
 
 def table(rows: list[dict], windows: int) -> list[str]:

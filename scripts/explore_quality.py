@@ -8,14 +8,17 @@
 
 Converts the embedded SmolLM2-135M in process with the data-free default calibration (`self`: its sampled text is
 cached, so every probe calibrates on the same tokens) unless `calib_data=` says otherwise, and scores the first W
-(env, default 2) 2048-token windows of the development split, `wiki-dev` (the second half of wiki.valid.tokens; see
-scripts/bench_quality.py). Never evaluation text: choices are made here, results are measured by bench_quality.py.
-Appends one JSON line to benchmarks/quality_probes.jsonl (series C) and prints it. The converted folder
+(env, default 2) 2048-token windows of each text of the development split (scripts/bench_quality.py DEV_TEXTS:
+`wiki-dev`, the second half of wiki.valid.tokens, and two documents of other domains from Debian packages). Its
+row holds `ppl` (on `wiki-dev`, the one development text of the earlier probes), `dev` (every development text) and
+`dev_ratio` (the geometric mean of their ratios to the source: what a choice is made on since). Never evaluation
+text: choices are made here, results are measured by bench_quality.py. Appends one JSON line to
+benchmarks/quality_probes.jsonl (series D; series C scored `wiki-dev` alone) and prints it. The converted folder
 (out/probe-NAME) is removed unless KEEP=1.
 
 `--dump-source DIR` writes a safetensors copy of the embedded model (for probes of other tools).
 `--score NAME FOLDER` scores a converted folder (e.g. the main job's) on the same windows and appends its row
-(its conversion options from the folder's provenance.json).
+(its conversion options from the folder's provenance.json); FOLDER `source` scores the embedded source.
 `--model-stage NAME FOLDER [steps=N lr=X scope=S]` runs the model stage (`--refine-model-steps`, mla_convert.refine.
 refine_model) on a converted folder with the calibration windows its provenance names (the same cached tokens), writes
 out/probe-NAME and scores it: what the stage adds to a conversion without converting again. Its row holds
@@ -52,18 +55,49 @@ def dump_source(folder: str) -> None:
     model.generation_config.save_pretrained(folder)
 
 
-def dev_perplexity(folder: Path, windows: int) -> float:
-    """Perplexity of a converted folder on the first `windows` 2048-token windows of `wiki-dev`."""
+def dev_scores(folder: Path | None, windows: int) -> dict[str, float]:
+    """{development text: perplexity} of a converted folder (None: the embedded source) on the first `windows`
+    2048-token windows of each text of the development split (bench_quality.DEV_TEXTS)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import mla_convert  # noqa: F401
-    from bench_quality import TEXTS, prepare_texts
+    from bench_quality import DEV_TEXTS, TEXTS, prepare_texts
     from mla_convert import evaluate
 
     prepare_texts()
-    ids = evaluate.tokenize(AutoTokenizer.from_pretrained(folder), TEXTS["wiki-dev"].read_text())
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return evaluate.perplexity(model, ids, 2048, windows, progress=False)["perplexity"]
+    if folder is None:
+        model, tok, _ = evaluate.load_model(None)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(folder)
+    model.eval()
+    return {name: round(evaluate.perplexity(model, evaluate.tokenize(tok, TEXTS[name].read_text()), 2048, windows,
+                                            progress=False)["perplexity"], 3)
+            for name in DEV_TEXTS}  # fmt: skip
+
+
+def source_scores(windows: int) -> dict[str, float]:
+    """The source's dev_scores, cached beside the texts (keyed by their contents and the window count)."""
+    import hashlib
+
+    from bench_quality import DEV, DEV_TEXTS, TEXTS, prepare_texts
+
+    prepare_texts()
+    key = hashlib.sha256(b"".join(TEXTS[n].read_bytes() for n in DEV_TEXTS)).hexdigest()[:16]
+    path = DEV / f"source-{key}-W{windows}.json"
+    if not path.is_file():
+        path.write_text(json.dumps(dev_scores(None, windows)))
+    return json.loads(path.read_text())
+
+
+def dev_row(folder: Path, windows: int) -> dict:
+    """A probe row's scores: `ppl` on `wiki-dev` (the single-domain score of the earlier probes), `dev` on every
+    development text, and `dev_ratio`, the geometric mean of their ratios to the source: the score choices use."""
+    import math
+
+    scores, source = dev_scores(folder, windows), source_scores(windows)
+    ratio = math.exp(sum(math.log(scores[n] / source[n]) for n in scores) / len(scores))
+    return {"ppl": scores["wiki-dev"], "dev": scores, "dev_ratio": round(ratio, 4), "W": windows}
 
 
 OVERRIDES_FILE = "probe_overrides.json"
@@ -140,8 +174,7 @@ def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     tok.save_pretrained(out)
     shutil.copy(folder / "provenance.json", out / "provenance.json")
     windows = int(os.environ.get("W", "2"))
-    return {"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3),
-            "W": windows, "stage_s": round(seconds, 1), "from": str(folder), **kw,
+    return {"name": name, "series": "D", **dev_row(out, windows), "stage_s": round(seconds, 1), "from": str(folder), **kw,
             "held_kl": [round(rec["before"], 4), round(rec["after"], 4)], "kept": rec["kept"],
             "curve": [[step, round(kl, 4)] for step, kl in rec["curve"]]}
 
@@ -158,9 +191,11 @@ def main() -> None:
     windows = int(os.environ.get("W", "2"))
     if sys.argv[1] == "--score":
         name, folder = sys.argv[2], Path(sys.argv[3])
+        if sys.argv[3] == "source":  # the embedded source itself: the row the ratios are taken against
+            return record({"name": name, "series": "D", **dev_row(None, windows)})
         prov = json.loads((folder / "provenance.json").read_text())
         options = {k: v for k in ("kv_budget", "rank") if (v := prov.get("options", {}).get(k)) is not None}
-        return record({"name": name, "series": "C", "ppl": round(dev_perplexity(folder, windows), 3), "W": windows,
+        return record({"name": name, "series": "D", **dev_row(folder, windows),
                        "folder": str(folder), **options, "nope_dims": prov.get("plan", {}).get("nope_dims")})
     if sys.argv[1] == "--model-stage":
         return record(model_stage(sys.argv[2], Path(sys.argv[3]), sys.argv[4:]))
@@ -181,7 +216,7 @@ def main() -> None:
     if overrides:  # kept with the folder, so that --model-stage rebuilds the same calibration text
         (out / OVERRIDES_FILE).write_text(json.dumps(overrides))
     shown = {k: v for k, v in opts.items() if k != "dtype"} | shown
-    record({"name": name, "series": "C", "ppl": round(dev_perplexity(out, windows), 3), "W": windows,
+    record({"name": name, "series": "D", **dev_row(out, windows),
             "convert_s": round(seconds, 1), **shown})
     if not os.environ.get("KEEP"):  # KEEP=1: leave the converted folder (e.g. for bench_quality.py --folder)
         shutil.rmtree(out, ignore_errors=True)
