@@ -95,7 +95,8 @@ def dev_row(folder: Path, windows: int) -> dict:
     development text, and `dev_ratio`, the geometric mean of their ratios to the source: the score choices use."""
     import math
 
-    scores, source = dev_scores(folder, windows), source_scores(windows)
+    source = source_scores(windows)
+    scores = source if folder is None else dev_scores(folder, windows)
     ratio = math.exp(sum(math.log(scores[n] / source[n]) for n in scores) / len(scores))
     return {"ppl": scores["wiki-dev"], "dev": scores, "dev_ratio": round(ratio, 4), "W": windows}
 
