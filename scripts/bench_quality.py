@@ -366,6 +366,20 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "sampling included, about a quarter of it on cores shared with an "
     "evaluation; its layers took 73-86 s of refinement each where the cores were not shared.",
     "",
+    "**The development split of three domains** (series D, at the end of this file; choices are made on it "
+    "since): `wiki-dev` alone had chosen the 96 requests, and the evaluation texts then moved both ways. Two "
+    "held-out documents of other domains now sit beside it, from Debian packages and never evaluated on "
+    "(`python scripts/domain_texts.py --dev-out out/dev`): the Debian Developer's Reference (`devref-dev`, "
+    "package developers-reference) and English epigrams and verse (`fortunes-dev`, package fortunes, one entry of "
+    "each file in turn); 4 windows of each, and a choice is made on the geometric mean of the three ratios to "
+    "the source (`dev ratio`; source 24.21 / 16.10 / 28.73). Re-scored on it (`W=4 python "
+    "scripts/explore_quality.py --score NAME FOLDER`), the 50% folders tie: the 96 requests 1.1918 (29.21 / "
+    "19.45 / 33.36), the 24 requests 1.1922 (29.45 / 19.34 / 33.31), 32 calibration windows (24 requests, "
+    "temperature 1.2) 1.1941 (28.98 / 19.80 / 33.22). Each lever that gained on `wiki-dev` gave it back on "
+    "`devref-dev`, as the evaluation texts had found (16 windows, 96 against 24 requests: -1.1% / +1.4% / "
+    "+0.9%): the prompt list and the window count trade one domain for another, and none of them moves the "
+    "50% point as a whole. The 96 requests stay the default (a tie; no reason to switch back).",
+    "",
     "**As served.** The attention-refined default at 25% (rows `mla-convert-attn`, converted again by the main job, `bash scripts/main.sh`, "
     "into out/smollm2-135m-mla-25) scores in vLLM's CPU build what it scores in transformers: `mla-convert eval "
     "out/smollm2-135m-mla-25 --data ../shared/data/wikitext-2/wiki.test.raw --seq-len 2048 --windows 4 --engine E "
