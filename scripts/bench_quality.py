@@ -634,7 +634,7 @@ def write_report(args) -> None:
         lines += table([r for r in rows if r["windows"] == windows], windows)
     probes = ROOT / "benchmarks" / "quality_probes.jsonl"
     if probes.exists():  # the probes that chose the defaults (scripts/explore_quality.py)
-        lines += ["## Probes that chose the defaults (2 windows; not the protocol)", "",
+        lines += ["## Probes that chose the defaults (2 windows, series D 4; not the protocol)", "",
                   "In-process conversions of the embedded model, 2 windows. Series A and B (the earlier defaults, at "
                   "50%) scored the first 2 test windows, before a development split existed; series C scores the "
                   "development split. Options are ConvertOptions fields; unlisted ones are the defaults of the "
@@ -667,7 +667,8 @@ def dev_probe_table(rows: list[dict], text: str) -> list[str]:
         opts = ", ".join(f"{k}={v}" for k, v in p.items()
                          if k not in ("name", "ppl", "W", "series", "dev", "dev_ratio"))  # fmt: skip
         cells = [f"{p['dev'][t]:.2f}" for t in DEV_TEXTS]
-        lines.append(f"| {p['name']} | " + " | ".join(cells) + f" | {p['dev_ratio']:.4f} | {opts} |")
+        count = f" ({p['W']} windows)" if p["W"] != 4 else ""  # ratios compare only at the same count
+        lines.append(f"| {p['name']}{count} | " + " | ".join(cells) + f" | {p['dev_ratio']:.4f} | {opts} |")
     return lines + [""]
 
 

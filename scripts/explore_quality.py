@@ -175,7 +175,8 @@ def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     tok.save_pretrained(out)
     shutil.copy(folder / "provenance.json", out / "provenance.json")
     windows = int(os.environ.get("W", "2"))
-    return {"name": name, "series": "D", **dev_row(out, windows), "stage_s": round(seconds, 1), "from": str(folder), **kw,
+    return {"name": name, "series": "D", **dev_row(out, windows), "stage_s": round(seconds, 1), "from": str(folder),
+            **kw,
             "held_kl": [round(rec["before"], 4), round(rec["after"], 4)], "kept": rec["kept"],
             "curve": [[step, round(kl, 4)] for step, kl in rec["curve"]]}
 
