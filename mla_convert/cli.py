@@ -124,7 +124,7 @@ def _convert(
     kv_balance: Optional[float],
     dropped_rope: Optional[str],
     calib_data: Optional[list[str]],
-    calib_samples: int,
+    calib_samples: Optional[int],
     calib_seq_len: int,
     calib_temperature: Optional[float],
     calib_sample_tokens: int,
@@ -170,7 +170,8 @@ def _convert(
         from mla_convert.calibration import check_calib_spec
         from mla_convert.data import looks_like_test_split
 
-        for name, _ in check_calib_spec(calib_data, calib_samples):  # before the (possibly slow) source load
+        # before the (possibly slow) source load; by default at least 16 windows (convert.default_calib_samples)
+        for name, _ in check_calib_spec(calib_data, calib_samples or 16):
             if looks_like_test_split(name):
                 typer.echo(f"warning: --calib-data {name} looks like a test split: calibrate on other text than "
                            "you evaluate on (e.g. wiki.valid.tokens), or a later perplexity on it flatters the result",
@@ -307,7 +308,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "self:0.5; the windows are shared by weight). Never the text you evaluate on. Default: self.",
             show_default=False,
         ),
-        calib_samples: int = typer.Option(16, "--calib-samples", help="Calibration windows."),
+        calib_samples: Optional[int] = typer.Option(  # convert.default_calib_samples's rule, written out (torch)
+            None, "--calib-samples", help="Calibration windows. Default: 16 where the MLA cache is under 37.5% of the "
+            "source's, else 32 (chosen on held-out text at 25% and 50%, benchmarks/quality.md).", show_default=False),
         calib_seq_len: int = typer.Option(
             2048, "--calib-seq-len", help="Tokens per calibration window (the attention profiles see distances up to "
             "this; match the contexts you serve)."

@@ -68,9 +68,9 @@ class ConvertOptions:
     kv_balance: float | None = 1.0  # scale the key block so its energy is this multiple of the value block's
     dropped_rope: str = "expected"  # unrotated | expected: dropped pairs keep E[rotation] under the head's attention
     calib_data: str | None = "self"  # text sampled from the source (data-free); files/datasets, weighted: see calibration
-    # 16 x 2048: chosen on the development split at 25% with refinement (benchmarks/quality.md, series C): 8 windows
-    # 102.9, 16 98.4, 32 99.8 (and slower); the refinement trains on the first SEQ_LEN tokens of all but one window
-    calib_samples: int = 16
+    # None: default_calib_samples of the share of the source's cache kept (16 windows at 25%, 32 at 50%); the
+    # refinement trains on the first SEQ_LEN tokens of all but one window
+    calib_samples: int | None = None
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     # `self` text (mla_convert.selftext): the sampling temperature (None: selftext.calib_temperature of the share of
     # the cache kept, resolved in `convert`) and the new tokens per sampled answer (self-doc: per window); chosen on
@@ -290,6 +290,8 @@ class Plan:
             f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
             f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
+            (f"calibration: {self.memory['samples']} windows x {self.memory['seq_len']} tokens" if self.calib_tokens
+             else "calibration: none (weight-only statistics)"),
             f"refinement: {self.refine_steps} steps per layer" + (
                 f" (about {self.refine_seconds / 60:.0f} min on a 2-core CPU)" if self.refine_steps else "")
             + f"; model stage: {self.refine_model_steps} steps" + (
@@ -331,6 +333,22 @@ def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> in
     cap = min(cap, max(step, 3 * head_dim // 4 // step * step))
     budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
     return int(min(cap, max(step, step * round(budget / 3 / step))))
+
+
+# Calibration windows by the share of the source's cache a conversion keeps (`--calib-samples`, default): chosen on
+# the development split (benchmarks/quality.md). At 25% with refinement 8 windows 102.9, 16 98.4, 32 99.8 (series C,
+# wiki-dev): 16, the cheaper of a tie. At 50% 32 windows lowered every development text (series D: 28.82 / 19.05 /
+# 32.80 against 29.21 / 19.45 / 33.36 for 16, dev ratio 1.1716 against 1.1918) for about 1.5x the conversion time:
+# a wider latent and its refinement fit more from the same text when it has more of it.
+CALIB_SAMPLES = 16
+WIDE_CALIB_SAMPLES = 32
+WIDE_FROM = 0.375  # halfway between the two measured budgets (25%: 16 windows, 50%: 32)
+
+
+def default_calib_samples(kept: float) -> int:
+    """The calibration windows of a conversion that keeps `kept` (a fraction) of the source's KV cache: CALIB_SAMPLES
+    below WIDE_FROM, else WIDE_CALIB_SAMPLES (between the two measured budgets, the nearer one's choice)."""
+    return CALIB_SAMPLES if kept < WIDE_FROM else WIDE_CALIB_SAMPLES
 
 
 def default_nope_dims(options: ConvertOptions, head_dim: int, d_r: int, qk_norm: str | None) -> int:
@@ -437,7 +455,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     if qk_norm == "calibrated" and options.calib_data is None:
         raise UserError("--qk-norm calibrated takes each key's RMS from calibration text: pass --calib-data "
                         "(or use --qk-norm exact)")
-    if options.calib_samples <= 0 or options.calib_seq_len <= 0:
+    if (options.calib_samples is not None and options.calib_samples <= 0) or options.calib_seq_len <= 0:
         raise UserError("--calib-samples and --calib-seq-len must be positive")
     if options.calib_temperature is not None and not (options.calib_temperature > 0
                                                       and math.isfinite(options.calib_temperature)):
@@ -471,7 +489,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         nope_dims=d_n,
         dtype=dtype,
         source_bytes=source.nbytes(),
-        calib_tokens=options.calib_samples * options.calib_seq_len if options.needs_statistics() else 0,
+        calib_tokens=0,  # below, with the windows the cache kept asks for
         refine_scope=options.refine_scope,
         memory={
             "intermediate": getattr(config, "intermediate_size", 4 * hidden),
@@ -479,18 +497,20 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
             "source_element": _source_element(source, family),
             "calibrated": bool(options.calib_data) and options.needs_statistics(),
             "attended": bool(options.calib_data) and options.value_inputs == "attended",
-            "samples": options.calib_samples,
+            "samples": options.calib_samples or CALIB_SAMPLES,
             "seq_len": options.calib_seq_len,
             "shard_bytes": SHARD_BYTES,
         },
     )
-    if not plan.memory["calibrated"]:
-        plan.calib_tokens = 0
     per_layer_before = (2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias
     plan.attn_params_before = per_layer_before * layers
     plan.qkv_bias = bool(qkv_bias)
     plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
     plan.set_kv_lora_rank(ranks)
+    if options.calib_samples is None:
+        plan.memory["samples"] = default_calib_samples(plan.ratio)
+    if plan.memory["calibrated"]:
+        plan.calib_tokens = plan.memory["samples"] * options.calib_seq_len
     plan.memory["shard_bytes"] = min(SHARD_BYTES, output_bytes(config, plan))  # the writer holds at most a shard
     if plan.ratio >= 1 and not options.force:
         raise UserError(
@@ -874,6 +894,7 @@ def convert(
     plan = make_plan(source, family, options)
     if options.calib_temperature is None:
         options = dataclasses.replace(options, calib_temperature=selftext.calib_temperature(plan.ratio))
+    options = dataclasses.replace(options, calib_samples=plan.memory["samples"])  # the default by the cache kept
     window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
     steps = refine.resolve_steps(options.refine_steps, plan, options.device, window) if options.calib_data else 0
     options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window)

@@ -30,7 +30,21 @@ def test_dry_run_prints_plan_and_writes_nothing(sources, tmp_path, calib):
     assert code == 0, output
     assert "KV cache per token per layer: 64 -> 24 elements" in output
     assert "ratio 0.375" in output and "kv_a_proj [24, 64]" in output
+    assert "calibration: 2 windows x 16 tokens" in output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("budget,windows", [(0.25, 16), (0.5, 32), (0.375, 32)])
+def test_default_calibration_windows_follow_the_cache_kept(sources, tmp_path, calib_text, budget, windows):
+    """Without --calib-samples a conversion calibrates on 16 windows below 37.5% of the source's cache and on 32
+    from there up (convert.default_calib_samples); the plan says how many."""
+    code, output = run("llama", sources["llama-gqa"], "--kv-budget", budget, "-o", tmp_path / "out", "--dry-run",
+                       "--calib-data", calib_text, "--calib-seq-len", 16)
+    assert code == 0, output
+    assert f"calibration: {windows} windows x 16 tokens" in output
+    code, output = run("llama", sources["llama-gqa"], "--kv-budget", budget, "-o", tmp_path / "out", "--dry-run",
+                       "--calib-data", "none")
+    assert code == 0 and "calibration: none" in output, output
 
 
 def test_convert_command_and_family_detection(sources, tmp_path, calib):

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import mla_convert  # noqa: F401
 from mla_convert import refine, selftext
 from mla_convert.cli import app
-from mla_convert.convert import Plan, max_rank
+from mla_convert.convert import CALIB_SAMPLES, WIDE_CALIB_SAMPLES, WIDE_FROM, Plan, max_rank
 from tiny import tiny_text
 
 from conftest import assert_user_error
@@ -230,7 +230,7 @@ def test_cli_defaults_are_the_library_defaults():
             expected = "auto" if auto else None
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
-    assert {"calib_samples", "calib_seq_len", "calib_sample_tokens", "refine_lr",
+    assert {"calib_seq_len", "calib_sample_tokens", "refine_lr",
             "refine_seq_len", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr",
             "refine_model_scope"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
@@ -240,6 +240,10 @@ def test_cli_defaults_are_the_library_defaults():
     temperature = [o for o in group.commands["convert"].params if o.name == "calib_temperature"]
     assert library.calib_temperature is None and temperature[0].default is None  # by the cache kept (selftext)
     assert f"{selftext.HOT_BELOW:.1%}" in temperature[0].help
+    samples = [o for o in group.commands["convert"].params if o.name == "calib_samples"]
+    assert library.calib_samples is None and samples[0].default is None  # by the cache kept (convert)
+    assert f"{WIDE_FROM:.1%}" in samples[0].help
+    assert f"{CALIB_SAMPLES} where" in samples[0].help and f"else {WIDE_CALIB_SAMPLES}" in samples[0].help
 
 
 def test_mlp_learning_rate_reaches_the_loop(sources, convert_tiny):

@@ -11,6 +11,7 @@ import torch
 from mla_convert import selftext
 from mla_convert.calibration import calibration_tokens, parse_mixture, token_windows, window_counts
 from mla_convert.checkpoint import open_source
+from mla_convert.convert import default_calib_samples
 from mla_convert.errors import UserError
 
 
@@ -162,9 +163,10 @@ def test_convert_data_free(sources, convert_tiny, cache):
 @pytest.mark.parametrize("budget", [0.25, 0.5])
 def test_default_temperature_follows_the_cache_kept(sources, convert_tiny, cache, budget):
     """Without --calib-temperature the `self` text is sampled hotter for a small cache (1.2 below 37.5% of the
-    source's) and at the model's own temperature (1.0) for a wider one; provenance and the cache record what ran."""
+    source's) and at the model's own temperature (1.0) for a wider one; without --calib-samples a small cache
+    calibrates on 16 windows and a wider one on 32. Provenance and the cache record what ran."""
     out = convert_tiny(sources["llama-gqa"], kv_budget=budget, calib_data="self", calib_sample_tokens=8,
-                       refine_steps=0, refine_model_steps=0)
+                       calib_samples=None, calib_seq_len=16, refine_steps=0, refine_model_steps=0)
     prov = json.loads((out / "provenance.json").read_text())
     kept = prov["kv_cache"]["ratio"]
     assert kept == pytest.approx(budget)
@@ -173,6 +175,8 @@ def test_default_temperature_follows_the_cache_kept(sources, convert_tiny, cache
     assert prov["options"]["calib_temperature"] == expected
     records = [json.loads(f.read_text()) for f in cache.glob("*.json")]
     assert [r["settings"]["temperature"] for r in records] == [expected]
+    windows = 16 if budget == 0.25 else 32
+    assert default_calib_samples(kept) == windows and prov["options"]["calib_samples"] == windows
 
 
 def test_eval_warns_on_any_text_of_a_mixture(sources, convert_tiny, cache, calib_text):
