@@ -497,7 +497,6 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
             "source_element": _source_element(source, family),
             "calibrated": bool(options.calib_data) and options.needs_statistics(),
             "attended": bool(options.calib_data) and options.value_inputs == "attended",
-            "samples": options.calib_samples or CALIB_SAMPLES,
             "seq_len": options.calib_seq_len,
             "shard_bytes": SHARD_BYTES,
         },
@@ -507,8 +506,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     plan.qkv_bias = bool(qkv_bias)
     plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
     plan.set_kv_lora_rank(ranks)
-    if options.calib_samples is None:
-        plan.memory["samples"] = default_calib_samples(plan.ratio)
+    plan.memory["samples"] = options.calib_samples or default_calib_samples(plan.ratio)  # by the cache kept
     if plan.memory["calibrated"]:
         plan.calib_tokens = plan.memory["samples"] * options.calib_seq_len
     plan.memory["shard_bytes"] = min(SHARD_BYTES, output_bytes(config, plan))  # the writer holds at most a shard
