@@ -397,6 +397,7 @@ def render_model_card(folder: str | os.PathLike, repo_id: str | None = None) -> 
 
     `repo_id` is used in the loading examples; without it they name the folder path.
     """
+    import yaml
     from huggingface_hub import ModelCard
 
     folder = Path(folder)
@@ -407,11 +408,12 @@ def render_model_card(folder: str | os.PathLike, repo_id: str | None = None) -> 
     steps = _chain(record)
     source = _root_source(steps)
     path = folder / CARD_FILENAME
-    existing = path.read_text(encoding="utf-8") if path.is_file() else ""
     try:
+        existing = path.read_text(encoding="utf-8") if path.is_file() else ""
         card = ModelCard(existing or "---\nlibrary_name: transformers\n---\n")
-    except ValueError as e:
-        raise UserError(f"{path} has front matter that is not valid YAML ({e}): fix it or delete the file") from None
+    except (ValueError, yaml.YAMLError) as e:  # UnicodeDecodeError is a ValueError
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path} has front matter that is not valid YAML ({first}): fix it or delete the file") from None
 
     data = card.data
     base = _base_model(source)

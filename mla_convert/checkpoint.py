@@ -414,6 +414,9 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), mark
     out = check_location(out, [("input", src) for src in inputs], "-o out/NAME")
     if out.exists() and not out.is_dir():
         raise UserError(f"output {given} is an existing file: choose a folder name")
+    blocking = next((p for p in out.parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise UserError(f"output {given} lies under {blocking}, which is a file, not a folder: choose another -o")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"{given} already exists and is not empty: pass --overwrite or choose another -o")

@@ -436,6 +436,9 @@ def eval_command(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON to this file."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing --json file (only one that `mla-convert eval` wrote)."
+    ),
     record: bool = typer.Option(
         False, "--record", help="Add the perplexity to the model folder's provenance.json and card."
     ),
@@ -456,8 +459,12 @@ def eval_command(
     from mla_convert.data import load_text
 
     evaluate.check_device(device)
-    if json_out is not None and json_out.is_dir():
-        raise UserError(f"--json {json_out} is a folder: give a file name, e.g. {json_out / 'eval.json'}")
+    if json_out is not None:
+        evaluate.check_results_file(json_out, overwrite)
+    if record and model is not None and Path(model).is_dir() and (Path(model) / "provenance.json").is_file():
+        from mla_convert.card import render_model_card
+
+        render_model_card(model)  # a card that cannot be rewritten fails now, before provenance.json is changed
     text = load_text(data)
     warning = evaluate.calibration_overlap(model, data, text)
     if warning:
@@ -494,8 +501,7 @@ def eval_command(
         + (f", as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else ")")
     )
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        evaluate.write_results_file(json_out, result)
     if record and model is not None and Path(model).is_dir():
         from mla_convert import provenance
 

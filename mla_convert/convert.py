@@ -1182,7 +1182,8 @@ def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
     uniform = total // plan.layers
     served = sorted(c for c in {c for layouts in VLLM_LAYOUTS.values() for c, _ in layouts} if c >= uniform)
     cap = min(cap, served[0]) if served else cap
-    unit = next(u for u in (16, 8, 1) if uniform % u == 0 and uniform >= 4 * u)
+    # below 4 dims a layer there is nothing to share in kernel-friendly units: single dims, at least one a layer
+    unit = next((u for u in (16, 8, 1) if uniform % u == 0 and uniform >= 4 * u), 1)
     floor = max(unit, uniform // 4 // unit * unit)
     return lowrank.allocate_ranks(spectra, total, unit=unit, floor=floor, cap=cap // unit * unit)
 

@@ -48,17 +48,28 @@ def load_text(spec: str) -> str:
     check_text_spec(spec)
     path = Path(spec).expanduser()
     if path.is_file():
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise UserError(f"cannot read {path} ({e.strerror or type(e).__name__}): check the file and its "
+                            "permissions, or pass another text") from None
         if path.suffix == ".jsonl":
+            try:
+                lines = raw.decode("utf-8").splitlines()
+            except UnicodeDecodeError:
+                raise UserError(f"{path} is not UTF-8 text: a .jsonl file holds one UTF-8 JSON object a line") from None
             docs = []
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 try:
-                    docs.append(json.loads(line)["text"])
+                    doc = json.loads(line)["text"]
+                    if not isinstance(doc, str):
+                        raise TypeError
+                    docs.append(doc)
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise UserError(f"{path}:{n} is not a JSON object with a \"text\" field: fix that line") from None
             return "\n\n".join(docs)
-        raw = path.read_bytes()
         # a binary file (weights, an archive) read as text would calibrate on noise: refuse it
         if b"\0" in raw[:65536] or raw[:65536].decode("utf-8", errors="replace").count("\ufffd") > 0.01 * min(len(raw), 65536):
             raise UserError(f"{path} is not UTF-8 text (binary data?): pass a plain text or .jsonl file")

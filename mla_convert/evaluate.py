@@ -37,6 +37,49 @@ def check_device(device: str) -> str:
     return device
 
 
+RESULTS_BY = "mla-convert eval"  # the "written_by" of an `eval --json` file: what `--overwrite` may replace
+
+
+def check_results_file(path: Path, overwrite: bool) -> None:
+    """Refuse, before any work, a `--json` path that cannot be written or that holds what `eval` must not replace: a
+    folder, a path under a file, an existing file (without `overwrite`, or one that eval did not write)."""
+    import json
+    import tempfile
+
+    if path.is_dir():
+        raise UserError(f"--json {path} is a folder: give a file name, e.g. {path / 'eval.json'}")
+    parent = next((p for p in path.parents if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise UserError(f"--json {path} lies under {parent}, which is a file, not a folder: choose another path")
+    try:  # a folder that takes no files (read-only, /proc) fails now, not after the evaluation
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise UserError(f"--json {path}: cannot write in {parent} ({e.strerror or type(e).__name__}): choose "
+                        "another path") from None
+    if path.exists():
+        if not overwrite:
+            raise UserError(f"--json {path} already exists: pass --overwrite to replace it, or choose another file")
+        try:
+            ours = json.loads(path.read_text(encoding="utf-8")).get("written_by") == RESULTS_BY
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise UserError(f"--json {path} is not a results file that mla-convert eval wrote, so --overwrite will "
+                            "not replace it: choose another file")
+
+
+def write_results_file(path: Path, result: dict) -> None:
+    """`result` as JSON at `path` (checked by `check_results_file`), written whole or not at all."""
+    import json
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({**result, "written_by": RESULTS_BY}, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer, label) for MODEL: None (embedded default), a .gguf file, or a model folder.
 

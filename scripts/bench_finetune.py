@@ -109,7 +109,7 @@ def run_convert(threads: int) -> dict:
 
 def run_eval(name: str, model: Path | None, threads: int) -> dict:
     out = REPO / WORK / f"eval-{name}.result.json"
-    cmd = mla("eval", *([model] if model else []), *EVAL_ARGS, "--json", out, "-q")
+    cmd = mla("eval", *([model] if model else []), *EVAL_ARGS, "--json", out, "--overwrite", "-q")
     r = timed(cmd, REPO / WORK / f"eval-{name}.log", threads)
     return {**r, **json.loads(out.read_text())}
 

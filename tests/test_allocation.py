@@ -36,6 +36,9 @@ def test_energy_allocation_stays_within_the_served_latent_width():
     assert allocate(SimpleNamespace(kv_lora_rank=[240, 240], layers=2), [flat, steep], cap=576) == [256, 224]
     assert allocate(SimpleNamespace(kv_lora_rank=[64, 64], layers=2), [flat, steep], cap=576) == [112, 16]
     assert allocate(SimpleNamespace(kv_lora_rank=[480, 480], layers=2), [flat, steep], cap=576) == [512, 448]
+    # below 4 dims a layer (--rank 3) there are no kernel-friendly units: single dims, at least one a layer (the
+    # steep layer's first dims remove more error than any of the flat one's)
+    assert allocate(SimpleNamespace(kv_lora_rank=[3, 3], layers=2), [flat, steep], cap=576) == [1, 5]
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,17 @@ def ws(tmp_path_factory, sources, convert_tiny, calib_text) -> Path:
     (root / "runlike").mkdir()  # looks like a run folder (metrics.jsonl) but holds a file of the user's
     (root / "runlike" / "metrics.jsonl").write_text("")
     (root / "runlike" / "train.py").write_text("print('my script')")
+    (root / "runfinal").mkdir()  # a finished run of ours whose final/ also holds a file of the user's
+    (root / "runfinal" / "metrics.jsonl").write_text("")
+    shutil.copytree(root / "mla", root / "runfinal" / "final")
+    (root / "runfinal" / "final" / "MY_NOTES.md").write_text("my notes on this run")
+    (root / "results.json").write_text('{"mine": true}\n')  # a JSON file of the user's
+    (root / "latin1.jsonl").write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))  # not UTF-8
+    (root / "latin1.yaml").write_bytes("finetune:\n  lr: 1.0e-4  # caf\u00e9\n".encode("latin-1"))
+    shutil.copytree(root / "mla", root / "badcard")
+    (root / "badcard" / "README.md").write_text("---\nfoo: [\n---\nmy card\n")  # front matter that YAML rejects
+    (root / "badjson").mkdir()
+    (root / "badjson" / "config.json").write_text("{oops")
     shutil.copytree(root / "mla", root / "truncated")
     shard = next((root / "truncated").glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:4000])  # a copy that stopped half-way
@@ -91,6 +102,9 @@ CASES = {
                                            *CALIB], "--nope-dims must be between 1 and head_dim"),
     "convert a config without num_attention_heads": (["llama", "{ws}/noheads", "--rank", "8", "-o", "{ws}/out",
                                                       *CALIB], "missing num_attention_heads"),
+    "convert a .jsonl calibration file that is not UTF-8": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out",
+                                                             "--calib-data", "{ws}/latin1.jsonl"], "not UTF-8"),
+    "convert under a file": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/file.txt/sub", *CALIB], "which is a file"),
     "convert binary calibration file": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",
                                          "{ws}/binary.txt"], "not UTF-8 text"),
     "eval a truncated model": (["eval", "{ws}/truncated", "--data", "{ws}/calib.txt", "--seq-len", "16"],
@@ -157,11 +171,22 @@ CASES = {
     "eval missing model": (["eval", "{ws}/nope", "--data", "{ws}/calib.txt"], "does not exist"),
     "eval --json is a folder": (["eval", "{ws}/mla", "--data", "{ws}/calib.txt", "--json", "{ws}/mine"],
                                 "is a folder"),
+    "eval --json over a user's file": (["eval", "{ws}/mla", "--data", "{ws}/calib.txt", "--json", "{ws}/results.json"],
+                                       "already exists"),
+    "eval --json --overwrite of a user's file": (["eval", "{ws}/mla", "--data", "{ws}/calib.txt", "--json",
+                                                  "{ws}/results.json", "--overwrite"], "not a results file"),
+    "eval --json under a file": (["eval", "{ws}/mla", "--data", "{ws}/calib.txt", "--json", "{ws}/file.txt/r.json"],
+                                 "which is a file"),
+    "eval a .jsonl that is not UTF-8": (["eval", "{ws}/mla", "--data", "{ws}/latin1.jsonl"], "not UTF-8"),
+    "eval --record with a card YAML rejects": (["eval", "{ws}/badcard", "--data", "{ws}/calib.txt", "--seq-len", "16",
+                                                "--windows", "1", "--record"], "not valid YAML"),
     "eval unreadable provenance": (["eval", "{ws}/badprov", "--data", "{ws}/calib.txt", "--seq-len", "16"],
                                    "provenance.json"),
     # ---------------------------------------------------------------------------------------------------- export
     "export missing model": (["export", "{ws}/nope", "-o", "{ws}/out"], "config.json"),
     "export a source model": (["export", "{ws}/src", "-o", "{ws}/out"], "native MLA checkpoint"),
+    "export a broken config.json": (["export", "{ws}/badjson", "-o", "{ws}/out"], "cannot read"),
+    "export under a file": (["export", "{ws}/mla", "-o", "{ws}/file.txt/sub"], "which is a file"),
     "export --format gguf": (["export", "{ws}/mla", "-o", "{ws}/out", "--format", "gguf"], "--format"),
     "export --dtype int8": (["export", "{ws}/mla", "-o", "{ws}/out", "--dtype", "int8"], "--dtype"),
     "export without -o": (["export", "{ws}/mla"], "--output"),
@@ -171,6 +196,7 @@ CASES = {
     "push invalid repo id": (["push", "{ws}/mla", "me/a b", "--dry-run"], "repo id"),
     "push a folder without provenance": (["push", "{ws}/src", "me/model", "--dry-run"], "provenance"),
     "push without repo id": (["push", "{ws}/mla"], "repo_id"),
+    "push a card YAML rejects": (["push", "{ws}/badcard", "me/model", "--dry-run"], "not valid YAML"),
     # -------------------------------------------------------------------------------------------------- finetune
     "finetune without --config": (["finetune"], "--config"),
     "finetune missing recipe": (["finetune", "--config", "{ws}/nope.yaml"], "not found"),
@@ -188,6 +214,10 @@ CASES = {
     "finetune output inside the student": ([*FT, "output={ws}/mla/run"], "inside the student"),
     "finetune overwrite of a run folder holding a user's file": ([*FT, "output={ws}/runlike", "overwrite=true"],
                                                                  "did not write"),
+    "finetune overwrite of a run whose final/ holds a user's file": ([*FT, "output={ws}/runfinal", "overwrite=true"],
+                                                                    "final/MY_NOTES.md"),
+    "finetune override that is not YAML": ([*FT, "output={ws}/run", "lr=["], "not a YAML scalar"),
+    "finetune recipe that is not UTF-8": (["finetune", "--config", "{ws}/latin1.yaml"], "UTF-8"),
     "finetune output holds the current directory": ([*FT, "output={ws}", "overwrite=true"], "current directory"),
     "finetune zero processes": ([*FT, "output={ws}/run", "-n", "0"], "--num-processes"),
     # -------------------------------------------------------------------------------------------------- generate

@@ -174,3 +174,9 @@ def test_eval_reports_perplexity_and_cache(sources, tmp_path, calib_text, conver
     assert result["windows"] == 2 and result["perplexity"] > 1
     assert result["kv_cache_bytes_per_token"] == 2 * (16 + 8) * 4
     assert_user_error(*run("eval", tmp_path / "none", "--data", calib_text), "does not exist")
+    again = ("eval", out, "--data", calib_text, "--seq-len", 32, "--windows", 1, "-q", "--json", tmp_path / "r.json")
+    assert_user_error(*run(*again), "already exists", "--overwrite")  # our own file too: not without --overwrite
+    code, output = run(*again, "--overwrite")  # a results file eval wrote: replaced
+    assert code == 0, output
+    assert json.loads((tmp_path / "r.json").read_text())["windows"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary file left beside it

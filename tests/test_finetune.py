@@ -150,6 +150,13 @@ def test_one_process_distillation_writes_a_complete_checkpoint(tiny_run):
     assert (final / "loss.png").stat().st_size > 0 and (final / "README.md").is_file()
     with pytest.raises(UserError, match="finished run"):
         finetune.run(cfg)  # refuses to overwrite a finished run without overwrite=true
+    from mla_convert.training.checkpoints import _foreign_entries
+
+    assert _foreign_entries(out) == []  # every file the run wrote (final/, step_N/, trainer/) is known as ours
+    step = next(out.glob("step_*"))
+    (final / "notes.md").write_text("mine")
+    (step / "trainer" / "extra.bin").write_bytes(b"mine")
+    assert _foreign_entries(out) == ["final/notes.md", f"{step.name}/trainer/extra.bin"]  # overwrite=true refuses
 
 
 def _free_port() -> int:

@@ -28,13 +28,18 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     (what provenance.json holds under "export", plus "measurements")."""
     from mla_convert import provenance
     from mla_convert.card import write_model_card
-    from mla_convert.checkpoint import SafetensorsSource, ShardedWriter, staged_output
+    from mla_convert.checkpoint import SafetensorsSource, ShardedWriter, check_output, staged_output
     from mla_convert.modeling import MLAConfig
 
     folder = Path(model).expanduser()
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder} has no config.json: pass a native MLA checkpoint folder (mla-convert llama -o DIR)")
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    check_output(Path(out), overwrite, (folder,))  # before any planning: a bad -o is named first
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:  # ValueError: not JSON or not UTF-8; AttributeError: not an object
+        raise UserError(f"cannot read {folder / 'config.json'} ({type(e).__name__}): pass a native MLA checkpoint "
+                        "folder whose config.json is intact") from None
     if model_type != "mla":
         raise UserError(f"export needs a native MLA checkpoint (model_type mla, made by `mla-convert llama ... -o "
                         f"DIR`), got model_type {model_type}")

@@ -11,7 +11,7 @@ import torch
 
 from mla_convert.errors import UserError
 from mla_convert.selftext import SELF
-from mla_convert.training.recipe import FINAL_DIR, FinetuneConfig, METRICS_FILE, PLOT_FILE, STATE_FILE
+from mla_convert.training.recipe import FINAL_DIR, FinetuneConfig, METRICS_FILE, PLOT_FILE, STATE_FILE, TRAINER_DIR
 
 
 def complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
@@ -162,9 +162,28 @@ def check_output(cfg: FinetuneConfig) -> Path:
 
 
 def _foreign_entries(out: Path) -> list[str]:
-    """Entries of a run folder that the trainer does not write there (a user's files: never ours to delete)."""
-    ours = {METRICS_FILE, PLOT_FILE, FINAL_DIR}
-    return sorted(p.name for p in out.iterdir() if p.name not in ours and not re.fullmatch(r"step_\d+", p.name))
+    """Entries of a run folder that the trainer does not write there (a user's files: never ours to delete), looked
+    for inside the model folders it writes (final/, step_N/ and their trainer/) as well, as paths relative to `out`."""
+    from mla_convert.checkpoint import foreign_files
+
+    foreign = []
+    for entry in sorted(out.iterdir()):
+        if entry.name in (METRICS_FILE, PLOT_FILE) and entry.is_file():
+            continue
+        if not (entry.is_dir() and (entry.name == FINAL_DIR or re.fullmatch(r"step_\d+", entry.name))):
+            foreign.append(entry.name)
+            continue
+        # a model folder as convert writes it, plus the run's copies (final/) or the checkpoint's state (step_N/)
+        extra = {METRICS_FILE, PLOT_FILE} if entry.name == FINAL_DIR else {STATE_FILE, TRAINER_DIR}
+        for name in foreign_files(entry):
+            path = entry / name
+            if name not in extra or (name == TRAINER_DIR) != path.is_dir():
+                foreign.append(f"{entry.name}/{name}")
+            elif name == TRAINER_DIR:
+                foreign += [f"{entry.name}/{name}/{p.name}" for p in sorted(path.iterdir())
+                            if not (p.is_file() and (p.name in (OPTIMIZER_FILE, TRAINER_JSON)
+                                                     or re.fullmatch(r"rng_\d+\.safetensors", p.name)))]
+    return foreign
 
 
 def _is_run_folder(out: Path) -> bool:

@@ -198,9 +198,11 @@ def read_recipe(path: str | os.PathLike) -> dict:
 
     path = resolve_recipe_path(path)
     try:
-        recipe = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"{path} is not valid YAML ({str(e).splitlines()[0]}): fix the file") from None
+        recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror or type(e).__name__}): check the file") from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: not UTF-8
+        raise UserError(f"{path} is not valid UTF-8 YAML ({str(e).splitlines()[0]}): fix the file") from None
     if not isinstance(recipe, dict):
         raise UserError(f"{path} must hold a mapping with a `finetune:` section")
     return recipe
@@ -216,7 +218,11 @@ def parse_overrides(overrides: list[str]) -> dict:
         if not sep or not key:
             raise UserError(f"override {item!r} is not key=value (e.g. max_steps=20)")
         key = key.removeprefix("finetune.").replace("-", "_")
-        out[key] = yaml.safe_load(value) if value != "" else None
+        try:
+            out[key] = yaml.safe_load(value) if value != "" else None
+        except yaml.YAMLError as e:
+            raise UserError(f"override {item!r}: the value is not a YAML scalar ({str(e).splitlines()[0]}); quote "
+                            f"it, e.g. {key}='\"{value}\"'") from None
     return out
 
 
