@@ -7,6 +7,7 @@ from layer to layer ([N, T, D] float32).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -29,10 +30,17 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
             try:
                 weight = float(tail)
                 name = head
-            except ValueError:
-                pass
+            except ValueError:  # a datasets name's config or split; after a local file or a style, a bad weight
+                if head in STYLES or Path(head).expanduser().is_file():
+                    raise UserError(f"--calib-data weight of {head} is {tail!r}: weights must be positive numbers "
+                                    f"({head}:2, say)") from None
         if not name:
             raise UserError(f"--calib-data {spec!r} has an empty part: write NAME or NAME:WEIGHT, joined by commas")
+        if name.split(":")[0] in STYLES and name not in STYLES:
+            raise UserError(f"--calib-data part {part.strip()!r}: write {name.split(':')[0]} or "
+                            f"{name.split(':')[0]}:WEIGHT (one weight, a positive number)")
+        if name.lower() == "none" and len(spec.split(",")) > 1:
+            raise UserError("--calib-data none (no calibration text) cannot be mixed with other parts: pass none alone")
         if not (weight > 0 and weight < float("inf")):
             raise UserError(f"--calib-data weight of {name} is {tail}: weights must be positive numbers")
         parts.append((name, weight))
@@ -82,16 +90,18 @@ def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: in
             ids = self_tokens(source, count * seq_len, seed, temperature=temperature, **length)
             out.append(ids[: count * seq_len].view(count, seq_len))
         else:
-            out.append(token_windows(source.tokenizer(), load_text(name), count, seq_len, seed))
+            out.append(token_windows(source.tokenizer(), load_text(name), count, seq_len, seed, label=name))
     return torch.cat(out)
 
 
-def token_windows(tokenizer, text: str, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
-    """`n_samples` random windows of `seq_len` tokens from the tokenized text (fixed seed). -> [N, T] long."""
+def token_windows(tokenizer, text: str, n_samples: int, seq_len: int, seed: int, label: str = "") -> torch.Tensor:
+    """`n_samples` random windows of `seq_len` tokens from the tokenized text (fixed seed; `label` names the text in
+    errors). -> [N, T] long."""
     ids = tokenize(tokenizer, text)  # [N]
     available = ids.numel() - seq_len
     if available <= 0:
-        raise UserError(f"calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")
+        raise UserError(f"calibration text {label + ' ' if label else ''}has {ids.numel()} tokens, fewer than "
+                        f"--calib-seq-len {seq_len}: pass a longer text or a shorter --calib-seq-len")
     if n_samples * seq_len > ids.numel():
         log.warning("calibration text holds %d tokens; %d x %d windows will overlap", ids.numel(), n_samples, seq_len)
     gen = torch.Generator().manual_seed(seed)

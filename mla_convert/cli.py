@@ -461,9 +461,13 @@ def eval_command(
     evaluate.check_device(device)
     if json_out is not None:
         evaluate.check_results_file(json_out, overwrite)
-    if record and model is not None and Path(model).is_dir() and (Path(model) / "provenance.json").is_file():
+    if record:
         from mla_convert.card import render_model_card
+        from mla_convert.provenance import FILENAME
 
+        if model is None or not (Path(model) / FILENAME).is_file():
+            raise UserError(f"--record writes into the {FILENAME} of a folder mla-convert wrote; "
+                            f"{model or 'the embedded default'} has none: drop --record")
         render_model_card(model)  # a card that cannot be rewritten fails now, before provenance.json is changed
     text = load_text(data)
     warning = evaluate.calibration_overlap(model, data, text)
@@ -502,7 +506,7 @@ def eval_command(
     )
     if json_out is not None:
         evaluate.write_results_file(json_out, result)
-    if record and model is not None and Path(model).is_dir():
+    if record:
         from mla_convert import provenance
 
         kind = (provenance.load(model) or {}).get("kind", "converted")

@@ -457,6 +457,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
                         "(or use --qk-norm exact)")
     if (options.calib_samples is not None and options.calib_samples <= 0) or options.calib_seq_len <= 0:
         raise UserError("--calib-samples and --calib-seq-len must be positive")
+    if options.calib_seq_len < 2:
+        raise UserError("--calib-seq-len must be at least 2 (a window's attention needs a key before its query)")
     if options.calib_temperature is not None and not (options.calib_temperature > 0
                                                       and math.isfinite(options.calib_temperature)):
         raise UserError(f"--calib-temperature must be positive, got {options.calib_temperature}")
