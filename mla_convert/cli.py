@@ -505,7 +505,7 @@ def eval_command(
         + (f", as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else ")")
     )
     if json_out is not None:
-        evaluate.write_results_file(json_out, result)
+        evaluate.write_results_file(json_out, result, overwrite)
     if record:
         from mla_convert import provenance
 

@@ -38,12 +38,23 @@ def check_device(device: str) -> str:
 
 
 RESULTS_BY = "mla-convert eval"  # the "written_by" of an `eval --json` file: what `--overwrite` may replace
+RESULTS_KEYS = {"perplexity", "windows", "model", "data", "dtype"}  # what every eval --json file has held
+
+
+def _is_results_file(path: Path) -> bool:
+    """Whether `path` holds a results file that `eval --json` wrote (marked, or from before the mark: eval's keys)."""
+    import json
+
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and (record.get("written_by") == RESULTS_BY or RESULTS_KEYS <= record.keys())
 
 
 def check_results_file(path: Path, overwrite: bool) -> None:
     """Refuse, before any work, a `--json` path that cannot be written or that holds what `eval` must not replace: a
     folder, a path under a file, an existing file (without `overwrite`, or one that eval did not write)."""
-    import json
     import tempfile
 
     if path.is_dir():
@@ -60,24 +71,33 @@ def check_results_file(path: Path, overwrite: bool) -> None:
     if path.exists():
         if not overwrite:
             raise UserError(f"--json {path} already exists: pass --overwrite to replace it, or choose another file")
-        try:
-            ours = json.loads(path.read_text(encoding="utf-8")).get("written_by") == RESULTS_BY
-        except (OSError, ValueError, AttributeError):
-            ours = False
-        if not ours:
+        if not _is_results_file(path):
             raise UserError(f"--json {path} is not a results file that mla-convert eval wrote, so --overwrite will "
                             "not replace it: choose another file")
 
 
-def write_results_file(path: Path, result: dict) -> None:
-    """`result` as JSON at `path` (checked by `check_results_file`), written whole or not at all."""
+def write_results_file(path: Path, result: dict, overwrite: bool) -> None:
+    """`result` as JSON at `path`, written whole or not at all; the path is checked again (`check_results_file`)
+    right before it is replaced: a file put there during the evaluation is refused too."""
     import json
     import os
+    import tempfile
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({**result, "written_by": RESULTS_BY}, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise UserError(f"--json {path}: cannot write there ({e.strerror or type(e).__name__})") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({**result, "written_by": RESULTS_BY}, indent=2) + "\n")
+        check_results_file(path, overwrite)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"--json {path}: cannot write there ({e.strerror or type(e).__name__})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):

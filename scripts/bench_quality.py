@@ -596,7 +596,7 @@ def evaluate(folder: str | None, args, work: Path, tag: str, text: Path = DATA /
     out_json = work / f"{tag}.eval.json"
     cmd = [args.mla, "eval"] + ([folder] if folder else []) + [
         "--data", str(text), "--seq-len", "2048", "--windows", str(args.windows), "--json",
-        str(out_json), "-q"]  # fmt: skip
+        str(out_json), "--overwrite", "-q"]  # fmt: skip
     code, wall, rss = timed(cmd, work / f"{tag}.eval.log")
     if code:
         raise SystemExit(f"eval of {tag} failed: see {work / (tag + '.eval.log')}")

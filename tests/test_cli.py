@@ -180,3 +180,7 @@ def test_eval_reports_perplexity_and_cache(sources, tmp_path, calib_text, conver
     assert code == 0, output
     assert json.loads((tmp_path / "r.json").read_text())["windows"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary file left beside it
+    legacy = {k: v for k, v in json.loads((tmp_path / "r.json").read_text()).items() if k != "written_by"}
+    (tmp_path / "r.json").write_text(json.dumps(legacy))  # written by eval before results were marked: still ours
+    code, output = run(*again, "--overwrite")
+    assert code == 0, output

@@ -46,6 +46,23 @@ def tiny_run(tmp_path_factory):
     return {"root": root, "teacher": teacher, "student": student, "text": text, "recipe": recipe}
 
 
+def test_run_folder_files_of_ours_and_of_a_user(tmp_path):
+    """overwrite=true deletes a run folder only if everything in it is the trainer's, the tokenizer's named chat
+    templates (additional_chat_templates/*.jinja, which transformers writes for tokenizers with several) included."""
+    from mla_convert.training.checkpoints import _foreign_entries
+
+    out = tmp_path / "run"
+    (out / "final" / "additional_chat_templates").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "provenance.json", "README.md", "loss.png"):
+        (out / "final" / name).write_text("")
+    (out / "final" / "additional_chat_templates" / "tool_use.jinja").write_text("{{ x }}")
+    assert _foreign_entries(out) == []
+    (out / "final" / "additional_chat_templates" / "notes.txt").write_text("mine")
+    (out / "final" / "mine").mkdir()
+    assert _foreign_entries(out) == ["final/additional_chat_templates/notes.txt", "final/mine"]
+
+
 # ------------------------------------------------------------------------------------------------ settings
 
 

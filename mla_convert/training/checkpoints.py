@@ -161,6 +161,9 @@ def check_output(cfg: FinetuneConfig) -> Path:
     return out
 
 
+TEMPLATES_DIR = "additional_chat_templates"  # where transformers saves a tokenizer's named chat templates (.jinja)
+
+
 def _foreign_entries(out: Path) -> list[str]:
     """Entries of a run folder that the trainer does not write there (a user's files: never ours to delete), looked
     for inside the model folders it writes (final/, step_N/ and their trainer/) as well, as paths relative to `out`."""
@@ -177,7 +180,10 @@ def _foreign_entries(out: Path) -> list[str]:
         extra = {METRICS_FILE, PLOT_FILE} if entry.name == FINAL_DIR else {STATE_FILE, TRAINER_DIR}
         for name in foreign_files(entry):
             path = entry / name
-            if name not in extra or (name == TRAINER_DIR) != path.is_dir():
+            if name == TEMPLATES_DIR and path.is_dir():  # tokenizer.save_pretrained: a tokenizer's named templates
+                foreign += [f"{entry.name}/{name}/{p.name}" for p in sorted(path.iterdir())
+                            if not (p.is_file() and p.suffix == ".jinja")]
+            elif name not in extra or (name == TRAINER_DIR) != path.is_dir():
                 foreign.append(f"{entry.name}/{name}")
             elif name == TRAINER_DIR:
                 foreign += [f"{entry.name}/{name}/{p.name}" for p in sorted(path.iterdir())

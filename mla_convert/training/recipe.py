@@ -221,8 +221,8 @@ def parse_overrides(overrides: list[str]) -> dict:
         try:
             out[key] = yaml.safe_load(value) if value != "" else None
         except yaml.YAMLError as e:
-            raise UserError(f"override {item!r}: the value is not a YAML scalar ({str(e).splitlines()[0]}); quote "
-                            f"it, e.g. {key}='\"{value}\"'") from None
+            raise UserError(f"override {item!r}: the value is not a YAML scalar ({str(e).splitlines()[0]}): give a "
+                            "number, true/false or quoted text") from None
     return out
 
 
