@@ -161,6 +161,11 @@ def check_output(cfg: FinetuneConfig) -> Path:
     return out
 
 
+# trainer/'s files: ours, and those of accelerate's save_state that older mla-convert wrote there (refused on resume
+# as pickle, never loaded; a run folder that holds them is still ours to delete with overwrite=true)
+_TRAINER_FILE = re.compile(rf"{re.escape(OPTIMIZER_FILE)}|{re.escape(TRAINER_JSON)}|rng_\d+\.safetensors"
+                           r"|(optimizer|scheduler|scaler)(_\d+)?\.(bin|pt)|(random_states|custom_checkpoint)_\d+\.pkl"
+                           r"|(model|pytorch_model)(_\d+)?\.(safetensors|bin)")
 TEMPLATES_DIR = "additional_chat_templates"  # where transformers saves a tokenizer's named chat templates (.jinja)
 
 
@@ -187,8 +192,7 @@ def _foreign_entries(out: Path) -> list[str]:
                 foreign.append(f"{entry.name}/{name}")
             elif name == TRAINER_DIR:
                 foreign += [f"{entry.name}/{name}/{p.name}" for p in sorted(path.iterdir())
-                            if not (p.is_file() and (p.name in (OPTIMIZER_FILE, TRAINER_JSON)
-                                                     or re.fullmatch(r"rng_\d+\.safetensors", p.name)))]
+                            if not (p.is_file() and _TRAINER_FILE.fullmatch(p.name))]
     return foreign
 
 
