@@ -386,14 +386,23 @@ def written_by_us(folder: Path) -> bool:
     return isinstance(record, dict) and "mla_convert_version" in record and "kind" in record
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists (what writing `path` would create folders under)."""
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
 def check_location(out: Path, inputs: list[tuple[str, Path]], example: str) -> Path:
-    """`out` resolved, unless it is the current directory or holds it, or is, holds or lies inside one of the
-    (label, path) inputs: then a UserError (`example` shows a good choice, e.g. "-o out/NAME")."""
+    """`out` resolved, unless it is the current directory or holds it, lies under a file, or is, holds or lies inside
+    one of the (label, path) inputs: then a UserError (`example` shows a good choice, e.g. "-o out/NAME")."""
     given = out
     out = Path(out).expanduser().resolve()
     cwd = Path.cwd().resolve()
     if out == cwd or out in cwd.parents:
         raise UserError(f"output {given} is the current directory or contains it: choose a new folder, e.g. {example}")
+    blocking = nearest_existing(out.parent)
+    if not blocking.is_dir():
+        raise UserError(f"output {given} lies under {blocking}, which is a file, not a folder: choose another "
+                        f"location, e.g. {example}")
     for label, src in inputs:
         src = Path(src).expanduser().resolve()
         if out == src or src in out.parents:
@@ -414,9 +423,6 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), mark
     out = check_location(out, [("input", src) for src in inputs], "-o out/NAME")
     if out.exists() and not out.is_dir():
         raise UserError(f"output {given} is an existing file: choose a folder name")
-    blocking = next((p for p in out.parents if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
-        raise UserError(f"output {given} lies under {blocking}, which is a file, not a folder: choose another -o")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"{given} already exists and is not empty: pass --overwrite or choose another -o")

@@ -57,11 +57,11 @@ def check_results_file(path: Path, overwrite: bool) -> None:
     folder, a path under a file, an existing file (without `overwrite`, or one that eval did not write)."""
     import tempfile
 
+    from mla_convert.checkpoint import check_location, nearest_existing
+
     if path.is_dir():
         raise UserError(f"--json {path} is a folder: give a file name, e.g. {path / 'eval.json'}")
-    parent = next((p for p in path.parents if p.exists()), Path("."))
-    if not parent.is_dir():
-        raise UserError(f"--json {path} lies under {parent}, which is a file, not a folder: choose another path")
+    parent = nearest_existing(check_location(path, [], "--json out/eval.json").parent)  # a folder: checked there
     try:  # a folder that takes no files (read-only, /proc) fails now, not after the evaluation
         with tempfile.TemporaryFile(dir=parent):
             pass

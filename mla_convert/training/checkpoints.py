@@ -166,12 +166,14 @@ def check_output(cfg: FinetuneConfig) -> Path:
 _TRAINER_FILE = re.compile(rf"{re.escape(OPTIMIZER_FILE)}|{re.escape(TRAINER_JSON)}|rng_\d+\.safetensors"
                            r"|(optimizer|scheduler|scaler)(_\d+)?\.(bin|pt)|(random_states|custom_checkpoint)_\d+\.pkl"
                            r"|(model|pytorch_model)(_\d+)?\.(safetensors|bin)")
-TEMPLATES_DIR = "additional_chat_templates"  # where transformers saves a tokenizer's named chat templates (.jinja)
+TEMPLATES_DIR = "additional_chat_templates"  # where transformers saves a tokenizer's named chat templates
+_TEMPLATE_FILE = re.compile(r".+\.jinja")
 
 
 def _foreign_entries(out: Path) -> list[str]:
     """Entries of a run folder that the trainer does not write there (a user's files: never ours to delete), looked
-    for inside the model folders it writes (final/, step_N/ and their trainer/) as well, as paths relative to `out`."""
+    for inside the model folders it writes (final/, step_N/ and their known subfolders) as well, as paths relative to
+    `out`."""
     from mla_convert.checkpoint import foreign_files
 
     foreign = []
@@ -181,18 +183,17 @@ def _foreign_entries(out: Path) -> list[str]:
         if not (entry.is_dir() and (entry.name == FINAL_DIR or re.fullmatch(r"step_\d+", entry.name))):
             foreign.append(entry.name)
             continue
-        # a model folder as convert writes it, plus the run's copies (final/) or the checkpoint's state (step_N/)
-        extra = {METRICS_FILE, PLOT_FILE} if entry.name == FINAL_DIR else {STATE_FILE, TRAINER_DIR}
+        # a model folder as convert writes it, plus the run's copies (final/) or the checkpoint's state (step_N/),
+        # and subfolders that hold only the files their pattern names
+        files, folders = (({METRICS_FILE, PLOT_FILE}, {TEMPLATES_DIR: _TEMPLATE_FILE}) if entry.name == FINAL_DIR
+                          else ({STATE_FILE}, {TEMPLATES_DIR: _TEMPLATE_FILE, TRAINER_DIR: _TRAINER_FILE}))
         for name in foreign_files(entry):
             path = entry / name
-            if name == TEMPLATES_DIR and path.is_dir():  # tokenizer.save_pretrained: a tokenizer's named templates
+            if name in folders and path.is_dir():
                 foreign += [f"{entry.name}/{name}/{p.name}" for p in sorted(path.iterdir())
-                            if not (p.is_file() and p.suffix == ".jinja")]
-            elif name not in extra or (name == TRAINER_DIR) != path.is_dir():
+                            if not (p.is_file() and folders[name].fullmatch(p.name))]
+            elif not (name in files and path.is_file()):
                 foreign.append(f"{entry.name}/{name}")
-            elif name == TRAINER_DIR:
-                foreign += [f"{entry.name}/{name}/{p.name}" for p in sorted(path.iterdir())
-                            if not (p.is_file() and _TRAINER_FILE.fullmatch(p.name))]
     return foreign
 
 
