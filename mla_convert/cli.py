@@ -776,6 +776,9 @@ def push_command(
 
     result = push(folder, repo_id, private=private, revision=revision, commit_message=commit_message, dry_run=dry_run)
     summary = f"{len(result.files)} files ({size(result.total_bytes)})"
+    if result.hidden:
+        shown = ", ".join(result.hidden[:5]) + (f" and {len(result.hidden) - 5} more" if len(result.hidden) > 5 else "")
+        typer.echo(f"not pushed (hidden): {shown}")
     if dry_run:
         typer.echo(f"dry run: would push {summary} from {folder} to {repo_id} (branch {result.revision}); nothing "
                    "uploaded")

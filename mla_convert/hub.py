@@ -25,9 +25,12 @@ from mla_convert.errors import UserError
 
 log = logging.getLogger(__name__)
 
-# Never uploaded: git and cache folders (huggingface_hub keeps its upload state in .cache/huggingface/), temporary
-# files of an interrupted write.
-IGNORE_PATTERNS = [".git", ".git/*", "**/.git/**", ".cache/*", "**/.cache/**", "*.tmp", "*.partial", "**/__pycache__/*"]
+# Never uploaded: hidden files and everything in hidden folders (mla-convert writes none into an output folder; they
+# are a user's or a tool's: .git, .env, .cache/huggingface/ where huggingface_hub keeps its upload state, editor and
+# notebook state), temporary files of an interrupted write, Python caches. fnmatch's `*` also matches `/`, so ".*"
+# is a hidden entry at the top and "*/.*" one at any depth.
+HIDDEN_PATTERNS = [".*", "*/.*"]
+IGNORE_PATTERNS = HIDDEN_PATTERNS + ["*.tmp", "*.partial", "*/__pycache__/*", "__pycache__/*"]
 # Remote files that a push deletes when the folder no longer has them: stale shards of an earlier, differently
 # sharded upload would otherwise stay in the repo next to the new index.
 STALE_WEIGHT_PATTERNS = ["model*.safetensors", "model.safetensors.index.json"]
@@ -44,6 +47,7 @@ class PushResult:
     created: bool | None = None  # None: not known (dry run)
     commit_oid: str | None = None
     commit_url: str | None = None
+    hidden: list[str] = dataclasses.field(default_factory=list)  # hidden files and folders left out of the upload
 
     @property
     def total_bytes(self) -> int:
@@ -58,6 +62,18 @@ def upload_files(folder: str | os.PathLike) -> list[tuple[str, int]]:
     paths = {p.relative_to(folder).as_posix(): p for p in sorted(folder.glob("**/*")) if p.is_file()}
     kept = filter_repo_objects(paths.keys(), ignore_patterns=IGNORE_PATTERNS)
     return [(rel, paths[rel].stat().st_size) for rel in kept]
+
+
+def hidden_entries(folder: str | os.PathLike) -> list[str]:
+    """The hidden files and folders at the top of `folder` or in its subfolders that a push leaves out (a hidden
+    folder is named once, not file by file), sorted."""
+    folder = Path(folder).resolve()
+    found = []
+    for path in sorted(folder.rglob(".*")):
+        rel = path.relative_to(folder)
+        if not any(part.startswith(".") for part in rel.parts[:-1]):  # not inside a hidden folder already named
+            found.append(rel.as_posix() + ("/" if path.is_dir() else ""))
+    return found
 
 
 def _hub_message(err) -> str:
@@ -150,7 +166,8 @@ def push(
     # The card is (re)written with the repo id just before the upload: list it with the size it will have.
     card_bytes = len(render_model_card(folder, repo_id).encode())
     files = sorted([f for f in upload_files(folder) if f[0] != CARD_FILENAME] + [(CARD_FILENAME, card_bytes)])
-    result = PushResult(repo_id=repo_id, files=files, dry_run=dry_run, revision=branch, private=private)
+    result = PushResult(repo_id=repo_id, files=files, dry_run=dry_run, revision=branch, private=private,
+                        hidden=hidden_entries(folder))
     if dry_run:
         return result
 

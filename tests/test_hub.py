@@ -269,6 +269,29 @@ def test_push_uploads_the_folder_byte_for_byte(model, server):
     assert not repo.files("main")["README.md"].endswith(b"More notes.\n")
 
 
+def test_push_leaves_hidden_files_out(model, server):
+    """A user's secrets and tool state inside the folder (hidden files, hidden folders at any depth) never reach the
+    Hub, in the dry run's list or in the upload, and the push names what it left out."""
+    (model / ".env").write_text(f"HF_TOKEN={SECRET}\n")
+    (model / ".ipynb_checkpoints").mkdir()
+    (model / ".ipynb_checkpoints" / "notes.txt").write_text("draft\n")
+    (model / "extra").mkdir()
+    (model / "extra" / ".DS_Store").write_bytes(b"\0")
+    (model / "extra" / "notes.md").write_text("kept\n")
+    code, output = run("push", model, "tester/tiny-llama-mla", "--dry-run")
+    assert code == 0, output
+    listed = [line.split()[0] for line in output.splitlines() if line.startswith("  ")]
+    assert "extra/notes.md" in listed and not [p for p in listed if "/." in "/" + p]
+    assert "not pushed (hidden): .env, .ipynb_checkpoints/, extra/.DS_Store" in output
+    code, output = run("push", model, "tester/tiny-llama-mla")
+    assert code == 0, output
+    uploaded = server.repos["tester/tiny-llama-mla"].files()
+    assert "extra/notes.md" in uploaded
+    assert sorted(p for p in uploaded if "/." in "/" + p) == [".gitattributes"]  # the Hub's own
+    assert not any(SECRET.encode() in data for data in uploaded.values())
+    assert "not pushed (hidden): .env, .ipynb_checkpoints/, extra/.DS_Store" in output
+
+
 def test_push_private_with_the_stored_login(model, server, monkeypatch):
     from huggingface_hub import constants
 
