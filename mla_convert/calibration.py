@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mla_convert.data import load_text, tokenize  # one loader and one tokenizer for every text
+from mla_convert.data import load_text, tokenize, written_as_path  # one loader and one tokenizer for every text
 from mla_convert.errors import UserError
 from mla_convert.selftext import CALIB_TEMPERATURE, SAMPLE_TOKENS, SELF_DOC, STYLES, self_tokens
 
@@ -30,8 +30,9 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
             try:
                 weight = float(tail)
                 name = head
-            except ValueError:  # a datasets name's config or split; after a local file or a style, a bad weight
-                if head in STYLES or Path(head).expanduser().is_file():
+            except ValueError:  # a datasets name's config or split; after a file path or a style, a bad weight
+                # (a datasets name such as `wikitext:CONFIG` stays one where a file named `wikitext` happens to exist)
+                if head in STYLES or (written_as_path(head) and Path(head).expanduser().is_file()):
                     raise UserError(f"--calib-data weight of {head} is {tail!r}: weights must be positive numbers "
                                     f"({head}:2, say)") from None
         if not name:

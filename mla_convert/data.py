@@ -27,12 +27,18 @@ MIN_OVERLAP_LINE_CHARS = 64
 TRAIN_CHUNK_LINES = 2000
 
 
+def written_as_path(spec: str) -> bool:
+    """Whether a text spec is written as a file path (a suffix, or a start of `.`, `/` or `~`) rather than as a
+    `datasets` name such as `wikitext` or `org/name`."""
+    return bool(Path(spec).suffix) or spec.startswith((".", "/", "~"))
+
+
 def check_text_spec(spec: str) -> None:
     """Fail fast, reading nothing, on a text spec that names a local folder or a local file that does not exist."""
     path = Path(spec).expanduser()
     if path.is_dir():
         raise UserError(f"text {spec} is a folder: pass a text file (.txt/.raw/.tokens/.jsonl) or a datasets name")
-    if not path.is_file() and (path.suffix or spec.startswith((".", "/", "~"))):
+    if not path.is_file() and written_as_path(spec):
         raise UserError(f"text file {spec} does not exist: check the path (relative paths start at the current folder)")
 
 

@@ -4,6 +4,7 @@ of calibration texts."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,19 @@ def test_parse_mixture():
     assert parse_mixture("wikitext:wikitext-2-raw-v1:validation:2") == [("wikitext:wikitext-2-raw-v1:validation", 2.0)]
     for bad in ("a.txt:0", "a.txt:-1", "a.txt:inf", "a.txt:nan", "self,,a.txt"):
         with pytest.raises(UserError):
+            parse_mixture(bad)
+
+
+def test_parse_mixture_datasets_name_beside_a_file_of_that_name(tmp_path, monkeypatch):
+    """`wikitext:CONFIG` names a datasets config even where a file called `wikitext` is in the current folder; a file
+    written as a path with a word after it is a bad weight."""
+    monkeypatch.chdir(tmp_path)
+    Path("wikitext").write_text("a file named like a data set\n")
+    Path("calib.txt").write_text("text\n")
+    assert parse_mixture("wikitext:wikitext-2-raw-v1") == [("wikitext:wikitext-2-raw-v1", 1.0)]
+    assert parse_mixture("wikitext:2") == [("wikitext", 2.0)]
+    for bad in ("calib.txt:abc", "./wikitext:abc", "self:abc"):
+        with pytest.raises(UserError, match="weight of"):
             parse_mixture(bad)
 
 
