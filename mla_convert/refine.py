@@ -30,6 +30,12 @@ EXACT = 1e-9  # relative error below which a layer is already exact (float32 rou
 # Windows start at each sequence's first token: crops that start mid-sequence put the attention sink on an arbitrary
 # token and train the layer on a pattern it never meets (held-out error went up).
 DEFAULT_STEPS = 200
+# From WIDE_FROM of the source's cache up (the wider latents), WIDE_STEPS: at 50% of SmolLM2-135M's cache, with its
+# 32 calibration windows, 300 steps scored a development ratio of 1.1615 against 1.1716 for 200 (series D, probe
+# C_t10_50_r48_p96_c32_s300; rule set before the score: adopt if at least 0.5% lower); at 25% 200 stays (measured
+# there: 100 -> 200 steps gained 9%, and the 25% targets hold).
+WIDE_STEPS = 300
+WIDE_FROM = 0.375  # halfway between the two measured budgets, as the calibration windows' rule (convert.WIDE_FROM)
 DEFAULT_LR = 1e-3
 STEP_TOKENS = 2048  # tokens a step: a shorter window (`--refine-seq-len`) takes more sequences a step
 SEQ_LEN = 2048
@@ -37,9 +43,10 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS. The rate
 # is what 2 CPU cores sustained on SmolLM2-135M (1.6e11-1.7e11 flop/s on an AMD EPYC: 100 steps a layer in ~18 s, 200
 # in ~37 s), rounded down; an 8B model's estimate is hours there (33 h with the whole layer), so it is not refined
-# on a CPU unless asked. 1.5 hours: SmolLM2-135M at 50% of the cache estimates 60 min with the whole-layer default
-# (38 min for the attention alone) and its whole conversion took 40 min on 2 Intel Xeon cores (probe C_layer50), at
-# 25% 47 min estimated, 28 min measured (C_layer).
+# on a CPU unless asked. 1.5 hours: SmolLM2-135M at 50% of the cache estimates 86 min with its 300 steps (its layers
+# took 4.3 min each on 2 AMD EPYC cores, probe C_t10_50_r48_p96_c32_s300); at 200 steps 60 min with the whole-layer
+# default (38 min for the attention alone), and that conversion took 40 min on 2 Intel Xeon cores (probe C_layer50);
+# at 25% 47 min estimated, 28 min measured (C_layer).
 CPU_FLOPS = 1.5e11
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
@@ -76,18 +83,25 @@ def estimate_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU
     return steps * plan.layers * step_flops(plan, seq_len, batch_for(seq_len)) / rate
 
 
+def default_steps(kept: float) -> int:
+    """The auto refinement steps per layer of a conversion that keeps `kept` (a fraction) of the source's KV cache:
+    DEFAULT_STEPS below WIDE_FROM, else WIDE_STEPS."""
+    return DEFAULT_STEPS if kept < WIDE_FROM else WIDE_STEPS
+
+
 def resolve_steps(requested: int | None, plan, device: str, seq_len: int) -> int:
-    """The refinement steps per layer: `requested`, or (None, auto) DEFAULT_STEPS on a GPU or where the CPU estimate
-    is at most AUTO_CPU_SECONDS, else 0 (with a warning that says what refining would cost)."""
+    """The refinement steps per layer: `requested`, or (None, auto) `default_steps` of the cache kept on a GPU or
+    where the CPU estimate is at most AUTO_CPU_SECONDS, else 0 (with a warning that says what refining would cost)."""
     if requested is not None:
         return requested
+    steps = default_steps(plan.ratio)
     if not device.startswith("cpu"):
-        return DEFAULT_STEPS
-    seconds = estimate_seconds(plan, DEFAULT_STEPS, seq_len)
+        return steps
+    seconds = estimate_seconds(plan, steps, seq_len)
     if seconds <= AUTO_CPU_SECONDS:
-        return DEFAULT_STEPS
+        return steps
     log.warning("not refining the converted layers: on this CPU it would take about %.1f h (estimate); pass "
-                "--refine-steps %d to refine anyway, or convert with --device cuda", seconds / 3600, DEFAULT_STEPS)
+                "--refine-steps %d to refine anyway, or convert with --device cuda", seconds / 3600, steps)
     return 0
 
 

@@ -161,8 +161,9 @@ def test_auto_steps_follow_the_estimated_cost(caplog):
     # a longer window costs more a step: the same tokens, but each score row twice as long
     assert refine.estimate_seconds(small, 100, 2048) > refine.estimate_seconds(small, 100, 1024)
     assert refine.batch_for(2048) == 1 and refine.batch_for(1024) == 2 and refine.batch_for(512) == 4
-    half = _shaped_plan(30, 576, 9, 3, 64, 128, 64, 1536, nope_dims=64)  # SmolLM2-135M at 50%: refined on a CPU too
-    assert refine.resolve_steps(None, half, "cpu", refine.SEQ_LEN) == refine.DEFAULT_STEPS
+    half = _shaped_plan(30, 576, 9, 3, 64, 144, 48, 1536, nope_dims=64)  # SmolLM2-135M at 50%: refined on a CPU too
+    assert refine.resolve_steps(None, half, "cpu", refine.SEQ_LEN) == refine.WIDE_STEPS  # the wider latent, more steps
+    assert refine.default_steps(0.25) == refine.DEFAULT_STEPS < refine.WIDE_STEPS == refine.default_steps(0.5)
     # the whole layer costs more a step than its attention alone (the MLP's maps train too)
     layer, attention = (_shaped_plan(30, 576, 9, 3, 64, 64, 32, 1536, scope=s) for s in ("layer", "attention"))
     assert refine.step_flops(layer) > 1.5 * refine.step_flops(attention)
