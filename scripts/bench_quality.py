@@ -411,8 +411,9 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "against 28.82 / 19.05 / 32.80 (-0.9% / -1.1% / -0.6%), dev ratio 1.1615. Adopted at 50%. On the 16 evaluation "
     "windows (rows `mla-convert` against `mla-convert-s200`, the probe's folder scored with `--folder`): 24.02 / "
     "14.89 / 15.63 against 24.21 / 15.12 / 15.79 (-0.8% / -1.5% / -1.0%): 1.19x / 1.21x / 1.16x, every issue-15 "
-    "target at 50% holds. Not yet checked in vLLM's CPU build (weights only change, never the layout an engine "
-    "reads; every earlier default scored there what it scores in transformers). At 25% the default stays 200 steps "
+    "target at 50% holds. As served: `mla-convert eval out/probe-C_t10_50_r48_p96_c32_s300 --data "
+    "../shared/data/wikitext-2/wiki.test.raw --seq-len 2048 --windows 16 --engine vllm --dtype float32` gives 24.025 "
+    "in vLLM's CPU build (CPU_MLA, 434 s by `time`), as in transformers (24.02). At 25% the default stays 200 steps "
     "(the 25% targets hold; the main job's time).",
     "",
     "**As served.** The attention-refined default at 25% (rows `mla-convert-attn`, converted again by the main job, `bash scripts/main.sh`, "
