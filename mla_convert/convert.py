@@ -342,7 +342,7 @@ def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> in
 # a wider latent and its refinement fit more from the same text when it has more of it.
 CALIB_SAMPLES = 16
 WIDE_CALIB_SAMPLES = 32
-WIDE_FROM = 0.375  # halfway between the two measured budgets (25%: 16 windows, 50%: 32)
+WIDE_FROM = refine.WIDE_FROM  # halfway between the two measured budgets (25%: 16 windows, 50%: 32); one threshold
 
 
 def default_calib_samples(kept: float) -> int:
