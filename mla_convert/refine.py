@@ -35,7 +35,9 @@ DEFAULT_STEPS = 200
 # C_t10_50_r48_p96_c32_s300; rule set before the score: adopt if at least 0.5% lower); at 25% 200 stays (measured
 # there: 100 -> 200 steps gained 9%, and the 25% targets hold).
 WIDE_STEPS = 300
-WIDE_FROM = 0.375  # halfway between the two measured budgets; also where the calibration windows widen (convert)
+# The one threshold of every default by the cache kept: also where the calibration windows widen (convert) and the
+# self text cools (selftext).
+WIDE_FROM = 0.375  # halfway between the two measured budgets
 DEFAULT_LR = 1e-3
 STEP_TOKENS = 2048  # tokens a step: a shorter window (`--refine-seq-len`) takes more sequences a step
 SEQ_LEN = 2048

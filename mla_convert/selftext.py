@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from mla_convert.errors import UserError
+from mla_convert.refine import WIDE_FROM
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ STYLES = {SELF: "chat", SELF_DOC: "document"}
 # (64 x 512 a batch was far slower per token); "What chose what" in benchmarks/quality.md.
 TEMPERATURE = 1.0
 CALIB_TEMPERATURE = 1.2  # below HOT_BELOW of the source's cache
-HOT_BELOW = 0.375  # halfway between the two measured budgets (25%: 1.2, 50%: 1.0)
+HOT_BELOW = WIDE_FROM  # halfway between the two measured budgets (25%: 1.2, 50%: 1.0); one threshold
 SAMPLE_TOKENS = 256
 BATCH = 16
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
