@@ -76,11 +76,12 @@ def window_counts(weights: list[float], n_samples: int) -> list[int]:
 
 
 def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: int,
-                       temperature: float = CALIB_TEMPERATURE, sample_tokens: int = SAMPLE_TOKENS) -> torch.Tensor:
+                       temperature: float = CALIB_TEMPERATURE, sample_tokens: int = SAMPLE_TOKENS,
+                       device: str = "cpu") -> torch.Tensor:
     """The calibration windows [N, T] of a spec (see `parse_mixture`): random windows of each text, consecutive
     windows of text sampled from the source for `self` (chat answers of `sample_tokens` new tokens at most, joined)
     and `self-doc` (one document a window), sampled at `temperature`, in the weights' proportions, in the order
-    given."""
+    given. Text is sampled on `device` (see `self_tokens`)."""
     parts = check_calib_spec(spec, n_samples)
     counts = window_counts([w for _, w in parts], n_samples)
     out = []
@@ -88,7 +89,7 @@ def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: in
         if name in STYLES:
             length = dict(sample_tokens=seq_len, style=STYLES[name]) if name == SELF_DOC else dict(  # a doc a window
                 sample_tokens=sample_tokens)
-            ids = self_tokens(source, count * seq_len, seed, temperature=temperature, **length)
+            ids = self_tokens(source, count * seq_len, seed, temperature=temperature, device=device, **length)
             out.append(ids[: count * seq_len].view(count, seq_len))
         else:
             out.append(token_windows(source.tokenizer(), load_text(name), count, seq_len, seed, label=name))

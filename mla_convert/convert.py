@@ -1363,6 +1363,7 @@ def _calibration_runner(source: Source, options: ConvertOptions):
     from mla_convert.calibration import LayerRunner, calibration_tokens
 
     tokens = calibration_tokens(source, options.calib_data, options.calib_samples, options.calib_seq_len, options.seed,
-                                temperature=options.calib_temperature, sample_tokens=options.calib_sample_tokens)
+                                temperature=options.calib_temperature, sample_tokens=options.calib_sample_tokens,
+                                device=resolve_device(options.device))
     embed = source.get_raw("model.embed_tokens.weight")  # rows are looked up, then made float32: no float32 table
     return LayerRunner(source.config, embed, tokens)

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -49,6 +50,11 @@ HOT_BELOW = WIDE_FROM  # halfway between the two measured budgets (25%: 1.2, 50%
 SAMPLE_TOKENS = 256
 BATCH = 16
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
+# On a CUDA device a batch is cheap in width and dear in steps: the samples of a whole calibration in one batch. Sample
+# i answers PROMPTS[i % len(PROMPTS)] whatever the batch, so the requests are those of the CPU's batches.
+CUDA_BATCH = 256
+CUDA_DOC_BATCH = 64
+WRITE_EVERY_S = 30.0  # the cache file is rewritten whole: at most this often while sampling, and at the end
 CACHE_VERSION = 1  # bump when the sampling procedure changes: old cache files are then not read
 # The hash of the 24-request list the first cache files were sampled with (the first 24 of PROMPTS): their key omits
 # it. Any other list (PROMPTS since, or one set by a probe) is added to the key, so it never reads their text.
@@ -183,18 +189,19 @@ def source_fingerprint(source) -> dict:
     return {"origin": source.origin, "files": [file_stamp(p) for p in source.files() if p.is_file()]}
 
 
-def causal_lm(source):
-    """The source as a transformers causal LM in float32 (its tensors read through `source`), for sampling."""
+def causal_lm(source, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The source as a transformers causal LM (its tensors read through `source`) on `device` in `dtype`, for
+    sampling."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(source.config, dtype=torch.float32)
-    state = {name: source.get(name) for name in source.keys()}
+        model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
+    state = {name: source.get(name).to(device=device, dtype=dtype) for name in source.keys()}
     missing, _ = model.load_state_dict(state, strict=False, assign=True)
     for parent in list(model.modules()):  # rotary embeddings hold computed buffers (inv_freq): build them for real
         for name, child in parent.named_children():
             if "inv_freq" in dict(child.named_buffers(recurse=False)):
-                setattr(parent, name, type(child)(config=source.config))
+                setattr(parent, name, type(child)(config=source.config).to(device))
     if getattr(source.config, "tie_word_embeddings", False):
         model.tie_weights()
         missing = [m for m in missing if m != "lm_head.weight"]
@@ -237,7 +244,9 @@ def sample_batch(model, tokenizer, index: int, seed: int, temperature: float, sa
     new = sample_tokens - width if style == "document" else sample_tokens  # a document is sample_tokens long
     new = min(new, limit - width) if limit else new
     length = {"min_new_tokens": new} if style == "document" else {}
-    with torch.random.fork_rng(devices=[]):
+    device = model.device
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed * 1_000_003 + index)
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
                              top_p=1.0, max_new_tokens=new, pad_token_id=pad, eos_token_id=eos, **length)  # fmt: skip
@@ -251,30 +260,38 @@ def sample_batch(model, tokenizer, index: int, seed: int, temperature: float, sa
 
 
 def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = None,
-                sample_tokens: int | None = None, batch: int | None = None, style: str = "chat") -> torch.Tensor:
+                sample_tokens: int | None = None, batch: int | None = None, style: str = "chat",
+                device: str = "cpu") -> torch.Tensor:
     """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring), in
-    batches of `batch` samples (default BATCH, DOC_BATCH for documents), at `temperature` (default TEMPERATURE) and
+    batches of `batch` samples (default BATCH, DOC_BATCH for documents; CUDA_BATCH, CUDA_DOC_BATCH on a GPU), at `temperature` (default TEMPERATURE) and
     `sample_tokens` (default SAMPLE_TOKENS) a sample. In the document style every `sample_tokens` ids are one
-    document."""
-    batch = batch or (DOC_BATCH if style == "document" else BATCH)
+    document. On a CUDA `device` the source samples there in bfloat16: other random streams and rounding than on the
+    CPU, so that text is cached under its own key."""
+    on_cuda = torch.device(device).type == "cuda"
+    document = style == "document"
+    batch = batch or ((CUDA_DOC_BATCH if document else CUDA_BATCH) if on_cuda else (DOC_BATCH if document else BATCH))
     temperature = TEMPERATURE if temperature is None else temperature
     sample_tokens = SAMPLE_TOKENS if sample_tokens is None else sample_tokens
     if not temperature > 0 or sample_tokens <= 0:
         raise UserError("self-generated text needs a positive temperature and sample length")
-    settings, path = cache_entry(source, seed, temperature, sample_tokens, batch, style)
+    settings, path = cache_entry(source, seed, temperature, sample_tokens, batch, style, "cuda" if on_cuda else None)
     batches = read_cache(path, settings)
     have = sum(len(s) for b in batches for s in b["tokens"])
     if have < n_tokens:
-        check_memory(source)
+        if not on_cuda:
+            check_memory(source)
         tokenizer = source.tokenizer()
-        model = causal_lm(source)
-        log.info("sampling %d tokens of %s text from the source (temperature %g, cached in %s)",
-                 n_tokens - have, style, temperature, path)
+        model = causal_lm(source, device, torch.bfloat16 if on_cuda else torch.float32)
+        log.info("sampling %d tokens of %s text from the source on %s (temperature %g, cached in %s)",
+                 n_tokens - have, style, device, temperature, path)
+        written = time.monotonic()
         while have < n_tokens:
             tokens = sample_batch(model, tokenizer, len(batches), seed, temperature, sample_tokens, batch, style)
             batches.append({"tokens": tokens, "text": [tokenizer.decode(t) for t in tokens]})
             have += sum(len(t) for t in tokens)
-            write_cache(path, settings, batches)  # after every batch: an interrupted run keeps what it sampled
+            if have >= n_tokens or time.monotonic() - written > WRITE_EVERY_S:
+                write_cache(path, settings, batches)  # an interrupted run keeps what it sampled until its last write
+                written = time.monotonic()
             log.info("sampled %d of %d tokens", have, n_tokens)
         del model
     return torch.tensor([t for b in batches for s in b["tokens"] for t in s], dtype=torch.long)
@@ -306,10 +323,13 @@ def check_memory(source) -> None:
 
 
 def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch: int,
-                style: str = "chat") -> tuple[dict, Path]:
-    """(the settings the sampled text depends on, the cache file that holds it)."""
+                style: str = "chat", device: str | None = None) -> tuple[dict, Path]:
+    """(the settings the sampled text depends on, the cache file that holds it); `device` names a sampling device
+    other than the CPU (None: the CPU, whose caches predate the key)."""
     settings = {"version": CACHE_VERSION, "source": source_fingerprint(source), "seed": seed,
                 "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
+    if device is not None:
+        settings["device"] = device
     if style != "chat":  # keyed only when not chat: the chat caches written before styles existed stay valid
         settings["style"] = style
     elif (prompts_key := hashlib.sha256(json.dumps(PROMPTS).encode()).hexdigest()[:16]) != CACHED_PROMPTS:

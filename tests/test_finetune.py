@@ -283,3 +283,78 @@ def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
     with pytest.raises(UserError, match="set teacher"):
         finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self", "teacher=none",
                                                                         "max_tokens=256"]), tokenizer)
+
+
+def test_report_texts_scored_at_every_evaluation(tiny_run, tmp_path, monkeypatch):
+    """report_data: texts scored beside the held-out windows at every evaluation (metrics, provenance, plot), never
+    text the run trains on; data=self samples in batches of sample_batch (its own cache entry)."""
+    from accelerate.state import AcceleratorState
+
+    from mla_convert import selftext
+    from mla_convert.checkpoint import open_source
+
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
+    words = tiny_text(3000, seed=7).split()
+    texts = []
+    for name in ("alpha", "beta"):
+        path = tmp_path / f"{name}.txt"
+        path.write_text("\n".join(" ".join(words[i : i + 9]) for i in range(0, len(words), 9)) + "\n")
+        words = words[::-1]
+        texts.append(path)
+    out = tmp_path / "run"
+    cfg = finetune.load_config(tiny_run["recipe"], [
+        "data=self", "max_steps=4", "eval_every=2", "kd_weight=0.5", "sample_batch=3", f"output={out}",
+        f"report_data={texts[0]},{texts[1]}", "report_windows=2", "report_seq_len=16",
+    ])
+    calls = []
+    real = selftext.sample_batch
+    monkeypatch.setattr(selftext, "sample_batch", lambda *a: calls.append(a[6]) or real(*a))
+    try:
+        final = finetune.run(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert calls and set(calls) == {3}  # batches of sample_batch sequences
+    settings, path = selftext.cache_entry(open_source(str(tiny_run["teacher"])), 0, selftext.TEMPERATURE,
+                                          selftext.SAMPLE_TOKENS, 3)
+    assert path.is_file() and settings["batch"] == 3
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    assert all(set(r["report"]) == {"alpha", "beta"} and all(p > 1 for p in r["report"].values()) for r in evals)
+    assert evals[0]["report"] != evals[-1]["report"]  # the model changed between the first and last evaluation
+    m = provenance.load(final)["measurements"]["finetune"]
+    assert m["report_perplexity_after"] == evals[-1]["report"] and m["report_perplexity_before"] == evals[0]["report"]
+    assert m["tokens_per_second"] > 0 and "2 x 16-token windows" in m["report_protocol"]
+
+    # a report text the run trains on is refused before any work
+    clash = finetune.load_config(tiny_run["recipe"], [f"output={tmp_path / 'clash'}", "max_steps=1",
+                                                      f"report_data={tiny_run['text']}"])
+    with pytest.raises(UserError, match="training text"):
+        finetune.run(clash)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(UserError, match="sample_batch"):
+        finetune.load_config(tiny_run["recipe"], ["sample_batch=0"])
+
+
+def test_self_text_sampled_on_a_gpu_has_its_own_cache_entry(tiny_run):
+    """Text sampled on a CUDA device (bfloat16, other random streams) never stands in for the CPU's, nor the reverse;
+    the CPU's key is the one its caches were written with."""
+    from mla_convert import selftext
+    from mla_convert.checkpoint import open_source
+
+    source = open_source(str(tiny_run["teacher"]))
+    cpu, cpu_path = selftext.cache_entry(source, 0, 1.0, 64, 4)
+    gpu, gpu_path = selftext.cache_entry(source, 0, 1.0, 64, 4, device="cuda")
+    assert "device" not in cpu and gpu["device"] == "cuda" and cpu_path != gpu_path
+
+
+@pytest.mark.gpu
+def test_self_text_samples_on_cuda(tiny_run, tmp_path, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mla_convert import selftext
+    from mla_convert.checkpoint import open_source
+
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
+    source = open_source(str(tiny_run["teacher"]))
+    a = selftext.self_tokens(source, 300, seed=0, batch=8, device="cuda")
+    assert a.numel() >= 300 and torch.equal(selftext.self_tokens(source, 300, seed=0, batch=8, device="cuda"), a)

@@ -34,9 +34,9 @@ class DataOrder:
         return [int(self._perm(p // self.n)[p % self.n]) for p in range(start, start + self.batch)]
 
 
-def self_training_tokens(cfg: FinetuneConfig, world: int) -> torch.Tensor:
-    """data=self: a token stream sampled from the teacher (the source; mla_convert.selftext, cached), long enough for
-    the run's token budget plus the held-out windows when eval_data is unset."""
+def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -> torch.Tensor:
+    """data=self: a token stream sampled from the teacher (the source; mla_convert.selftext, cached) on `device`,
+    long enough for the run's token budget plus the held-out windows when eval_data is unset."""
     from mla_convert.checkpoint import open_source
     from mla_convert.selftext import self_tokens
 
@@ -48,10 +48,32 @@ def self_training_tokens(cfg: FinetuneConfig, world: int) -> torch.Tensor:
     per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
     need = cfg.max_steps * per_step if cfg.max_steps is not None else cfg.max_tokens
     need += 0 if cfg.eval_data is not None else cfg.eval_windows * cfg.eval_seq_len
-    return self_tokens(open_source(None if spec == "embedded" else spec), need + cfg.seq_len, cfg.seed)
+    return self_tokens(open_source(None if spec == "embedded" else spec), need + cfg.seq_len, cfg.seed,
+                       batch=cfg.sample_batch, device=device)
 
 
-def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def report_windows(cfg: FinetuneConfig, tokenizer) -> dict[str, torch.Tensor]:
+    """report_data: {text name: its first report_windows windows of report_seq_len tokens [W, T]}, tokenized as
+    `mla-convert eval` does; each text is refused if it shares lines with the training text."""
+    from mla_convert import data
+    from mla_convert.evaluate import eval_windows
+
+    out: dict[str, torch.Tensor] = {}
+    train_text = None if cfg.data == SELF else data.load_text(cfg.data)
+    for spec in [s.strip() for s in (cfg.report_data or "").split(",") if s.strip()]:
+        if cfg.data != SELF and Path(spec).expanduser().resolve() == Path(cfg.data).expanduser().resolve():
+            raise UserError(f"report_data names the training text {spec}: report on text the run does not train on")
+        text = data.load_text(spec)
+        if train_text is not None:
+            data.check_disjoint(train_text, text, cfg.data, spec)
+        name = Path(spec).stem if Path(spec).expanduser().is_file() else spec
+        if name in out:
+            raise UserError(f"report_data names two texts called {name}: give each text once")
+        out[name] = eval_windows(data.tokenize(tokenizer, text), cfg.report_seq_len, cfg.report_windows)
+    return out
+
+
+def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(train sequences [N, seq_len], eval windows [W, eval_seq_len]); never sharing text with each other."""
     from mla_convert import data
 
@@ -59,7 +81,7 @@ def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1) -> tuple[torch.
         raise UserError(f"training text {cfg.data} looks like a test split: train on other text "
                         "(or set allow_test_split=true if it really is not evaluation text)")
     if cfg.data == SELF:
-        ids = self_training_tokens(cfg, world)
+        ids = self_training_tokens(cfg, world, device)
         text = tokenizer.decode(ids.tolist())
     else:
         text = data.load_text(cfg.data)

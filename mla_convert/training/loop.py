@@ -20,7 +20,7 @@ from mla_convert.errors import UserError
 from mla_convert.training.recipe import (
     CRASH_ENV, DATA_ORDER_FIELDS, FINAL_DIR, FinetuneConfig, METRICS_FILE, PLOT_FILE, STATE_FILE, TRAINER_DIR,
 )
-from mla_convert.training.data import DataOrder, prepare_data
+from mla_convert.training.data import DataOrder, prepare_data, report_windows
 from mla_convert.training.models import (
     load_student, load_teacher, lr_lambda, select_trainable, teacher_spec, torch_dtype,
 )
@@ -104,7 +104,8 @@ class Trainer:
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"cannot load the tokenizer of the student {cfg.model} ({type(e).__name__}): pass a model "
                             "folder with its tokenizer (e.g. the output of mla-convert llama)") from None
-        self.train_seqs, self.eval_windows = prepare_data(cfg, self.tokenizer, world)  # [N, T], [W, T_eval]
+        self.train_seqs, self.eval_windows = prepare_data(cfg, self.tokenizer, world, str(self.device))  # [N, T], [W, T_eval]
+        self.report = report_windows(cfg, self.tokenizer)  # {name: [W, T_report]}
         self.tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
         if cfg.max_steps is not None:
             self.total_steps = cfg.max_steps
@@ -140,15 +141,17 @@ class Trainer:
 
         cfg, accelerator = self.cfg, self.accelerator
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        fused = {"fused": True} if self.device.type == "cuda" else {}  # one kernel for all parameters on a GPU
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, self.total_steps))
         self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
         # FSDP replaces the parameters with sharded ones (and points the optimizer at them): clip and checksum those
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.fsdp = accelerator.distributed_type == DistributedType.FSDP
-        if self.fsdp and cfg.eval_windows % self.world:
-            raise UserError(f"under FSDP every process must run the same forwards: make eval_windows ({cfg.eval_windows}) "
-                            f"a multiple of the {self.world} processes")
+        for name, count in (("eval_windows", cfg.eval_windows), ("report_windows", cfg.report_windows)):
+            if self.fsdp and count % self.world:
+                raise UserError(f"under FSDP every process must run the same forwards: make {name} ({count}) "
+                                f"a multiple of the {self.world} processes")
         if self.resume_dir:
             # The weights come from step_N/ itself (from_pretrained above); optimizer, schedule, RNG from trainer/.
             optim_state, scheduler_state, scaler_state = load_trainer_state(self.resume_dir / TRAINER_DIR, self.rank)
@@ -175,21 +178,28 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ steps
 
     def evaluate(self) -> dict:
-        """Perplexity on the held-out windows, split over the processes."""
+        """Perplexity on the held-out windows (and on each report text), split over the processes."""
+        self.model.eval()
+        nll, tokens = self._nll(self.eval_windows)
+        result = {"perplexity": math.exp(nll), "nll": nll, "eval_tokens": tokens}
+        if self.report:
+            result["report"] = {name: round(math.exp(self._nll(windows)[0]), 4) for name, windows in self.report.items()}
+        self.model.train()
+        return result
+
+    def _nll(self, windows: torch.Tensor) -> tuple[float, int]:
+        """(mean next-token nll, tokens scored) of the model on `windows` [W, T], the windows split over the processes."""
         from mla_convert import evaluate
 
-        cfg, device, accelerator = self.cfg, self.device, self.accelerator
-        self.model.eval()
-        mine = self.eval_windows[self.rank :: self.world]  # [W_rank, T_eval]
+        device, accelerator = self.device, self.accelerator
+        mine = windows[self.rank :: self.world]  # [W_rank, T]
         nll_sum = torch.zeros(2, dtype=torch.float64, device=device)
         if mine.shape[0]:
             with accelerator.autocast():
-                r = evaluate.perplexity(self.model, mine.reshape(-1), cfg.eval_seq_len, mine.shape[0], progress=False)
+                r = evaluate.perplexity(self.model, mine.reshape(-1), windows.shape[1], mine.shape[0], progress=False)
             nll_sum += torch.tensor([r["nll"] * r["tokens"], r["tokens"]], dtype=torch.float64, device=device)
         nll_sum = accelerator.reduce(nll_sum, reduction="sum")
-        self.model.train()
-        nll = (nll_sum[0] / nll_sum[1]).item()
-        return {"perplexity": math.exp(nll), "nll": nll, "eval_tokens": int(nll_sum[1].item())}
+        return (nll_sum[0] / nll_sum[1]).item(), int(nll_sum[1].item())
 
     def train_step(self, step: int) -> tuple[torch.Tensor, float, torch.Tensor | None]:
         """One optimizer step over grad_accum micro-batches. -> (per-process mean [loss, ce, kl] [world, 3], the
@@ -270,7 +280,7 @@ class Trainer:
         if self.resume_step == 0:
             self.before = self.evaluate()
             self.metrics.write(event="eval", step=0, tokens=0, **self.before)
-            log.info("step 0: held-out perplexity %.3f", self.before["perplexity"])
+            log.info("step 0: held-out perplexity %.3f%s", self.before["perplexity"], _reported(self.before))
         else:
             evals = [r for r in self.metrics.read() if r.get("event") == "eval" and r["step"] == 0] if self.is_main else []
             self.before = evals[0] if evals else None
@@ -287,7 +297,7 @@ class Trainer:
             if cfg.eval_every and done % cfg.eval_every == 0 and done != self.total_steps:
                 r = self.evaluate()
                 self.metrics.write(event="eval", step=done, tokens=done * self.tokens_per_step, **r)
-                log.info("step %d: held-out perplexity %.3f", done, r["perplexity"])
+                log.info("step %d: held-out perplexity %.3f%s", done, r["perplexity"], _reported(r))
             if cfg.save_every and done % cfg.save_every == 0 and done != self.total_steps:
                 self.save(done)
             if crash_after and done == crash_after:
@@ -312,7 +322,7 @@ class Trainer:
         accelerator, device, out = self.accelerator, self.device, self.out
         after = self.evaluate()
         self.metrics.write(event="eval", step=self.total_steps, tokens=self.total_steps * self.tokens_per_step, **after)
-        log.info("final held-out perplexity %.3f", after["perplexity"])
+        log.info("final held-out perplexity %.3f%s", after["perplexity"], _reported(after))
 
         # Both ranks must hold the same weights: compare a checksum of the trained parameters.
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.params]  # FSDP2: gather the shards
@@ -369,6 +379,11 @@ class Trainer:
             "loss_last": train_records[-1]["loss"] if train_records else None,
             "held_out_perplexity_before": before["perplexity"] if before else None,
             "held_out_perplexity_after": after["perplexity"],
+            "tokens_per_second": round(self.total_steps * self.tokens_per_step / max(self.elapsed, 1e-9), 1),
+            "report_perplexity_before": before.get("report") if before else None,
+            "report_perplexity_after": after.get("report"),
+            "report_protocol": (f"{cfg.report_windows} x {cfg.report_seq_len}-token windows, mixed precision "
+                                f"{self.mp}" if self.report else None),
             "held_out_protocol": (f"{cfg.eval_windows} x {cfg.eval_seq_len}-token windows of "
                                   f"{cfg.eval_data or 'the held-out tail of ' + cfg.data}"),
             "parameter_checksums_per_process": checksums,
@@ -385,6 +400,12 @@ class Trainer:
         )
         provenance.save(final, record)
         write_model_card(final)
+
+
+def _reported(result: dict) -> str:
+    """The report texts' perplexities of an evaluation, for its log line ("" without report_data)."""
+    report = result.get("report") or {}
+    return "".join(f"; {name} {ppl:.3f}" for name, ppl in report.items())
 
 
 def run(cfg: FinetuneConfig) -> Path:

