@@ -268,7 +268,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         rope_strategy: Optional[str] = typer.Option(
             None, "--rope-strategy", help="Which frequency pairs keep RoPE: high, low, uniform, 2-norm or attention "
             "(the pairs whose score would suffer most under the calibration attention). Default: attention "
-            "(2-norm without calibration text; measured in benchmarks/quality.md); with --target deepseek uniform "
+            "(2-norm without calibration text; measured in benchmarks/quality/README.md); with --target deepseek uniform "
             "(high when uniform does not fit)."
         ),
         rope_merge: bool = typer.Option(
@@ -286,7 +286,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         objective: Optional[str] = typer.Option(
             None, "--objective", help="What the low-rank factorization keeps: kv (K/V outputs), attention (keys by "
             "their query-key score error, values by their error after o_proj) or scores (keys by score error, values "
-            "by their own). Default: kv (measured in benchmarks/quality.md)."
+            "by their own). Default: kv (measured in benchmarks/quality/README.md)."
         ),
         kv_balance: Optional[float] = typer.Option(
             None, "--kv-balance", help="Scale the key block so its energy is this multiple of the value block's before "
@@ -310,7 +310,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         ),
         calib_samples: Optional[int] = typer.Option(  # convert.default_calib_samples's rule, written out (torch)
             None, "--calib-samples", help="Calibration windows. Default: 16 where the MLA cache is under 37.5% of the "
-            "source's, else 32 (chosen on held-out text at 25% and 50%, benchmarks/quality.md).", show_default=False),
+            "source's, else 32 (chosen on held-out text at 25% and 50%, benchmarks/quality/README.md).", show_default=False),
         calib_seq_len: int = typer.Option(
             2048, "--calib-seq-len", help="Tokens per calibration window (the attention profiles see distances up to "
             "this; match the contexts you serve)."
@@ -318,7 +318,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         calib_temperature: Optional[float] = typer.Option(  # selftext.calib_temperature's rule, written out (torch)
             None, "--calib-temperature", help="Sampling temperature of the 'self' and 'self-doc' calibration text "
             "(above 1: more varied text). Default: 1.2 where the MLA cache is under 37.5% of the source's, else 1.0 "
-            "(chosen on held-out text at 25% and 50%, benchmarks/quality.md).", show_default=False),
+            "(chosen on held-out text at 25% and 50%, benchmarks/quality/README.md).", show_default=False),
         calib_sample_tokens: int = typer.Option(  # selftext.SAMPLE_TOKENS, written out
             256, "--calib-sample-tokens", help="New tokens at most per sampled 'self' answer (an answer ends earlier at "
             "its EOS; a 'self-doc' document fills a window)."),
@@ -402,7 +402,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "exact", "--qk-norm", help="Sources with per-head q/k RMS norms (Qwen3): exact (the key is normalized per "
             "token at attention time: exact at full rank, expanded attention every step) or calibrated (the key's "
             "RMS replaced by its calibration RMS per layer and kv group: plain MLA keys, absorbed decode, an "
-            "approximation; benchmarks/qwen3.md). Default: exact. Ignored for other sources."
+            "approximation; benchmarks/qwen3/README.md). Default: exact. Ignored for other sources."
         ),
         verbose: int = VerboseOpt,
         quiet: bool = QuietOpt,

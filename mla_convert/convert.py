@@ -74,13 +74,13 @@ class ConvertOptions:
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     # `self` text (mla_convert.selftext): the sampling temperature (None: selftext.calib_temperature of the share of
     # the cache kept, resolved in `convert`) and the new tokens per sampled answer (self-doc: per window); chosen on
-    # the development split (benchmarks/quality.md)
+    # the development split (benchmarks/quality/README.md)
     calib_temperature: float | None = None
     calib_sample_tokens: int = selftext.SAMPLE_TOKENS
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
     # uniform | energy: share the latent dims among layers by their spectra; None: energy with calibration text,
     # else uniform (resolve_allocation, in `convert`). Chosen on the
-    # development split at 25% with refinement (benchmarks/quality.md, series C): uniform 98.4, energy 88.9
+    # development split at 25% with refinement (benchmarks/quality/README.md, series C): uniform 98.4, energy 88.9
     rank_allocation: str | None = None
     value_inputs: str = "attended"  # token | attended: fit the value up-projection on the inputs attention averages
     key_inputs: str = "attended"  # token | attended: weight each calibration token by the attention its key receives
@@ -226,7 +226,7 @@ class Plan:
             inputs in float64) and the MLP activations of one batch;
           factorization: the float64 maps of the RoPE split (query about 3 times, key and value about 4 times) and the
             solver's [D, D] float64 copies (each group's attended covariance is made in place).
-        Measured at Llama-3-8B shapes against the peak (benchmarks/scale.md): runtime 0.4-0.5 GiB, the factorization
+        Measured at Llama-3-8B shapes against the peak (benchmarks/scale/README.md): runtime 0.4-0.5 GiB, the factorization
         phase within 2% of this model, the calibration phase the heavier one.
         Writing: the shard writer's buffer (up to one shard) plus one kept layer being read into it."""
         m = self.memory
@@ -320,7 +320,7 @@ def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> in
     64 (the rope key width of vLLM's MLA kernels, `SERVED_ROPE_MAX`: a wider key cannot be served there); head_dim/2
     (same cap) with --rank.
 
-    Measured on SmolLM2-135M (head_dim 64; benchmarks/quality.md): the RoPE pairs lose more than the rank until the
+    Measured on SmolLM2-135M (head_dim 64; benchmarks/quality/README.md): the RoPE pairs lose more than the rank until the
     latent gets small, so the rope key takes a large share, but not the whole head. At 25% (96) d_r 32 beat 16 and 48
     on the development split; at 50% (192) the refined layers scored 32.90 with d_r 48 against 34.97 with 64 (probes
     C_t12_50_r48, C_t12_50), where a 2-window closed-form sweep of the earlier code had put 64 ahead of 32 and 96."""
@@ -336,7 +336,7 @@ def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> in
 
 
 # Calibration windows by the share of the source's cache a conversion keeps (`--calib-samples`, default): chosen on
-# the development split (benchmarks/quality.md). At 25% with refinement 8 windows 102.9, 16 98.4, 32 99.8 (series C,
+# the development split (benchmarks/quality/README.md). At 25% with refinement 8 windows 102.9, 16 98.4, 32 99.8 (series C,
 # wiki-dev): 16, the cheaper of a tie. At 50% 32 windows lowered every development text (series D: 28.82 / 19.05 /
 # 32.80 against 29.21 / 19.45 / 33.36 for 16, dev ratio 1.1716 against 1.1918) for about 1.5x the conversion time:
 # a wider latent and its refinement fit more from the same text when it has more of it.

@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 EXACT = 1e-9  # relative error below which a layer is already exact (float32 round-off): not refined
-# Chosen on the development split (benchmarks/quality.md, probes of series C): 200 Adam steps at 1e-3 (cosine) on
+# Chosen on the development split (benchmarks/quality/README.md, probes of series C): 200 Adam steps at 1e-3 (cosine) on
 # 2048 tokens a step. At 25%, 100 steps: 3e-4 scored 122.4, 1e-3 113.0, 3e-3 123.5; 200 steps at 1e-3 102.9 (at 3e-4
 # 113.2); 200 steps on one 2048-token window a step instead of two of 1024 99.3 at 1.5x the time, and again on the
 # later defaults 87.23 against 89.29 at 25% and 34.66 against 35.50 at 50%: one window of 2048 is the default since

@@ -39,7 +39,7 @@ SELF_DOC = "self-doc"  # document style
 STYLES = {SELF: "chat", SELF_DOC: "document"}
 # Fine-tuning text (`finetune --data self`): temperature 1, the model's own distribution. Calibration text
 # (`--calib-data self`, `--calib-temperature`): `calib_temperature`, by the share of the source's cache the conversion
-# keeps, chosen on the development split with refinement (benchmarks/quality.md, series C). At 25%: 0.7 114.6, 1.0
+# keeps, chosen on the development split with refinement (benchmarks/quality/README.md, series C). At 25%: 0.7 114.6, 1.0
 # 75.6, 1.2 66.6 (hotter text covers more of what the layers can be asked; cooler text loops). At 50%: see
 # `calib_temperature`. Length 256 (0.7: 1024 new tokens scored 123.4 against 114.6) and batch also by sampling cost
 # (64 x 512 a batch was far slower per token); "What chose what" in benchmarks/quality.md.
@@ -58,7 +58,7 @@ CACHED_PROMPTS = "bd52d72160f6eb3a"
 # more than one register. They are instructions, not data: the text is the model's own. 96 of them, so that the 16
 # calibration windows answer each about once: the first 24 alone (the list before, each answered about 5 times at
 # the same tokens) scored 59.36 at 25% and 32.07 at 50% on the development split, these 96 57.45 and 31.60
-# (benchmarks/quality.md, "The prompt pool").
+# (benchmarks/quality/README.md, "The prompt pool").
 PROMPTS = [
     "Write a short encyclopedia article about a historical city.",
     "Explain how to configure a network interface on a Linux server, with example commands.",
@@ -163,7 +163,7 @@ def calib_temperature(kept: float) -> float:
     """The default temperature of `self` calibration text for a conversion that keeps `kept` (a fraction) of the
     source's KV cache: CALIB_TEMPERATURE below HOT_BELOW, else TEMPERATURE, the model's own distribution.
 
-    Measured on SmolLM2-135M with refined layers on the development split (benchmarks/quality.md, series C): at 25%
+    Measured on SmolLM2-135M with refined layers on the development split (benchmarks/quality/README.md, series C): at 25%
     1.2 beat 1.0 by 11.9% (66.6 against 75.6); at 50% 1.0 beat 1.2 twice, by 0.6% with the current defaults (32.07
     against 32.27) and by 1.6% with the earlier 64-dim rope key (34.41 against 34.97). A small latent gains from text
     that covers more of what it can be asked; a wide one from the text the model writes. Between the two budgets, the

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """One-shot conversion quality on every domain: perplexity at KV-cache budgets for each method, no fine-tuning.
 
-    nice python scripts/bench_quality.py                      # -> benchmarks/quality.md, quality.png, quality.jsonl
+    nice python scripts/bench_quality.py                      # -> benchmarks/quality/README.md, quality.png, quality.jsonl
     nice python scripts/bench_quality.py --budgets 96 --methods mla-convert --calib wiki-valid   # another calibration
-    nice python scripts/bench_quality.py --texts wiki-dev --windows 4 --results benchmarks/quality_dev.jsonl  # choices
+    nice python scripts/bench_quality.py --texts wiki-dev --windows 4 --results benchmarks/quality/quality_dev.jsonl  # choices
 
 Protocol (issue 15): the embedded SmolLM2-135M-Instruct (384 cached elements per token per layer), converted at the
 given budgets (default 192 and 96: 50% and 25%) with calibration `--calib` (default `self`: text sampled from the
@@ -26,7 +26,7 @@ Methods, all run through our pipeline so that only the method differs:
                frequency kept: d_r 64, or half the budget when smaller), BKV-PCA (K and V balanced, PCA of the joint
                K/V outputs on calibration activations).
   mla-convert  this project's default (whatever `mla-convert llama --kv-budget B` does with no method options).
-Results are appended to benchmarks/quality.jsonl as they come (a re-run skips what is there; --redo to measure again).
+Results are appended to benchmarks/quality/quality.jsonl as they come (a re-run skips what is there; --redo to measure again).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks" / "quality"  # this benchmark's folder: README.md (the report), results, plot
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 DOMAINS = ROOT / "out" / "domains"  # scripts/domain_texts.py writes them (Debian packages; evaluation only)
 DEV = ROOT / "out" / "dev"  # wiki.valid.tokens cut in two: calibration may use the first half, choices the second
@@ -61,7 +62,7 @@ CALIBS = {
     "wiki-valid-first-half": DEV / "wiki.valid.first-half.tokens",
     "self+wiki-valid-first-half": f"self:0.5,{DEV / 'wiki.valid.first-half.tokens'}:0.5",
 }
-NOTES = [  # what chose what (issue 15), written with the measurements
+NOTES = [  # the history of what chose what (issue 15), written with the measurements
     "**What chose what.** `self` calibration is the default because it needs no data set and samples the model's own "
     "distribution (with the chat template for this instruct model); no evaluation text was read to choose it. Its "
     "sampling settings were first chosen by cost: temperature 1.0 (the model's own distribution), 256 new tokens "
@@ -124,7 +125,7 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "48-160 latent dims, 128 on average. The nope query/key narrowed next to head_dim - d_r (`--nope-dims`, docs/method.md section 3; "
     "at 25% 32 dims instead of 64, so query and key are 64 wide, as the source's head) was chosen for speed (issue "
     "13: the attention then costs what the source's does; eval window 0.97x the source's time instead of 1.085x, "
-    "benchmarks/prefill_xeon.md) at a small measured cost: on `wiki-dev` 89.29 against 88.83 (probes "
+    "benchmarks/prefill/prefill_xeon.md) at a small measured cost: on `wiki-dev` 89.29 against 88.83 (probes "
     "C_energy_nope32 and C_energy_xeon; 8 windows 78.23 against 77.71), on the evaluation texts (rows `mla-convert-w1024` "
     "against `mla-convert-nope64`) +0.9%, +0.8% and +1.2% (88.04 -> 88.79, 45.96 -> 46.35, 48.52 -> 49.09; 752 s "
     "of conversion on quiet cores of the later Intel Xeon machine). At 50% (d_r 64 = head_dim) nothing changes. With "
@@ -353,8 +354,8 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "**The prompt pool** (96 built-in requests for the self text, the default since; were 24): the 16 "
     "calibration windows answered each of the 24 requests about 5 times, at the same tokens. A pool of 96 "
     "requests of the same kinds (the 24 and 72 more; `selftext.PROMPTS`, first measured from "
-    "benchmarks/probe_prompts_96.json with `explore_quality.py ... "
-    "selftext.PROMPTS=@benchmarks/probe_prompts_96.json`) answers each about once. On `wiki-dev` at 50% 31.60"
+    "benchmarks/quality/probe_prompts_96.json with `explore_quality.py ... "
+    "selftext.PROMPTS=@benchmarks/quality/probe_prompts_96.json`) answers each about once. On `wiki-dev` at 50% 31.60"
     " against 32.07 (probe C_t10_50_r48_p96, -1.5%; the stage's held-out KL on the sampled text about the "
     "same, 0.0824 -> 0.0804 against 0.0832 -> 0.0800); at 25% 57.45 against 59.36 (-3.2%; probe C_p96_main: "
     "the main job's own conversion with the 96 requests, scored with `--score`; its stage kept after step 64,"
@@ -510,9 +511,11 @@ NOTES = [  # what chose what (issue 15), written with the measurements
     "default refined at 3e-4 16% / 8% / 26% (126.88 -> 110.59, 62.05 -> 58.24, 59.58 -> 48.61), and from the closed "
     "form alone 34% / 42% / 47% (187.71 -> 132.70, 101.80 -> 64.71, 92.12 -> 56.95), each ending higher.",
     "",
+]
+WINDOWS_NOTE = [
     "Windows: 4 x 2048 tokens per text (not the 16 of the earlier protocol) because every evaluation shared 2 cores "
     "with other jobs; ratios are to the source on the same windows. The 50% default and its baseline are also "
-    "measured on 16 windows (the table of that name; paragraph \"More windows at 50%\" above).",
+    "measured on 16 windows (the table of that name; paragraph \"More windows at 50%\" in the history below).",
     "",
 ]
 
@@ -639,9 +642,9 @@ def load_results(path: Path) -> list[dict]:
 
 
 def write_report(args) -> None:
-    """benchmarks/quality.md: the every-domain tables (self-calibrated defaults and baselines), the development-split
+    """benchmarks/quality/README.md: the every-domain tables (self-calibrated defaults and baselines), the development-split
     probes that chose the defaults, then the earlier WikiText-only protocol's tables and probes, and the plot."""
-    bench = ROOT / "benchmarks"
+    bench = BENCH
     everything = load_results(bench / "quality.jsonl")
     rows = latest([r for r in everything if "texts" in r])
     dev = latest([r for r in load_results(bench / "quality_dev.jsonl") if "texts" in r])
@@ -668,11 +671,14 @@ def write_report(args) -> None:
         "source (`dev ratio`). Evaluation only: WikiText-2 test, debian-reference, gnu-standards; no choice is made "
         "on them.",
         "",
-        *NOTES,
+        *WINDOWS_NOTE,
         *acceptance(rows),
     ]
     lines += domain_report(rows, "Every domain", "Calibration and method per row; `vs transmla`: per text, against "
                            "the TransMLA-style baseline at the same budget and calibration.")
+    lines += ["# History: what chose the defaults", "",
+              "Each default's choice in short, with its pointer here: docs/decisions.md. The measurements, in the "
+              "order they were made:", "", *NOTES]
     lines += domain_report(dev, "Development split (the choices)", "Probes on `wiki-dev` (the second half of "
                            "wiki.valid.tokens), never on evaluation text.")
     rows = [r for r in everything if "texts" not in r]
@@ -683,7 +689,7 @@ def write_report(args) -> None:
     counts = sorted({r["windows"] for r in rows}, reverse=True)
     for windows in counts:
         lines += table([r for r in rows if r["windows"] == windows], windows)
-    probes = ROOT / "benchmarks" / "quality_probes.jsonl"
+    probes = BENCH / "quality_probes.jsonl"
     if probes.exists():  # the probes that chose the defaults (scripts/explore_quality.py)
         lines += ["## Probes that chose the defaults (2 windows, series D 4; not the protocol)", "",
                   "In-process conversions of the embedded model, 2 windows. Series A and B (the earlier defaults, at "
@@ -704,7 +710,7 @@ def write_report(args) -> None:
                 lines.append(f"| {p['name']} | {ppl}{count} | {opts} |")
             lines.append("")
     lines += ["![perplexity vs budget](quality.png)", ""]
-    (ROOT / "benchmarks" / "quality.md").write_text("\n".join(lines))
+    (BENCH / "README.md").write_text("\n".join(lines))
     if counts:
         chosen = [r for r in rows if r["windows"] == (16 if 16 in counts else counts[0])]
         plot(chosen, next((r for r in chosen if r["method"] == "source"), None))
@@ -770,7 +776,7 @@ def plot(rows: list[dict], source: dict | None) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(ROOT / "benchmarks" / "quality.png", dpi=120)
+    fig.savefig(BENCH / "quality.png", dpi=120)
 
 
 def latest(rows: list[dict]) -> list[dict]:
@@ -857,9 +863,9 @@ def main() -> None:
                     help=f"evaluation texts, comma separated: {', '.join(TEXTS)} (wiki-dev: the development split)")
     ap.add_argument("--calib", default="self", help=f"calibration text: {', '.join(CALIBS)}")
     ap.add_argument("--windows", type=int, default=8, help="2048-token windows per text")
-    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "quality.jsonl",
-                    help="results file (benchmarks/quality_dev.jsonl for choices made on the development split)")
-    ap.add_argument("--report-only", action="store_true", help="rewrite quality.md/png from the results files")
+    ap.add_argument("--results", type=Path, default=BENCH / "quality.jsonl",
+                    help="results file (benchmarks/quality/quality_dev.jsonl for choices made on the development split)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite README.md and quality.png from the results files")
     ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
     ap.add_argument("--no-source", action="store_true", help="do not measure the source (another run does)")
     ap.add_argument("--reuse", action="store_true", help="evaluate a complete converted folder already under "
@@ -875,7 +881,7 @@ def main() -> None:
     args.texts = args.texts.split(",")
     if unknown := [t for t in args.texts if t not in TEXTS] + ([args.calib] if args.calib not in CALIBS else []):
         raise SystemExit(f"unknown text or calibration {unknown[0]}: choose from {', '.join([*TEXTS, *CALIBS])}")
-    (ROOT / "benchmarks").mkdir(exist_ok=True)
+    BENCH.mkdir(parents=True, exist_ok=True)
     work = ROOT / "out" / "bench-quality"
     work.mkdir(parents=True, exist_ok=True)
 

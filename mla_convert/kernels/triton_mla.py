@@ -170,12 +170,12 @@ def launch_config(batch: int, heads: int, seq_len: int, d_c: int, d_r: int, sm_c
     Cached (decode calls it with the same shapes every step; uncached it took a quarter of the host time of a call
     under cProfile): callers must not modify the returned dict.
 
-    Defaults were chosen on an H100 (bf16, d_c 64, d_r 32, 9 heads; benchmarks/decode_gpu.sweep.json, written by
+    Defaults were chosen on an H100 (bf16, d_c 64, d_r 32, 9 heads; benchmarks/decode_gpu/decode_gpu.sweep.json, written by
     `scripts/bench_decode.py --kernel-sweep`): 128-row blocks and 3 pipeline stages for latents up to 64 wide were
     within 9% of the best of 54 launch variants at every swept shape (batch 1-32, 8K-64K), and 1.1-1.5x faster than
     the earlier 64 rows / 2 stages. Wider latents keep smaller blocks. A 256-wide tile (d_c 129-256, e.g. the 50%
     shape of SmolLM2, d_c 144) takes 32 rows and 3 stages, the shared memory of the 128-wide default (64 rows, 3
-    stages); benchmarks/decode_gpu.sweep144.json: 1.28x faster than 2 stages over the swept shapes (geometric mean),
+    stages); benchmarks/decode_gpu/decode_gpu.sweep144.json: 1.28x faster than 2 stages over the swept shapes (geometric mean),
     within 2.2% of the best of 49 variants at batch 32; 64 rows and 3 stages was 10% faster still on an H100 but needs
     twice the shared memory (about 120 KB in bf16, more than many GPUs have). Reading 144 columns as two tiles (128 +
     16) was 11% slower than one of 256. Wider latents keep 2 stages. The same sweep

@@ -186,7 +186,7 @@ class MLAAttention(nn.Module):
         if implementation == "sdpa" and d_qk != d_v:
             # sdpa's fused kernels (CPU flash, CUDA flash/cuDNN) need one head dim for query, key and value; with
             # d_n + d_r != d_v it falls back to the math kernel, which materialises every [T, S] score matrix
-            # (4-5x slower per layer on CPU at 1-2K tokens, benchmarks/prefill.md). Zero columns make the widths
+            # (4-5x slower per layer on CPU at 1-2K tokens, benchmarks/prefill/README.md). Zero columns make the widths
             # equal without changing the result: zeros in the value give zero output columns (sliced off below),
             # zeros in query and key add nothing to a score.
             if d_qk < d_v:
