@@ -4,7 +4,7 @@ There is no real Qwen3 checkpoint offline, so this script trains one: a small Qw
 learned q/k norm weights) with a byte-level BPE tokenizer, both fit on WikiText-2 validation text (wiki.valid.tokens),
 on the CPU. It then converts it with both --qk-norm modes at full rank and at 50% / 25% of the source's KV cache
 (calibration on the same validation text) and measures perplexity on the test split (wiki.test.tokens, never trained
-or calibrated on). Writes benchmarks/qwen3/README.md and benchmarks/qwen3.json.
+or calibrated on). Writes benchmarks/qwen3/README.md and benchmarks/qwen3/qwen3.json.
 
     PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_qwen3.py [--steps 300]
 """

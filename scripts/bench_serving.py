@@ -5,7 +5,8 @@ vLLM in bfloat16 and float32 and by transformers in float32 on the first WINDOWS
 (each window on its own, as `mla-convert eval` does); greedy continuations compared; vLLM's decode tokens/s for the
 source model and the converted ones; the KV-cache bytes per token vLLM allocates (read from its cache tensors and
 block count). With --deepseek, also (at the first budget) the `--target deepseek` conversion's DeepSeek-V3 export (padded to 512 + 64 for
-vLLM's CPU MLA kernel) to show what that route costs. Writes benchmarks/serving/README.md and benchmarks/serving.json.
+vLLM's CPU MLA kernel) to show what that route costs. Writes benchmarks/serving/README.md and
+benchmarks/serving/serving.json.
 
     python scripts/bench_serving.py [--budgets 0.5 0.25] [--windows 16] [--deepseek]
 
