@@ -28,7 +28,8 @@ The 12.5% run (benchmarks/prefill/prefill_12.md: every layer's latent narrower t
 on the weights' values):
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/bench_prefill.py --threads 1 --clock cpu \
         --model out/bench-prefill/energy-125-cf --expanded --rounds 3 --train-rounds 3 \
-        --out benchmarks/prefill/prefill_12.md --json benchmarks/prefill/prefill_12.json --plot benchmarks/prefill/prefill_12.png
+        --out benchmarks/prefill/prefill_12.md --json benchmarks/prefill/prefill_12.json \
+        --plot benchmarks/prefill/prefill_12.png
 `--source` defaults to the embedded SmolLM2-135M (`mla_convert.evaluate.load_model(None)`). On a GPU (not yet run):
     python scripts/bench_prefill.py --device cuda --dtype bfloat16 --model out/bench-serving/native-250 --unpadded \
         --lengths 1024,2048,8192 --out benchmarks/prefill/prefill_gpu.md --json benchmarks/prefill/prefill_gpu.json \

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """One-shot conversion quality on every domain: perplexity at KV-cache budgets for each method, no fine-tuning.
 
-    nice python scripts/bench_quality.py                      # -> benchmarks/quality/README.md, quality.png, quality.jsonl
+    nice python scripts/bench_quality.py               # -> benchmarks/quality/README.md, quality.png, quality.jsonl
     nice python scripts/bench_quality.py --budgets 96 --methods mla-convert --calib wiki-valid   # another calibration
-    nice python scripts/bench_quality.py --texts wiki-dev --windows 4 --results benchmarks/quality/quality_dev.jsonl  # choices
+    nice python scripts/bench_quality.py --texts wiki-dev --windows 4 \
+        --results benchmarks/quality/quality_dev.jsonl  # choices
 
 Protocol (issue 15): the embedded SmolLM2-135M-Instruct (384 cached elements per token per layer), converted at the
 given budgets (default 192 and 96: 50% and 25%) with calibration `--calib` (default `self`: text sampled from the
@@ -26,7 +27,8 @@ Methods, all run through our pipeline so that only the method differs:
                frequency kept: d_r 64, or half the budget when smaller), BKV-PCA (K and V balanced, PCA of the joint
                K/V outputs on calibration activations).
   mla-convert  this project's default (whatever `mla-convert llama --kv-budget B` does with no method options).
-Results are appended to benchmarks/quality/quality.jsonl as they come (a re-run skips what is there; --redo to measure again).
+Results are appended to benchmarks/quality/quality.jsonl as they come (a re-run skips what is there; --redo to measure
+again).
 """
 
 from __future__ import annotations
@@ -642,8 +644,9 @@ def load_results(path: Path) -> list[dict]:
 
 
 def write_report(args) -> None:
-    """benchmarks/quality/README.md: the every-domain tables (self-calibrated defaults and baselines), the development-split
-    probes that chose the defaults, then the earlier WikiText-only protocol's tables and probes, and the plot."""
+    """benchmarks/quality/README.md: the current results first (the targets, the every-domain tables of the
+    self-calibrated defaults and baselines), then the history: what chose each default, the development-split probes,
+    the earlier WikiText-only protocol's tables and probes, and the plot."""
     bench = BENCH
     everything = load_results(bench / "quality.jsonl")
     rows = latest([r for r in everything if "texts" in r])
@@ -864,8 +867,10 @@ def main() -> None:
     ap.add_argument("--calib", default="self", help=f"calibration text: {', '.join(CALIBS)}")
     ap.add_argument("--windows", type=int, default=8, help="2048-token windows per text")
     ap.add_argument("--results", type=Path, default=BENCH / "quality.jsonl",
-                    help="results file (benchmarks/quality/quality_dev.jsonl for choices made on the development split)")
-    ap.add_argument("--report-only", action="store_true", help="rewrite README.md and quality.png from the results files")
+                    help="results file (benchmarks/quality/quality_dev.jsonl for choices made on the development "
+                    "split)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite README.md and quality.png from the results files")
     ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
     ap.add_argument("--no-source", action="store_true", help="do not measure the source (another run does)")
     ap.add_argument("--reuse", action="store_true", help="evaluate a complete converted folder already under "

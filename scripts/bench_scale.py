@@ -347,9 +347,9 @@ about 39 GiB at 32 layers of 8B shapes; use the uniform default at this size).
 The 4-layer rows and the Qwen row ran on a shared 2-core machine with other jobs running (load average about 10 on 2
 cores: their wall times are upper bounds, several times a quiet machine's); `OMP_NUM_THREADS=2`. The 32-layer row
 was re-run on the code of 2026-11-23 on a quiet machine (load about 1-2): 9.5 min wall, 7 s calibration and 10 s
-factorization per layer. The first 4-layer run used earlier code (noted in benchmarks/scale/scale.json), which peaked in the
-calibration statistics on 1 GB float64 temporaries (the attended-input products of all kv groups at once, and a
-divided copy of the attended moments); both are gone since (one group at a time, division in place). The depth check,
+factorization per layer. The first 4-layer run used earlier code (noted in benchmarks/scale/scale.json), which peaked in
+the calibration statistics on 1 GB float64 temporaries (the attended-input products of all kv groups at once, and
+a divided copy of the attended moments); both are gone since (one group at a time, division in place). The depth check,
 same code: 3.58 GiB at 4 layers, 3.65 GiB at 32 (+2%), both 0.83-0.84 of the printed 4.32 GiB. An earlier 32-layer
 run on the older code peaked at 4.59 GiB (estimate 5.02) against 4.45 GiB at 4 layers with that code. The CPU rows
 predate two later defaults: the nope query/key narrowed to head_dim - d_r (`--nope-dims`, 2026-11-24: smaller query
