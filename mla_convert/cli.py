@@ -268,7 +268,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         rope_strategy: Optional[str] = typer.Option(
             None, "--rope-strategy", help="Which frequency pairs keep RoPE: high, low, uniform, 2-norm or attention "
             "(the pairs whose score would suffer most under the calibration attention). Default: attention "
-            "(2-norm without calibration text; measured in benchmarks/quality.md); with --target deepseek uniform "
+            "(2-norm without calibration text; docs/decisions.md#closed-form-options); with --target deepseek uniform "
             "(high when uniform does not fit)."
         ),
         rope_merge: bool = typer.Option(
@@ -286,7 +286,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         objective: Optional[str] = typer.Option(
             None, "--objective", help="What the low-rank factorization keeps: kv (K/V outputs), attention (keys by "
             "their query-key score error, values by their error after o_proj) or scores (keys by score error, values "
-            "by their own). Default: kv (measured in benchmarks/quality.md)."
+            "by their own). Default: kv (docs/decisions.md#closed-form-options)."
         ),
         kv_balance: Optional[float] = typer.Option(
             None, "--kv-balance", help="Scale the key block so its energy is this multiple of the value block's before "
@@ -310,7 +310,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         ),
         calib_samples: Optional[int] = typer.Option(  # convert.default_calib_samples's rule, written out (torch)
             None, "--calib-samples", help="Calibration windows. Default: 16 where the MLA cache is under 37.5% of the "
-            "source's, else 32 (chosen on held-out text at 25% and 50%, benchmarks/quality.md).", show_default=False),
+            "source's, else 32 (docs/decisions.md#calibration-windows).", show_default=False),
         calib_seq_len: int = typer.Option(
             2048, "--calib-seq-len", help="Tokens per calibration window (the attention profiles see distances up to "
             "this; match the contexts you serve)."
@@ -318,7 +318,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
         calib_temperature: Optional[float] = typer.Option(  # selftext.calib_temperature's rule, written out (torch)
             None, "--calib-temperature", help="Sampling temperature of the 'self' and 'self-doc' calibration text "
             "(above 1: more varied text). Default: 1.2 where the MLA cache is under 37.5% of the source's, else 1.0 "
-            "(chosen on held-out text at 25% and 50%, benchmarks/quality.md).", show_default=False),
+            "(docs/decisions.md#self-text-temperature-length-and-batch).", show_default=False),
         calib_sample_tokens: int = typer.Option(  # selftext.SAMPLE_TOKENS, written out
             256, "--calib-sample-tokens", help="New tokens at most per sampled 'self' answer (an answer ends earlier at "
             "its EOS; a 'self-doc' document fills a window)."),
@@ -348,8 +348,9 @@ def _make_convert_command(family: Optional[str], help_text: str):
         refine_steps: Optional[str] = typer.Option(
             "auto", "--refine-steps", help="After the factorization, train each converted layer this many "
             "Adam steps so that its outputs match the source's on the calibration text (real softmax and "
-            "RoPE; kept only where a held-out calibration sequence improves). auto (default): 200 on a GPU, and on "
-            "the CPU when the plan estimates at most 1.5 h; 0: off. Measured in benchmarks/quality.md."
+            "RoPE; kept only where a held-out calibration sequence improves). auto (default): 200 where the MLA "
+            "cache is under 37.5% of the source's, else 300, on a GPU, and on the CPU when the plan estimates at "
+            "most 1.5 h; 0: off (docs/decisions.md#refinement-steps-rate-and-window)."
         ),
         refine_lr: float = typer.Option(  # refine.DEFAULT_LR, written out: that module imports torch
             1e-3, "--refine-lr", help="Learning rate of --refine-steps (Adam, cosine)."),
@@ -368,7 +369,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "this many Adam steps end to end so that the model's next-token distributions match the source's on the "
             "calibration windows (KL; one window held out and checked 8 times, the best weights seen kept). Holds "
             "the whole model in memory. auto (default): 64 on a GPU, and on the CPU when the plan estimates at most "
-            "30 min and half the machine's memory; 0: off. Measured in benchmarks/quality.md."),
+            "30 min and half the machine's memory; 0: off (docs/decisions.md#the-model-stage)."),
         refine_model_lr: float = typer.Option(  # refine.MODEL_LR, written out
             1e-4, "--refine-model-lr", help="Learning rate of --refine-model-steps (Adam, warmup then cosine)."),
         refine_model_scope: str = typer.Option(  # refine.MODEL_SCOPE, written out
@@ -402,7 +403,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "exact", "--qk-norm", help="Sources with per-head q/k RMS norms (Qwen3): exact (the key is normalized per "
             "token at attention time: exact at full rank, expanded attention every step) or calibrated (the key's "
             "RMS replaced by its calibration RMS per layer and kv group: plain MLA keys, absorbed decode, an "
-            "approximation; benchmarks/qwen3.md). Default: exact. Ignored for other sources."
+            "approximation; benchmarks/qwen3/README.md). Default: exact. Ignored for other sources."
         ),
         verbose: int = VerboseOpt,
         quiet: bool = QuietOpt,
@@ -538,7 +539,7 @@ def generate_command(
     cache: str = typer.Option(
         "dynamic", "--cache", help="dynamic (grows by a row each step) or static (preallocated for the prompt and "
         "--max-new-tokens; on CUDA transformers compiles the decode step into CUDA graphs: the first decode step "
-        "takes tens of seconds, the rest run about 10x faster than dynamic)."
+        "takes tens of seconds, the rest run much faster than dynamic; docs/decisions.md#static-cache-in-generate)."
     ),
     verbose: int = VerboseOpt,
     quiet: bool = QuietOpt,

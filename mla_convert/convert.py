@@ -38,9 +38,9 @@ QK_NORM_TEXT = {
     "calibrated": "calibrated (the key's per-token RMS replaced by its calibration RMS: plain MLA keys, absorbed "
     "decode; the query keeps its exact norm)",
 }
-# Memory estimate (Plan.memory_parts): the runtime's own resident set (Python, torch, transformers, a tokenizer), as
-# measured at the first layer of a conversion; and the factor over the modelled parts for what they leave out (the
-# allocator's free-but-held pages, short-lived copies inside torch ops), set from benchmarks/scale.md.
+# Memory estimate (Plan.memory_parts): the runtime's own resident set (Python, torch, transformers, a tokenizer) at
+# the first layer of a conversion; and the factor over the modelled parts for what they leave out (the allocator's
+# free-but-held pages, short-lived copies inside torch ops): docs/decisions.md#memory-estimate.
 BASELINE = int(0.6 * 2**30)
 MEMORY_SAFETY = 1.15
 # Config keys carried from the source into the MLA config unchanged.
@@ -68,19 +68,18 @@ class ConvertOptions:
     kv_balance: float | None = 1.0  # scale the key block so its energy is this multiple of the value block's
     dropped_rope: str = "expected"  # unrotated | expected: dropped pairs keep E[rotation] under the head's attention
     calib_data: str | None = "self"  # text sampled from the source (data-free); files/datasets, weighted: see calibration
-    # None: default_calib_samples of the share of the source's cache kept (16 windows at 25%, 32 at 50%); the
-    # refinement trains on the first SEQ_LEN tokens of all but one window
+    # None: default_calib_samples of the share of the source's cache kept; the refinement trains on the first SEQ_LEN
+    # tokens of all but one window
     calib_samples: int | None = None
     calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
     # `self` text (mla_convert.selftext): the sampling temperature (None: selftext.calib_temperature of the share of
-    # the cache kept, resolved in `convert`) and the new tokens per sampled answer (self-doc: per window); chosen on
-    # the development split (benchmarks/quality.md)
+    # the cache kept, resolved in `convert`) and the new tokens per sampled answer (self-doc: per window):
+    # docs/decisions.md#self-text-temperature-length-and-batch
     calib_temperature: float | None = None
     calib_sample_tokens: int = selftext.SAMPLE_TOKENS
     calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
     # uniform | energy: share the latent dims among layers by their spectra; None: energy with calibration text,
-    # else uniform (resolve_allocation, in `convert`). Chosen on the
-    # development split at 25% with refinement (benchmarks/quality.md, series C): uniform 98.4, energy 88.9
+    # else uniform (resolve_allocation, in `convert`): docs/decisions.md#rank-allocation
     rank_allocation: str | None = None
     value_inputs: str = "attended"  # token | attended: fit the value up-projection on the inputs attention averages
     key_inputs: str = "attended"  # token | attended: weight each calibration token by the attention its key receives
@@ -226,8 +225,7 @@ class Plan:
             inputs in float64) and the MLP activations of one batch;
           factorization: the float64 maps of the RoPE split (query about 3 times, key and value about 4 times) and the
             solver's [D, D] float64 copies (each group's attended covariance is made in place).
-        Measured at Llama-3-8B shapes against the peak (benchmarks/scale.md): runtime 0.4-0.5 GiB, the factorization
-        phase within 2% of this model, the calibration phase the heavier one.
+        Checked at Llama-3-8B shapes against the measured peak: docs/decisions.md#memory-estimate.
         Writing: the shard writer's buffer (up to one shard) plus one kept layer being read into it."""
         m = self.memory
         hidden, heads, groups, head_dim, inter = self.hidden, self.heads, self.groups, self.head_dim, m["intermediate"]
@@ -320,10 +318,8 @@ def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> in
     64 (the rope key width of vLLM's MLA kernels, `SERVED_ROPE_MAX`: a wider key cannot be served there); head_dim/2
     (same cap) with --rank.
 
-    Measured on SmolLM2-135M (head_dim 64; benchmarks/quality.md): the RoPE pairs lose more than the rank until the
-    latent gets small, so the rope key takes a large share, but not the whole head. At 25% (96) d_r 32 beat 16 and 48
-    on the development split; at 50% (192) the refined layers scored 32.90 with d_r 48 against 34.97 with 64 (probes
-    C_t12_50_r48, C_t12_50), where a 2-window closed-form sweep of the earlier code had put 64 ahead of 32 and 96."""
+    The RoPE pairs lose more than the rank until the latent gets small, so the rope key takes a large share, but not
+    the whole head: chosen on the development split, docs/decisions.md#rope-key-width."""
     from mla_convert.serving.layout import SERVED_ROPE_MAX
 
     step = 2 if options.rope_merge else 2 * groups  # without merging every kv head keeps the same number of pairs
@@ -335,19 +331,17 @@ def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> in
     return int(min(cap, max(step, step * round(budget / 3 / step))))
 
 
-# Calibration windows by the share of the source's cache a conversion keeps (`--calib-samples`, default): chosen on
-# the development split (benchmarks/quality.md). At 25% with refinement 8 windows 102.9, 16 98.4, 32 99.8 (series C,
-# wiki-dev): 16, the cheaper of a tie. At 50% 32 windows lowered every development text (series D: 28.82 / 19.05 /
-# 32.80 against 29.21 / 19.45 / 33.36 for 16, dev ratio 1.1716 against 1.1918) for about 1.5x the conversion time:
-# a wider latent and its refinement fit more from the same text when it has more of it.
+# Calibration windows by the share of the source's cache a conversion keeps (`--calib-samples`, default): a wider
+# latent and its refinement fit more from the same text when it has more of it; chosen on the development split,
+# docs/decisions.md#calibration-windows.
 CALIB_SAMPLES = 16
 WIDE_CALIB_SAMPLES = 32
-WIDE_FROM = refine.WIDE_FROM  # halfway between the two measured budgets (25%: 16 windows, 50%: 32); one threshold
+WIDE_FROM = refine.WIDE_FROM  # the one threshold of every default by the cache kept
 
 
 def default_calib_samples(kept: float) -> int:
     """The calibration windows of a conversion that keeps `kept` (a fraction) of the source's KV cache: CALIB_SAMPLES
-    below WIDE_FROM, else WIDE_CALIB_SAMPLES (between the two measured budgets, the nearer one's choice)."""
+    below WIDE_FROM, else WIDE_CALIB_SAMPLES."""
     return CALIB_SAMPLES if kept < WIDE_FROM else WIDE_CALIB_SAMPLES
 
 
@@ -356,8 +350,8 @@ def default_nope_dims(options: ConvertOptions, head_dim: int, d_r: int, qk_norm:
     head's query/key width d_n + d_r is the source's head_dim: attention then costs what the source's does and runs
     sdpa's fused kernels without padding (the value keeps head_dim). Merged pairs leave the nope key d_h - d_r dropped
     dims plus the small remainder of the kept frequencies that the merge did not move into the rope key; the
-    query-weighted reduction (`narrow_nope`) keeps 99.4-100% of the nope score energy (mean 99.9%) at 25% of
-    SmolLM2-135M's cache (recorded per layer as `nope_kept`). Otherwise (wider rope keys, unmerged pairs, per-head
+    query-weighted reduction (`narrow_nope`) keeps nearly all of the nope score energy (recorded per layer as
+    `nope_kept`; docs/decisions.md#nope-key-width). Otherwise (wider rope keys, unmerged pairs, per-head
     q/k norms): head_dim."""
     if qk_norm or not options.rope_merge or 2 * d_r > head_dim:
         return head_dim
@@ -626,7 +620,7 @@ def convert_attention(
     return {k: v.float() for k, v in out.items()}, maps["rope_plan"].frequencies
 
 
-NOPE_KEPT_WARN = 0.98  # SmolLM2-135M at 25%: 0.994-1.0 per layer
+NOPE_KEPT_WARN = 0.98  # below what the default's layers keep (docs/decisions.md#nope-key-width)
 
 
 def narrow_nope(q_all, up_k, k_bias, down, cov, plan: Plan, layer: int):

@@ -9,7 +9,7 @@ The loss per token is `(1 - kd_weight) * CE(student, next token) + kd_weight * T
 where the teacher (the source model) runs alongside the student on the same batch. Why alongside and not from
 precomputed top-k logits: one pass over the data needs exactly one teacher forward per sequence either way, so
 precomputing saves no compute, costs storage (k logits + indices per token) and truncates the teacher's
-distribution; benchmarks/finetune.md has the measured teacher share of a step.
+distribution (the teacher's share of a step: benchmarks/finetune/README.md).
 
 Output folder layout:
 

@@ -22,41 +22,29 @@ import torch
 log = logging.getLogger(__name__)
 
 EXACT = 1e-9  # relative error below which a layer is already exact (float32 round-off): not refined
-# Chosen on the development split (benchmarks/quality.md, probes of series C): 200 Adam steps at 1e-3 (cosine) on
-# 2048 tokens a step. At 25%, 100 steps: 3e-4 scored 122.4, 1e-3 113.0, 3e-3 123.5; 200 steps at 1e-3 102.9 (at 3e-4
-# 113.2); 200 steps on one 2048-token window a step instead of two of 1024 99.3 at 1.5x the time, and again on the
-# later defaults 87.23 against 89.29 at 25% and 34.66 against 35.50 at 50%: one window of 2048 is the default since
-# (the windows reach the positions past 1024 that a 2048-token context holds).
+# Adam (cosine) on one 2048-token window a step, so that training reaches the positions a 2048-token context holds;
+# chosen on the development split: docs/decisions.md#refinement-steps-rate-and-window.
 # Windows start at each sequence's first token: crops that start mid-sequence put the attention sink on an arbitrary
-# token and train the layer on a pattern it never meets (held-out error went up).
+# token and train the layer on a pattern it never meets.
 DEFAULT_STEPS = 200
-# From WIDE_FROM of the source's cache up (the wider latents), WIDE_STEPS: at 50% of SmolLM2-135M's cache, with its
-# 32 calibration windows, 300 steps scored a development ratio of 1.1615 against 1.1716 for 200 (series D, probe
-# C_t10_50_r48_p96_c32_s300; rule set before the score: adopt if at least 0.5% lower); at 25% 200 stays (measured
-# there: 100 -> 200 steps gained 9%, and the 25% targets hold).
+# From WIDE_FROM of the source's cache up (the wider latents) WIDE_STEPS: a wider latent has more to fit
+# (docs/decisions.md#refinement-at-wide-budgets).
 WIDE_STEPS = 300
 # The one threshold of every default by the cache kept: also where the calibration windows widen (convert) and the
 # self text cools (selftext).
-WIDE_FROM = 0.375  # halfway between the two measured budgets
+WIDE_FROM = 0.375  # halfway between the two budgets the defaults were chosen at (25% and 50%)
 DEFAULT_LR = 1e-3
 STEP_TOKENS = 2048  # tokens a step: a shorter window (`--refine-seq-len`) takes more sequences a step
 SEQ_LEN = 2048
 BATCH = STEP_TOKENS // SEQ_LEN
-# `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS. The rate
-# is what 2 CPU cores sustained on SmolLM2-135M (1.6e11-1.7e11 flop/s on an AMD EPYC: 100 steps a layer in ~18 s, 200
-# in ~37 s), rounded down; an 8B model's estimate is hours there (33 h with the whole layer), so it is not refined
-# on a CPU unless asked. 1.5 hours: SmolLM2-135M at 50% of the cache estimates 86 min with its 300 steps (its layers
-# took 4.3 min each on 2 AMD EPYC cores, probe C_t10_50_r48_p96_c32_s300); at 200 steps 60 min with the whole-layer
-# default (38 min for the attention alone), and that conversion took 40 min on 2 Intel Xeon cores (probe C_layer50);
-# at 25% 47 min estimated, 28 min measured (C_layer).
+# `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS: the
+# embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores sustain, rounded down
+# (docs/decisions.md#refinement-on-the-cpu-when-auto-refines).
 CPU_FLOPS = 1.5e11
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
-# back what the attention lost. Chosen on the development split: at 25% layer scored 80.30 against 87.23 (probes
-# C_layer, C_nope32_w2048), at 50% 34.49 against 34.66 (C_layer50, C_energy50_w2048_s200), for 1.6x the conversion time
-# (1704 s against 1060 s at 25%, 2426 s against 1570 s at 50%, 2 Intel Xeon cores), with the MLP and norms at a tenth
-# of the learning rate. MLP_LR_SCALE (`--refine-mlp-lr-scale`): the MLP's and norms' learning rate / the attention's;
-# at 25% 0.1 scored 80.30, 1 75.57, 3 75.31 (C_layer_slow1, C_layer_slow3): 1, one rate for the whole layer.
+# back what the attention lost. MLP_LR_SCALE (`--refine-mlp-lr-scale`): the MLP's and norms' learning rate / the
+# attention's. Both chosen on the development split: docs/decisions.md#refinement-scope-and-the-mlps-rate.
 SCOPES = ("attention", "layer")
 DEFAULT_SCOPE = "layer"
 MLP_LR_SCALE = 1.0
@@ -115,7 +103,8 @@ def stream_targets(source_layer, runner, scope: str) -> tuple[torch.Tensor, torc
     The hidden states are the stream the runner carries: the source's (`--calib-propagate source`), or the converted
     model's (converted: each layer is then trained on the inputs it will see, to do what the source layer would do
     with them). Targets that also asked each layer to take back what the layers before it lost
-    (h_src + attn_src(h_src) - h_conv) broke down (probe C_seq_uniform, 2907 on the development text): not offered."""
+    (h_src + attn_src(h_src) - h_conv) broke down: not offered
+    (docs/decisions.md#refinement-scope-and-the-mlps-rate)."""
     if scope == "attention":
         x, module, forward = runner.attention_input(source_layer), source_layer.self_attn, attention_output
     else:
@@ -217,9 +206,7 @@ def refine_module(
 # windows: KL(source || converted) per token. Layer-wise targets cannot see how the errors of successive layers
 # compound; the source's own output distribution can. It reads no other text (the calibration windows, one held out),
 # and needs the source's final hidden states only, which the calibration stream already computed: no second model.
-# Chosen on `wiki-dev` (docs/method.md): 64 steps; lr 1e-4, one rate for both budgets measured: at 25% 59.36 against
-# 59.45 for 3e-4 (held-out KL 0.2345 -> 0.2095 against 0.2259), at 50% kept and 34.97 -> 34.15 where 3e-4 made the
-# held-out window worse from its first check on; 1e-3 diverged at 25%.
+# Steps and rate chosen on the development split, one rate for both budgets: docs/decisions.md#the-model-stage.
 MODEL_STEPS = 64
 MODEL_LR = 1e-4
 MODEL_WARMUP = 0.1  # of the steps, linear, then cosine to zero

@@ -40,13 +40,10 @@ SELF_DOC = "self-doc"  # document style
 STYLES = {SELF: "chat", SELF_DOC: "document"}
 # Fine-tuning text (`finetune --data self`): temperature 1, the model's own distribution. Calibration text
 # (`--calib-data self`, `--calib-temperature`): `calib_temperature`, by the share of the source's cache the conversion
-# keeps, chosen on the development split with refinement (benchmarks/quality.md, series C). At 25%: 0.7 114.6, 1.0
-# 75.6, 1.2 66.6 (hotter text covers more of what the layers can be asked; cooler text loops). At 50%: see
-# `calib_temperature`. Length 256 (0.7: 1024 new tokens scored 123.4 against 114.6) and batch also by sampling cost
-# (64 x 512 a batch was far slower per token); "What chose what" in benchmarks/quality.md.
+# keeps. Temperature, length and batch: docs/decisions.md#self-text-temperature-length-and-batch.
 TEMPERATURE = 1.0
 CALIB_TEMPERATURE = 1.2  # below HOT_BELOW of the source's cache
-HOT_BELOW = WIDE_FROM  # halfway between the two measured budgets (25%: 1.2, 50%: 1.0); one threshold
+HOT_BELOW = WIDE_FROM  # the one threshold of every default by the cache kept
 SAMPLE_TOKENS = 256
 BATCH = 16
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
@@ -57,14 +54,12 @@ CUDA_DOC_BATCH = 64
 WRITE_EVERY_S = 30.0  # the cache file is rewritten whole: at most this often while sampling, and at the end
 CACHE_VERSION = 1  # bump when the sampling procedure changes: old cache files are then not read
 # The hash of the 24-request list the first cache files were sampled with (the first 24 of PROMPTS): their key omits
-# it. Any other list (PROMPTS since, or one set by a probe) is added to the key, so it never reads their text.
+# it. Any other list (PROMPTS since, or one set for an experiment) is added to the key, so it never reads their text.
 CACHED_PROMPTS = "bd52d72160f6eb3a"
 
 # Requests of many kinds (prose, technical documentation, code, dialogue, lists), so that the calibration text covers
 # more than one register. They are instructions, not data: the text is the model's own. 96 of them, so that the 16
-# calibration windows answer each about once: the first 24 alone (the list before, each answered about 5 times at
-# the same tokens) scored 59.36 at 25% and 32.07 at 50% on the development split, these 96 57.45 and 31.60
-# (benchmarks/quality.md, "The prompt pool").
+# calibration windows answer each about once (docs/decisions.md#self-text-the-prompt-pool).
 PROMPTS = [
     "Write a short encyclopedia article about a historical city.",
     "Explain how to configure a network interface on a Linux server, with example commands.",
@@ -169,11 +164,8 @@ def calib_temperature(kept: float) -> float:
     """The default temperature of `self` calibration text for a conversion that keeps `kept` (a fraction) of the
     source's KV cache: CALIB_TEMPERATURE below HOT_BELOW, else TEMPERATURE, the model's own distribution.
 
-    Measured on SmolLM2-135M with refined layers on the development split (benchmarks/quality.md, series C): at 25%
-    1.2 beat 1.0 by 11.9% (66.6 against 75.6); at 50% 1.0 beat 1.2 twice, by 0.6% with the current defaults (32.07
-    against 32.27) and by 1.6% with the earlier 64-dim rope key (34.41 against 34.97). A small latent gains from text
-    that covers more of what it can be asked; a wide one from the text the model writes. Between the two budgets, the
-    nearer one's choice (not measured there)."""
+    A small latent gains from text that covers more of what it can be asked; a wide one from the text the model
+    writes: chosen on the development split, docs/decisions.md#self-text-temperature-length-and-batch."""
     return CALIB_TEMPERATURE if kept < HOT_BELOW else TEMPERATURE
 
 

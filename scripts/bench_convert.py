@@ -2,7 +2,7 @@
 """The README's main job on the embedded default, measured, and a fresh-process load check of its outputs.
 
     nice python scripts/bench_quality.py --budgets 192,96    # converts and evaluates (its mla-convert rows)
-    python scripts/bench_convert.py                          # -> benchmarks/convert.md, benchmarks/convert.json
+    python scripts/bench_convert.py              # -> benchmarks/convert/README.md, benchmarks/convert/convert.json
 
 `scripts/main.sh` (the README's first command after the install) runs `mla-convert llama --kv-budget 0.25
 --calib-data ../shared/data/wikitext-2/wiki.valid.tokens -o OUT` and `mla-convert eval` of source and result on
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks" / "convert"  # this benchmark's folder: README.md (the report) and its data
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 
 CHECK = r"""
@@ -61,7 +62,8 @@ def timed(cmd: list[str], env=None) -> tuple[str, float, int]:
 
 def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), HF_HUB_OFFLINE="1")
-    rows = [json.loads(l) for l in (ROOT / "benchmarks" / "quality.jsonl").read_text().splitlines() if l.strip()]
+    results = ROOT / "benchmarks" / "quality" / "quality.jsonl"
+    rows = [json.loads(l) for l in results.read_text().splitlines() if l.strip()]
     pick = {(r["method"], r["budget"]): r for r in rows if r.get("windows") == 16}
     source = pick[("source", None)]
     result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "commit": subprocess.run(
@@ -82,7 +84,8 @@ def main() -> None:
                          "kv_bytes": row["kv_bytes_per_token"], "eval_s": row["eval_s"],
                          "load": load}  # fmt: skip
     result["quiet"] = time_conversions(env)
-    (ROOT / "benchmarks" / "convert.json").write_text(json.dumps(result, indent=2) + "\n")
+    BENCH.mkdir(exist_ok=True)
+    (BENCH / "convert.json").write_text(json.dumps(result, indent=2) + "\n")
     write_markdown(result)
 
 
@@ -111,7 +114,8 @@ def write_markdown(r: dict) -> None:
         "# Converting the embedded default (SmolLM2-135M-Instruct) end to end",
         "",
         f"Written by `python scripts/bench_convert.py` at commit {r['commit']} on {r['machine']} (CPU, float32), from "
-        "the timed processes of `scripts/bench_quality.py` (see benchmarks/quality.md) plus a fresh-process load "
+        "the timed processes of `scripts/bench_quality.py` (see benchmarks/quality/README.md) plus a fresh-process "
+        "load "
         "check. The machine was shared with other benchmark jobs while those ran: their times are upper bounds (the "
         "quiet-machine conversion times are below).",
         "",
@@ -161,11 +165,11 @@ def write_markdown(r: dict) -> None:
         lines.append(f"| {share} | {g['class']} | {g['measured_bytes_per_token']} ({same}) | "
                      f"{g['plan_bytes_per_token']} | {g['source_bytes_per_token']} | {g['new_tokens_per_s']:.1f} | {text} |")  # fmt: skip
     lines.append("")
-    (ROOT / "benchmarks" / "convert.md").write_text("\n".join(lines))
+    (BENCH / "README.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--report-only"]:  # rewrite convert.md from convert.json
-        write_markdown(json.loads((ROOT / "benchmarks" / "convert.json").read_text()))
+    if sys.argv[1:] == ["--report-only"]:  # rewrite README.md from convert.json
+        write_markdown(json.loads((BENCH / "convert.json").read_text()))
     else:
         main()

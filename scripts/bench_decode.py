@@ -26,19 +26,22 @@ Weights: `--from-config` (default) builds SmolLM2-135M-shaped models with random
 weight values); `--model DIR` loads a converted folder (the source is `--source` if given, else built from the
 converted config with random weights).
 
-The numbers in benchmarks/decode.md (a 2-core CPU shared with other jobs, hence one thread and the CPU clock):
-    OMP_NUM_THREADS=1 nice python scripts/bench_decode.py --threads 1 --clock cpu --json benchmarks/decode.json
+The numbers in benchmarks/decode/README.md (a 2-core CPU shared with other jobs, hence one thread and the CPU clock):
+    OMP_NUM_THREADS=1 nice python scripts/bench_decode.py --threads 1 --clock cpu --json benchmarks/decode/decode.json
 On CUDA (adds the Triton kernel, the attention-core table and its before/after), the numbers in
-benchmarks/decode_gpu.md (H100):
+benchmarks/decode_gpu/README.md (H100):
     python scripts/bench_decode.py --device cuda --contexts 1k,2k,4k,8k,16k,32k,64k --batches 1,8,32 \
         --model-contexts 1k,8k,32k --model-batches 1,8,32 --model-budget 1.5 \
-        --kernel-baseline benchmarks/decode_gpu.before.json \
-        --out benchmarks/decode_gpu.md --json benchmarks/decode_gpu.json --plot benchmarks/decode_gpu.png
-The whole-model table alone, with the static-cache forms (benchmarks/decode_static.md, CPU):
+        --kernel-baseline benchmarks/decode_gpu/decode_gpu.before.json \
+        --out benchmarks/decode_gpu/README.md --json benchmarks/decode_gpu/decode_gpu.json \
+        --plot benchmarks/decode_gpu/decode_gpu.png
+The whole-model table alone, with the static-cache forms (benchmarks/decode/decode_static.md, CPU):
     OMP_NUM_THREADS=1 nice python scripts/bench_decode.py --threads 1 --clock cpu --skip-layer \
-        --model-contexts 1k,8k --model-batches 1,8 --out benchmarks/decode_static.md --json benchmarks/decode_static.json
-The Triton kernel's launch-knob sweep (benchmarks/decode_gpu.sweep.json, which chose the kernel's defaults):
-    python scripts/bench_decode.py --skip-layer --skip-model --skip-kernel --kernel-sweep benchmarks/decode_gpu.sweep.json \
+        --model-contexts 1k,8k --model-batches 1,8 --out benchmarks/decode/decode_static.md \
+        --json benchmarks/decode/decode_static.json
+The Triton kernel's launch-knob sweep (benchmarks/decode_gpu/decode_gpu.sweep.json, which chose the kernel's defaults):
+    python scripts/bench_decode.py --skip-layer --skip-model --skip-kernel \
+        --kernel-sweep benchmarks/decode_gpu/decode_gpu.sweep.json \
         --out $TMPDIR/decode_gpu.sweep.md
 """
 
@@ -699,7 +702,8 @@ SWEEP_SHAPES = [(1, 8192), (1, 32768), (8, 8192), (8, 32768), (32, 32768), (32, 
 
 def sweep_variants(d_c: int = 64):
     """The launch variants the sweep times, the kernel's defaults first ({}). A latent wider than 64 gets its own
-    set (benchmarks/decode_gpu.sweep144.json, d_c 144): row blocks 32-128, 4 or 8 warps, 2 or 3 stages, two split
+    set (benchmarks/decode_gpu/decode_gpu.sweep144.json, d_c 144): row blocks 32-128, 4 or 8 warps, 2 or 3 stages, two
+    split
     rules (that run also timed the latent read as two tiles, 128 + 16, an experiment since removed: 11% slower)."""
     if d_c > 64:
         block_ns, stages, rules = (32, 64, 128), (2, 3), ((2, 256, 2048, 64), (4, 128, None, 128))
@@ -1109,7 +1113,8 @@ def plot(layer_rows, path: Path, meta):
 def report(args, meta, layer_rows, model_rows, kernel_rows, generate_rows):
     """The markdown report at --out and, with per-layer rows, the plot at --plot (default: beside it, .png)."""
     out = Path(args.out)
-    plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
+    beside = out.with_name(f"{out.parent.name}.png") if out.name == "README.md" else out.with_suffix(".png")
+    plot_path = Path(args.plot) if args.plot else beside
     out.parent.mkdir(parents=True, exist_ok=True)
     if layer_rows:
         plot(layer_rows, plot_path, meta)
@@ -1169,8 +1174,9 @@ def main(argv=None):
                                                              "this run's in the attention-core table")
     p.add_argument("--kernel-note", help="a note on the kernel version, stored in the JSON (used with "
                                          "--kernel-baseline)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "decode.md"))
-    p.add_argument("--plot", default=None, help="PNG path (default: beside --out, .png)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "decode" / "README.md"))
+    p.add_argument("--plot", default=None,
+                   help="PNG path (default: beside --out, .png; FOLDER.png for FOLDER/README.md)")
     p.add_argument("--json", default=None, help="also write the raw numbers here")
     p.add_argument("--report-only", metavar="JSON", help="rewrite --out (and --plot) from an earlier run's --json; "
                                                          "nothing is timed")

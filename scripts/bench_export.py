@@ -1,6 +1,6 @@
 """Benchmark the DeepSeek-V3 export: perplexity of the export loaded in stock transformers vs the native MLA model.
 
-    OMP_NUM_THREADS=2 nice python scripts/bench_export.py        # SmolLM2-135M at 50% of its KV cache -> benchmarks/export.md
+    OMP_NUM_THREADS=2 nice python scripts/bench_export.py  # SmolLM2-135M at 50% of its cache -> benchmarks/export/
 
 Steps, the same as `mla-convert llama --kv-budget 0.5 --target deepseek --format deepseek` (plus a bfloat16 export):
 resolve DeepSeek-exportable conversion options from the source config (`export.deepseek_convert_options`), convert
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-bfloat16", action="store_true", help="skip the bfloat16 export and its perplexity")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "export.md")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "export" / "README.md")
     args = ap.parse_args()
     import torch
 
@@ -205,7 +205,8 @@ def main() -> None:
     lines += [
         "",
         "The native model's perplexity is the one-shot conversion's (no fine-tuning; how to convert better is the "
-        "subject of benchmarks/quality.md). This benchmark measures what the export changes: the `vs native` column.",
+        "subject of benchmarks/quality/README.md). This benchmark measures what the export changes: the `vs native` "
+        "column.",
         "",
         "Built-in export verification (stock DeepseekV3ForCausalLM in a subprocess without mla_convert, "
         "`measurements` in the export's provenance.json):",
@@ -228,7 +229,7 @@ def main() -> None:
     lines += [
         "",
         "Not run by this benchmark: the engines. The notes above are read from their code (docs/serving.md). vLLM's "
-        "CPU build serving folders made the same way (its own conversions) is measured in benchmarks/serving.md "
+        "CPU build serving folders made the same way (its own conversions) is measured in benchmarks/serving/README.md "
         "(scripts/bench_serving.py); SGLang is not run.",
         "",
         f"transformers {ppl['native']['transformers']}. Wall time (s): "

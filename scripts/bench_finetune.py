@@ -5,7 +5,7 @@ Converts it, measures WikiText-2 raw test perplexity (16 x 2048-token windows) o
 fine-tunes with the LM loss only and with distillation from the source at the same token budget (recipe
 recipes/smollm2-135m.yaml, training on the WikiText-2 validation text), evaluates both results the same way, measures
 what precomputed top-k teacher logits would cost instead of a teacher loaded alongside, and writes
-benchmarks/finetune.md with the loop's plots copied beside it.
+benchmarks/finetune/README.md with the loop's plots copied beside it.
 
 Every stage keeps its result under runs/bench-finetune/ and is skipped when that result exists (--fresh starts over),
 so an interrupted benchmark continues where it stopped. Run it alone on the machine, niced:
@@ -37,7 +37,7 @@ TEST = DATA / "wiki.test.raw"
 RECIPE = Path("recipes/smollm2-135m.yaml")
 STUDENT = Path("out/smollm2-25")
 WORK = Path("runs/bench-finetune")
-BENCH = Path("benchmarks")
+BENCH = Path("benchmarks") / "finetune"
 EVAL_ARGS = ["--data", str(TEST), "--seq-len", "2048", "--windows", "16"]
 TOPK = (16, 64, 256)
 
@@ -474,7 +474,7 @@ def main() -> None:
     sweep_path = WORK / "sweep.json"
     sweep = json.loads(sweep_path.read_text()) if sweep_path.is_file() else None
 
-    BENCH.mkdir(exist_ok=True)
+    BENCH.mkdir(parents=True, exist_ok=True)
     shutil.copy(WORK / "lm" / "loss.png", BENCH / "finetune_lm.png")
     shutil.copy(WORK / "kd" / "loss.png", BENCH / "finetune_kd.png")
     curves = {"LM only": res["finetune-lm"], "distillation": res["finetune-kd"]}
@@ -483,8 +483,8 @@ def main() -> None:
         shutil.copy(WORK / "mix" / "loss.png", BENCH / "finetune_mix.png")
     plot_held_out(curves, BENCH / "finetune_heldout.png")
     (BENCH / "finetune.json").write_text(json.dumps({**res, "sweep": sweep}, indent=1) + "\n")
-    (BENCH / "finetune.md").write_text(report(res, sweep, args))
-    print(f"wrote {BENCH / 'finetune.md'}")
+    (BENCH / "README.md").write_text(report(res, sweep, args))
+    print(f"wrote {BENCH / 'README.md'}")
 
 
 if __name__ == "__main__":

@@ -19,20 +19,21 @@ alternates every round) so that load on a shared machine hits them alike; median
    attention (the "before" column; one of the two).
 3. A plot of the MLA/source time ratios.
 
-The numbers in benchmarks/prefill.md (a 2-core CPU shared with other jobs, hence one thread and the CPU clock):
+The numbers in benchmarks/prefill/README.md (a 2-core CPU shared with other jobs, hence one thread and the CPU clock):
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/bench_prefill.py --threads 1 --clock cpu \
         --model out/bench-quality/mlaconvert-96-self --expanded \
-        --out benchmarks/prefill.md --json benchmarks/prefill.json --plot benchmarks/prefill.png
-The 12.5% run (benchmarks/prefill_12.md: every layer's latent narrower than the nope key; the closed form only,
+        --out benchmarks/prefill/README.md --json benchmarks/prefill/prefill.json --plot benchmarks/prefill/prefill.png
+The 12.5% run (benchmarks/prefill/prefill_12.md: every layer's latent narrower than the nope key; the closed form only,
 `mla-convert llama --kv-budget 0.125 --refine-steps 0 -o out/bench-prefill/energy-125-cf`, since speed does not depend
 on the weights' values):
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python scripts/bench_prefill.py --threads 1 --clock cpu \
         --model out/bench-prefill/energy-125-cf --expanded --rounds 3 --train-rounds 3 \
-        --out benchmarks/prefill_12.md --json benchmarks/prefill_12.json --plot benchmarks/prefill_12.png
+        --out benchmarks/prefill/prefill_12.md --json benchmarks/prefill/prefill_12.json \
+        --plot benchmarks/prefill/prefill_12.png
 `--source` defaults to the embedded SmolLM2-135M (`mla_convert.evaluate.load_model(None)`). On a GPU (not yet run):
     python scripts/bench_prefill.py --device cuda --dtype bfloat16 --model out/bench-serving/native-250 --unpadded \
-        --lengths 1024,2048,8192 --out benchmarks/prefill_gpu.md --json benchmarks/prefill_gpu.json \
-        --plot benchmarks/prefill_gpu.png
+        --lengths 1024,2048,8192 --out benchmarks/prefill/prefill_gpu.md --json benchmarks/prefill/prefill_gpu.json \
+        --plot benchmarks/prefill/prefill_gpu.png
 """
 
 from __future__ import annotations
@@ -378,7 +379,7 @@ def write_report(path: Path, meta, attn, rows, plot_path):
             lines.append(f"| {line} | {measured} | {'yes' if holds else '**no**'} |")
     else:
         lines += ["", f"Issue 13's CPU lines are stated for a conversion at 25% of the source's cache; this one keeps "
-                  f"{100 * meta['cache_fraction']:g}% (benchmarks/prefill.md holds the 25% run)."]
+                  f"{100 * meta['cache_fraction']:g}% (benchmarks/prefill/README.md holds the 25% run)."]
     if plot_path:
         lines += ["", f"![MLA / source time]({plot_path.name})"]
     lines += ["", "GPU figures wait for a lent device (the same script runs there with `--device cuda`, not yet done)."
@@ -448,7 +449,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--clock", choices=sorted(_CLOCK), default="wall",
                    help="cpu: CPU time of this thread (needs --threads 1), for shared machines")
-    p.add_argument("--out", default="benchmarks/prefill.md")
+    p.add_argument("--out", default="benchmarks/prefill/README.md")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)

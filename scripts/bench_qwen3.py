@@ -4,7 +4,7 @@ There is no real Qwen3 checkpoint offline, so this script trains one: a small Qw
 learned q/k norm weights) with a byte-level BPE tokenizer, both fit on WikiText-2 validation text (wiki.valid.tokens),
 on the CPU. It then converts it with both --qk-norm modes at full rank and at 50% / 25% of the source's KV cache
 (calibration on the same validation text) and measures perplexity on the test split (wiki.test.tokens, never trained
-or calibrated on). Writes benchmarks/qwen3.md and benchmarks/qwen3.json.
+or calibrated on). Writes benchmarks/qwen3/README.md and benchmarks/qwen3/qwen3.json.
 
     PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_qwen3.py [--steps 300]
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "qwen3"  # this benchmark's folder: README.md (the report) and its data
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
              head_dim=48, max_position_embeddings=1024, vocab_size=4096)  # fmt: skip
@@ -73,10 +74,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--windows", type=int, default=16)
-    parser.add_argument("--report-only", action="store_true", help="rewrite qwen3.md from benchmarks/qwen3.json")
+    parser.add_argument("--report-only", action="store_true", help="rewrite README.md from benchmarks/qwen3/qwen3.json")
     args = parser.parse_args()
     if args.report_only:
-        result = json.loads((ROOT / "benchmarks" / "qwen3.json").read_text())
+        result = json.loads((BENCH / "qwen3.json").read_text())
         args.steps, args.batch = result["training"]["steps"], result["training"]["batch"]
         args.seq_len, args.windows = result["eval"]["seq_len"], result["eval"]["windows"]
         return write_report(result, args)
@@ -107,7 +108,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     result = {"shape": SHAPE, "training": training, "eval": {"data": "wiki.test.tokens", "seq_len": args.seq_len,
               "windows": args.windows}, "rows": rows, "torch_threads": torch.get_num_threads()}  # fmt: skip
-    (ROOT / "benchmarks" / "qwen3.json").write_text(json.dumps(result, indent=1) + "\n")
+    (BENCH / "qwen3.json").write_text(json.dumps(result, indent=1) + "\n")
     write_report(result, args)
 
 
@@ -154,7 +155,7 @@ def write_report(result: dict, args) -> None:
         "Command: `PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_qwen3.py` "
         f"(--steps {args.steps} --seq-len {args.seq_len} --batch {args.batch} --windows {args.windows}).",
     ]
-    (ROOT / "benchmarks" / "qwen3.md").write_text("\n".join(lines) + "\n")
+    (BENCH / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -6,7 +6,7 @@ unchanged tensors checked byte for byte.
     OMP_NUM_THREADS=2 python scripts/bench_scale.py run llama3-8b                # all 32 layers
     python scripts/bench_scale.py run qwen2.5-7b --layers 4
     python scripts/bench_scale.py plan llama3-70b                                # --dry-run only
-    python scripts/bench_scale.py report                                         # benchmarks/scale.md from .json
+    python scripts/bench_scale.py report                                         # benchmarks/scale/README.md from .json
     python scripts/bench_scale.py run llama3-8b --device cuda                    # on a machine with a GPU
 
 The checkpoints are random-weight (normal, std 0.02; norms 1; Qwen's q/k/v biases std 0.1), bfloat16 safetensors in
@@ -21,7 +21,7 @@ The 70B row is a plan only: a config and shards that are all hole (headers decla
 sparse file: 0 bytes on disk), enough for `--dry-run`.
 
 Each run is one `mla-convert` process (`scripts/bench_convert.timed`: wall time, ru_maxrss of the child); the
-estimate is the one it printed. Results merge into benchmarks/scale.json by case name.
+estimate is the one it printed. Results merge into benchmarks/scale/scale.json by case name.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from bench_convert import timed  # noqa: E402  (one timed subprocess runner for 
 
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 WORK = ROOT / "out" / "scale"
-RESULTS = ROOT / "benchmarks" / "scale.json"
-REPORT = ROOT / "benchmarks" / "scale.md"
+RESULTS = ROOT / "benchmarks" / "scale" / "scale.json"
+REPORT = ROOT / "benchmarks" / "scale" / "README.md"
 SHARD_BYTES = 5 * 10**9
 
 SHAPES = {  # the published configs' shapes (dtype bfloat16)
@@ -347,9 +347,9 @@ about 39 GiB at 32 layers of 8B shapes; use the uniform default at this size).
 The 4-layer rows and the Qwen row ran on a shared 2-core machine with other jobs running (load average about 10 on 2
 cores: their wall times are upper bounds, several times a quiet machine's); `OMP_NUM_THREADS=2`. The 32-layer row
 was re-run on the code of 2026-11-23 on a quiet machine (load about 1-2): 9.5 min wall, 7 s calibration and 10 s
-factorization per layer. The first 4-layer run used earlier code (noted in benchmarks/scale.json), which peaked in the
-calibration statistics on 1 GB float64 temporaries (the attended-input products of all kv groups at once, and a
-divided copy of the attended moments); both are gone since (one group at a time, division in place). The depth check,
+factorization per layer. The first 4-layer run used earlier code (noted in benchmarks/scale/scale.json), which peaked in
+the calibration statistics on 1 GB float64 temporaries (the attended-input products of all kv groups at once, and
+a divided copy of the attended moments); both are gone since (one group at a time, division in place). The depth check,
 same code: 3.58 GiB at 4 layers, 3.65 GiB at 32 (+2%), both 0.83-0.84 of the printed 4.32 GiB. An earlier 32-layer
 run on the older code peaked at 4.59 GiB (estimate 5.02) against 4.45 GiB at 4 layers with that code. The CPU rows
 predate two later defaults: the nope query/key narrowed to head_dim - d_r (`--nope-dims`, 2026-11-24: smaller query

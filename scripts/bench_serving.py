@@ -5,7 +5,8 @@ vLLM in bfloat16 and float32 and by transformers in float32 on the first WINDOWS
 (each window on its own, as `mla-convert eval` does); greedy continuations compared; vLLM's decode tokens/s for the
 source model and the converted ones; the KV-cache bytes per token vLLM allocates (read from its cache tensors and
 block count). With --deepseek, also (at the first budget) the `--target deepseek` conversion's DeepSeek-V3 export (padded to 512 + 64 for
-vLLM's CPU MLA kernel) to show what that route costs. Writes benchmarks/serving.md and benchmarks/serving.json.
+vLLM's CPU MLA kernel) to show what that route costs. Writes benchmarks/serving/README.md and
+benchmarks/serving/serving.json.
 
     python scripts/bench_serving.py [--budgets 0.5 0.25] [--windows 16] [--deepseek]
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "serving"  # this benchmark's folder: README.md (the report) and its data
 sys.path.insert(0, str(ROOT))
 
 from mla_convert import evaluate  # noqa: E402
@@ -75,15 +77,15 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench-serving")
     ap.add_argument("--deepseek", action="store_true", help="also the --target deepseek export route")
-    ap.add_argument("--reuse", action="store_true", help="keep rows of benchmarks/serving.json (same protocol)")
+    ap.add_argument("--reuse", action="store_true", help="keep rows of benchmarks/serving/serving.json (same protocol)")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-only", action="store_true", help="re-measure decode speed of the serving.json rows")
-    ap.add_argument("--report-only", action="store_true", help="rewrite serving.md from benchmarks/serving.json")
+    ap.add_argument("--report-only", action="store_true", help="rewrite README.md from benchmarks/serving/serving.json")
     args = ap.parse_args()
-    if args.decode_only:  # re-measure decode speed for the rows of benchmarks/serving.json (a quieter machine)
-        path = ROOT / "benchmarks" / "serving.json"
+    if args.decode_only:  # re-measure decode speed for the rows of benchmarks/serving/serving.json (a quieter machine)
+        path = BENCH / "serving.json"
         result = json.loads(path.read_text())
         decode = {"batch": args.decode_batch, "prompt_tokens": args.decode_prompt, "new_tokens": args.decode_tokens}
         for row in result["rows"]:
@@ -93,10 +95,10 @@ def main() -> None:
             print(row["label"], res["decode_tokens_per_s"], flush=True)
         result["decode"], result["decode_separate_run"] = decode, True
         path.write_text(json.dumps(result, indent=1))
-        write_report(result, ROOT / "benchmarks" / "serving.md")
+        write_report(result, BENCH / "README.md")
         return
     if args.report_only:
-        write_report(json.loads((ROOT / "benchmarks" / "serving.json").read_text()), ROOT / "benchmarks" / "serving.md")
+        write_report(json.loads((BENCH / "serving.json").read_text()), BENCH / "README.md")
         return
     args.out.mkdir(parents=True, exist_ok=True)
     calib = str(DATA / "wiki.valid.tokens")
@@ -131,7 +133,7 @@ def main() -> None:
         print(label, "transformers", row["transformers_float32"]["perplexity"], flush=True)
         return row
 
-    bench = ROOT / "benchmarks"
+    bench = BENCH
     done = {}
     if args.reuse and (bench / "serving.json").exists():  # rows measured by an earlier run with the same protocol
         old = json.loads((bench / "serving.json").read_text())
@@ -171,7 +173,7 @@ def main() -> None:
             commands += [" ".join(conv), " ".join(exp)]
             measure_once(f"--target deepseek export, {budget:.0%} cache", ds, budget, "vLLM DeepseekV3ForCausalLM")
     result = save()
-    write_report(result, bench / "serving.md")
+    write_report(result, bench / "README.md")
 
 
 def write_report(result: dict, path: Path) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Quick one-shot quality probe used to choose the defaults (benchmarks/quality.md, "Probes").
+"""Quick one-shot quality probe used to choose the defaults (benchmarks/quality/README.md, "Probes").
 
     W=2 python scripts/explore_quality.py NAME key=value ...   (ConvertOptions fields, JSON values)
     e.g. W=2 python scripts/explore_quality.py C_r16 kv_budget=96 rope_dims=16
@@ -13,7 +13,7 @@ cached, so every probe calibrates on the same tokens) unless `calib_data=` says 
 row holds `ppl` (on `wiki-dev`, the one development text of the earlier probes), `dev` (every development text) and
 `dev_ratio` (the geometric mean of their ratios to the source: what a choice is made on since). Never evaluation
 text: choices are made here, results are measured by bench_quality.py. Appends one JSON line to
-benchmarks/quality_probes.jsonl (series D; series C scored `wiki-dev` alone) and prints it. The converted folder
+benchmarks/quality/quality_probes.jsonl (series D; series C scored `wiki-dev` alone) and prints it. The converted folder
 (out/probe-NAME) is removed unless KEEP=1.
 
 `--dump-source DIR` writes a safetensors copy of the embedded model (for probes of other tools).
@@ -183,7 +183,7 @@ def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
 
 def record(row: dict) -> None:
     print(json.dumps(row))
-    with (ROOT / "benchmarks" / "quality_probes.jsonl").open("a") as f:
+    with (ROOT / "benchmarks" / "quality" / "quality_probes.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
 
 

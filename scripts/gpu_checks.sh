@@ -7,7 +7,7 @@
 #   3. the whole-model decode benchmark and the kernel table at the converter's default 25% shape, then at 50%
 #      (d_c 144, d_r 48; scripts/bench_decode.py).
 # Each step has its own time limit, and a step that fails or runs out does not stop the next. Everything it writes
-# goes to OUTDIR: log.txt, scale.json / scale.md (benchmarks/scale.* with the new row merged, only when the conversion
+# goes to OUTDIR: log.txt, scale.json / scale.md (benchmarks/scale/ with the new row merged, only when the conversion
 # finished), decode_gpu_<gpu>.md/.json and decode_gpu_<gpu>_half.md/.json. LAYERS=32 needs SCALE_LIMIT of about 900
 # (building the 16 GB random checkpoint alone took 5.5 min on an H200 machine's CPU).
 #
@@ -45,7 +45,7 @@ extra=()
 [ -n "$calib" ] && extra+=(--calib-file "$calib")
 step "8B-shaped conversion, $layers layers, --device cuda" "${SCALE_LIMIT:-240}" \
     $py scripts/bench_scale.py run llama3-8b --layers "$layers" --device cuda ${extra[@]+"${extra[@]}"} &&
-    cp benchmarks/scale.json benchmarks/scale.md "$out/"
+    cp benchmarks/scale/scale.json "$out/" && cp benchmarks/scale/README.md "$out/scale.md"
 
 gpu=$($py -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())" 2>/dev/null || echo gpu)
 decode=($py scripts/bench_decode.py --device cuda --skip-layer --model-contexts 1k,8k,32k --model-batches 1,8,32

@@ -129,7 +129,8 @@ def test_half_cache_conversion_loads_and_runs(sources, convert_tiny, source, mod
 
 def test_calibrated_key_norm_is_absorbable_and_bounded(sources, convert_tiny, source, exact):
     """The calibrated mode: absorbed decode equals its expanded form; at full rank its only error is the key's RMS
-    replaced by a calibration statistic, finite and bounded (measured on a trained model in benchmarks/qwen3.md)."""
+    replaced by a calibration statistic, finite and bounded (measured on a trained model in
+    benchmarks/qwen3/README.md)."""
     out = convert_tiny(sources["qwen3"], **full_options(source.config, merge=True), qk_norm="calibrated")
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert not any("k_rope_up" in name or "k_norm" in name for name in model.state_dict())  # plain MLA keys

@@ -1,4 +1,5 @@
-"""The repository itself: no machine paths in what it ships (code, docs, recipes, benchmark records)."""
+"""The repository itself: no machine paths in what it ships (code, docs, recipes, benchmark records), no experiment
+history in library code, benchmarks grouped one folder each, a README a newcomer can read."""
 
 from __future__ import annotations
 
@@ -32,3 +33,57 @@ def test_no_machine_paths():
         if len(hits) > ALLOWED.get(name, 0):
             found[name] = len(hits)
     assert not found, f"machine paths in {found}: use paths relative to the repository or the data folder"
+
+
+# The lab notebook stays out of the library: probe names, the machines runs were timed on and dated runs live in
+# docs/decisions.md and the benchmark folders; library code (comments, docstrings, CLI help) points there.
+HISTORY = {
+    "a probe name": re.compile(r"\b(?:[A-D]|FT)_[a-z][a-z0-9]+(?:_[a-z0-9]+)*\b"),
+    "the word probe": re.compile(r"\bprobes?\b", re.IGNORECASE),
+    "a machine": re.compile(r"\b(?:EPYC|Xeon|H100|H200|A100)\b"),
+    "a probe series": re.compile(r"\bseries [A-D]\b"),
+    "a dated run": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+}
+
+
+def test_no_experiment_history_in_library_code():
+    found = []
+    for path in sorted((ROOT / "mla_convert").rglob("*.py")):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            found += [f"{path.relative_to(ROOT)}:{number}: {what}" for what, pattern in HISTORY.items()
+                      if pattern.search(line)]
+    assert not found, "experiment history in library code (move it to docs/decisions.md): " + "; ".join(found)
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_decision_pointers_resolve():
+    decisions = (ROOT / "docs" / "decisions.md").read_text(encoding="utf-8")
+    anchors = {_slug(line.lstrip("#")) for line in decisions.splitlines() if line.startswith("#")}
+    pointers = {}
+    for path in [*(ROOT / "mla_convert").rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]:
+        for anchor in re.findall(r"decisions\.md#([\w-]+)", path.read_text(encoding="utf-8")):
+            pointers.setdefault(anchor, str(path.relative_to(ROOT)))
+    missing = {a: where for a, where in pointers.items() if a not in anchors}
+    assert pointers and not missing, f"pointers into docs/decisions.md without a section: {missing}"
+
+
+def test_benchmarks_one_folder_each():
+    entries = sorted(p.name for p in (ROOT / "benchmarks").iterdir())
+    assert len(entries) <= 15, f"benchmarks/ has {len(entries)} entries at its top: group them, one folder each"
+    loose = [name for name in entries if (ROOT / "benchmarks" / name).is_file() and name != "README.md"]
+    assert not loose, f"files at the top of benchmarks/ (put each in its benchmark's folder): {loose}"
+    bare = [name for name in entries if (ROOT / "benchmarks" / name).is_dir()
+            and not (ROOT / "benchmarks" / name / "README.md").is_file()]
+    assert not bare, f"benchmark folders without a README.md (command, data, machine): {bare}"
+
+
+def test_readme_for_a_newcomer():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    words = len(readme.split())
+    assert words < 2500, f"README.md has {words} words: move details to docs/ and history to docs/decisions.md"
+    for command in ("bash scripts/install.sh && bash scripts/main.sh",
+                    "bash scripts/install.sh && bash scripts/install-vllm.sh && bash scripts/test.sh"):
+        assert f"\n{command}\n" in readme, f"README.md lost its command {command!r} (CI and the main job run it)"

@@ -167,20 +167,12 @@ def launch_config(batch: int, heads: int, seq_len: int, d_c: int, d_r: int, sm_c
     across SMs better. `block_n` overrides the row block (a power of two >= 16).
     tl.dot wants every dimension >= 16, hence the floors.
 
-    Cached (decode calls it with the same shapes every step; uncached it took a quarter of the host time of a call
-    under cProfile): callers must not modify the returned dict.
+    Cached (decode calls it with the same shapes every step, and its host time counts): callers must not modify the
+    returned dict.
 
-    Defaults were chosen on an H100 (bf16, d_c 64, d_r 32, 9 heads; benchmarks/decode_gpu.sweep.json, written by
-    `scripts/bench_decode.py --kernel-sweep`): 128-row blocks and 3 pipeline stages for latents up to 64 wide were
-    within 9% of the best of 54 launch variants at every swept shape (batch 1-32, 8K-64K), and 1.1-1.5x faster than
-    the earlier 64 rows / 2 stages. Wider latents keep smaller blocks. A 256-wide tile (d_c 129-256, e.g. the 50%
-    shape of SmolLM2, d_c 144) takes 32 rows and 3 stages, the shared memory of the 128-wide default (64 rows, 3
-    stages); benchmarks/decode_gpu.sweep144.json: 1.28x faster than 2 stages over the swept shapes (geometric mean),
-    within 2.2% of the best of 49 variants at batch 32; 64 rows and 3 stages was 10% faster still on an H100 but needs
-    twice the shared memory (about 120 KB in bf16, more than many GPUs have). Reading 144 columns as two tiles (128 +
-    16) was 11% slower than one of 256. Wider latents keep 2 stages. The same sweep
-    chose `max_split_rows` 2048: at batch 32 the batch-filling rule left 9 splits of 3712 (32K) or 7296 (64K) rows,
-    83.0 / 158.4 us, against 16 or 32 splits of 2048 rows, 78.9 / 148.7 us; smaller batches already split finer.
+    Defaults: 128-row blocks and 3 stages for latents up to 64 wide; a 256-wide tile (d_c 129-256) takes 32 rows and 3
+    stages, the shared memory of the 128-wide default; wider latents keep 2 stages; `max_split_rows` 2048. Chosen by
+    launch sweeps on a GPU (`scripts/bench_decode.py --kernel-sweep`): docs/decisions.md#decode-kernel-launch-defaults.
     """
     block_c = max(16, _next_pow2(d_c))
     block_r = max(16, _next_pow2(d_r)) if d_r else 16

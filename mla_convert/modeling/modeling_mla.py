@@ -186,7 +186,7 @@ class MLAAttention(nn.Module):
         if implementation == "sdpa" and d_qk != d_v:
             # sdpa's fused kernels (CPU flash, CUDA flash/cuDNN) need one head dim for query, key and value; with
             # d_n + d_r != d_v it falls back to the math kernel, which materialises every [T, S] score matrix
-            # (4-5x slower per layer on CPU at 1-2K tokens, benchmarks/prefill.md). Zero columns make the widths
+            # (several times slower: docs/decisions.md#attention-forms-in-the-model). Zero columns make the widths
             # equal without changing the result: zeros in the value give zero output columns (sliced off below),
             # zeros in query and key add nothing to a score.
             if d_qk < d_v:
@@ -331,7 +331,7 @@ def latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
     """
     # An MQA over the latent: the heads are folded into the query rows of one kv head whose keys and values are both
     # the cached latent, so one fused sdpa call reads each cached row once for the scores and the weighted sum (a
-    # broadcast over the head dim would make matmul copy the whole cache once per head, 25x slower on CPU; separate
+    # broadcast over the head dim would make matmul copy the whole cache once per head, far slower; separate
     # score and value matmuls read the latent twice). The rope score is taken apart, one [B, H*T, d_r] @ [B, d_r, S]
     # bmm over the rope key, and enters sdpa as its additive mask (already scaled, as sdpa adds it after scaling).
     bsz, heads, q_len, d_c = q_latent.shape

