@@ -21,11 +21,13 @@ set -u
 out=${1:?usage: bash scripts/gpu_finetune.sh OUTDIR}
 py=${PYTHON:-python3}
 device=${DEVICE:-cuda}
-work=${WORK:-/tmp/mla-gpu}
-site=${SITE:-/tmp/site}
+tmp=${TMPDIR:-/tmp}
+work=${WORK:-$tmp/mla-gpu}
+site=${SITE:-$tmp/site}
 tokens=(${TOKENS:-6291456 4194304})  # training tokens per budget, in the order of BUDGETS
 recipe=${RECIPE:-recipes/smollm2-135m-gpu.yaml}
 mkdir -p "$out" "$work" "$site"
+out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export MLA_CONVERT_CACHE=$PWD/.gpu/cache
 exec > >(tee -a "$out/log.txt") 2>&1
