@@ -231,6 +231,8 @@ def report(res: dict, sweep: dict | None, args) -> str:
     lines = [
         "# Fine-tuning SmolLM2-135M after conversion to 25% of its KV cache",
         "",
+        "On a GPU (scripts/gpu_finetune.sh, data-free distillation at scale): [gpu.md](gpu.md). Below: the CPU runs.",
+        "",
         f"Written by `{args.command_line}` (scripts/bench_finetune.py). Git commits (the repository is shared and "
         "moved on between stages): " + "; ".join(
             f"{label} `{r['commit'][:10]}`" + (f" (uncommitted changes in {', '.join(r['dirty'])})" if r["dirty"] else "")

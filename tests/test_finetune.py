@@ -358,3 +358,19 @@ def test_self_text_samples_on_cuda(tiny_run, tmp_path, monkeypatch):
     source = open_source(str(tiny_run["teacher"]))
     a = selftext.self_tokens(source, 300, seed=0, batch=8, device="cuda")
     assert a.numel() >= 300 and torch.equal(selftext.self_tokens(source, 300, seed=0, batch=8, device="cuda"), a)
+
+
+def test_self_text_pool_smaller_than_the_budget_repeats(tiny_run, tmp_path, monkeypatch):
+    """data_tokens: data=self samples that many tokens (plus the held-out windows) and the steps read the pool again
+    epoch after epoch, instead of sampling the whole budget."""
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
+    cfg = finetune.load_config(tiny_run["recipe"], ["data=self", "max_steps=20", "data_tokens=96"])
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_run["student"])
+    train, _ = finetune.prepare_data(cfg, tokenizer)
+    full, _ = finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self", "max_steps=20"]), tokenizer)
+    assert 3 <= train.shape[0] < full.shape[0] and full.shape[0] * 32 >= 20 * 128  # 20 steps of 2 x 2 x 32 tokens
+    order = finetune.DataOrder(train.shape[0], 2, 2, 1, 0)
+    seen = {i for step in range(20) for micro in range(2) for i in order.indices(step, micro, 0)}
+    assert seen == set(range(train.shape[0]))  # every pooled sequence is read, epoch after epoch
+    with pytest.raises(UserError, match="data_tokens"):
+        finetune.load_config(tiny_run["recipe"], ["data_tokens=8"])

@@ -36,7 +36,8 @@ class DataOrder:
 
 def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -> torch.Tensor:
     """data=self: a token stream sampled from the teacher (the source; mla_convert.selftext, cached) on `device`,
-    long enough for the run's token budget plus the held-out windows when eval_data is unset."""
+    long enough for the run's token budget (or data_tokens, when fewer) plus the held-out windows when eval_data is
+    unset."""
     from mla_convert.checkpoint import open_source
     from mla_convert.selftext import self_tokens
 
@@ -47,9 +48,12 @@ def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -
         raise UserError("data=self has no natural length: set max_tokens (or max_steps)")
     per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
     need = cfg.max_steps * per_step if cfg.max_steps is not None else cfg.max_tokens
+    if cfg.data_tokens is not None:  # a pool read again epoch after epoch (DataOrder)
+        need = min(need, cfg.data_tokens)
     need += 0 if cfg.eval_data is not None else cfg.eval_windows * cfg.eval_seq_len
-    return self_tokens(open_source(None if spec == "embedded" else spec), need + cfg.seq_len, cfg.seed,
-                       batch=cfg.sample_batch, device=device)
+    stream = self_tokens(open_source(None if spec == "embedded" else spec), need + cfg.seq_len, cfg.seed,
+                         batch=cfg.sample_batch, device=device)
+    return stream if cfg.data_tokens is None else stream[: need + cfg.seq_len]  # the pool, then the held-out tail
 
 
 def report_windows(cfg: FinetuneConfig, tokenizer) -> dict[str, torch.Tensor]:

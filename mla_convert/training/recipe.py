@@ -24,7 +24,8 @@ TRAINABLE = ("attention", "attention+norms", "all")
 SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 # Fields whose change alters which batch a step sees; a resume refuses a checkpoint written with other values.
-DATA_ORDER_FIELDS = ("data", "eval_data", "seq_len", "batch_size", "grad_accum", "seed", "eval_windows", "eval_seq_len")
+DATA_ORDER_FIELDS = ("data", "eval_data", "seq_len", "batch_size", "grad_accum", "seed", "eval_windows", "eval_seq_len",
+                     "data_tokens")
 # A number YAML 1.1 (PyYAML) reads as text: `3e-4` (no dot in the mantissa), `1e3`; typed() reads it as the number.
 _NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
@@ -66,6 +67,7 @@ class FinetuneConfig:
     overwrite: bool = False  # delete an existing run folder this trainer wrote (never one holding other files)
     allow_test_split: bool = False  # allow training text whose file name says "test" (a result on it is not one)
     threads: int | None = None  # torch threads per process on CPU; default: cores / local processes
+    data_tokens: int | None = None  # data=self: tokens sampled (default: the whole budget); a smaller pool repeats
     sample_batch: int | None = None  # data=self: sequences sampled at once (default 16 on CPU, 256 on CUDA)
     report_data: str | None = None  # comma-separated texts also scored at every evaluation (reported, never trained on)
     report_windows: int = 16  # windows of report_seq_len tokens scored per report text
@@ -101,6 +103,9 @@ class FinetuneConfig:
             raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.threads is not None and self.threads < 1:
             raise UserError(f"threads must be at least 1, got {self.threads}")
+        if self.data_tokens is not None and self.data_tokens < self.seq_len:
+            raise UserError(f"data_tokens must be at least one sequence of seq_len={self.seq_len} tokens, "
+                            f"got {self.data_tokens}")
         if self.sample_batch is not None and self.sample_batch < 1:
             raise UserError(f"sample_batch must be at least 1, got {self.sample_batch}")
         if self.report_seq_len < 2:
