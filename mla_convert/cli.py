@@ -236,9 +236,10 @@ def _refuse_qk_norm_serving(target: str, qk_norm: str) -> None:
     if target == "deepseek":
         raise UserError("this model normalizes each query and key head (q_norm/k_norm), which DeepSeek-V3's MLA "
                         "cannot hold (per-token query and key scales): convert with --target native (transformers; "
-                        "--qk-norm calibrated for absorbed decode)")
+                        "--qk-norm calibrated for absorbed decode and vLLM through mla-convert's plugin)")
     typer.echo("note: --qk-norm exact keeps the per-token key norm: expanded attention at every step in transformers; "
-               "vLLM and the DeepSeek-V3 export refuse it (--qk-norm calibrated: absorbed decode, measured error)",
+               "vLLM and the DeepSeek-V3 export refuse it (--qk-norm calibrated: absorbed decode, served by vLLM through "
+               "the plugin, measured error)",
                err=True)
 
 

@@ -45,7 +45,11 @@ def _served_model(folder: Path, layout):
     return model
 
 
-@pytest.mark.parametrize("kind,rope", [("llama-gqa", None), ("qwen2", None), ("llama-gqa", LLAMA3_ROPE)])
+QWEN3_CALIBRATED = {"qk_norm": "calibrated"}  # the per-head query norm in the served query path, keys linear
+
+
+@pytest.mark.parametrize("kind,rope", [("llama-gqa", None), ("qwen2", None), ("llama-gqa", LLAMA3_ROPE),
+                                       ("qwen3", QWEN3_CALIBRATED)])
 @pytest.mark.parametrize("kv_lora_rank,rope_dims", [(256, 64), (512, 64)])
 def test_served_layout_is_exact(tmp_path, convert_tiny, kind, rope, kv_lora_rank, rope_dims):
     """Padding, group repetition and the bias fold change nothing: logits and cached greedy decode equal."""
@@ -53,9 +57,10 @@ def test_served_layout_is_exact(tmp_path, convert_tiny, kind, rope, kv_lora_rank
 
     from mla_convert.serving.layout import ServedLayout
 
-    overrides = {"rope_parameters": rope} if rope else {}
+    options = rope if rope is QWEN3_CALIBRATED else {}
+    overrides = {"rope_parameters": rope} if rope and not options else {}
     src = tiny_source(kind, tmp_path / "src", seed=3, **overrides)
-    out = convert_tiny(src, rank=24, rope_dims=8)  # lossy, with repeated rope pairs from the merge: any native model
+    out = convert_tiny(src, rank=24, rope_dims=8, **options)  # lossy, repeated rope pairs from the merge: any native model
     native = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     served = _served_model(out, ServedLayout(kv_lora_rank, rope_dims))
     ids = torch.randint(0, native.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -116,14 +121,17 @@ def _compare_in_vllm(folder: Path, tolerance: float = 5e-4) -> dict:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,rope", [("llama-gqa", None), ("qwen2", None), ("llama-gqa", LLAMA3_ROPE)],
-                         ids=["llama-gqa", "qwen2-biases", "llama3-rope-scaling"])
+@pytest.mark.parametrize("kind,rope", [("llama-gqa", None), ("qwen2", None), ("llama-gqa", LLAMA3_ROPE),
+                                       ("qwen3", QWEN3_CALIBRATED)],
+                         ids=["llama-gqa", "qwen2-biases", "llama3-rope-scaling", "qwen3-calibrated"])
 def test_native_checkpoint_serves_exactly_in_vllm(tmp_path, convert_tiny, kind, rope):
-    """A native checkpoint (repeated rope pairs, biases, llama3 RoPE scaling) through the plugin: vLLM's CPU MLA
-    backend computes what transformers computes, and caches only the latent and rope key (padded to 512 + 64)."""
-    overrides = {"rope_parameters": rope} if rope else {}
+    """A native checkpoint (repeated rope pairs, biases, llama3 RoPE scaling, Qwen3's per-head query norm) through
+    the plugin: vLLM's CPU MLA backend computes what transformers computes, and caches only the latent and rope key
+    (padded to 512 + 64)."""
+    options = rope if rope is QWEN3_CALIBRATED else {}
+    overrides = {"rope_parameters": rope} if rope and not options else {}
     src = tiny_source(kind, tmp_path / "src", seed=3, **overrides)
-    out = convert_tiny(src, rank=24, rope_dims=8)
+    out = convert_tiny(src, rank=24, rope_dims=8, **options)
     config = json.loads((out / "config.json").read_text())
     assert len(set(config["rope_pairs"][0])) < len(config["rope_pairs"][0]) or kind != "llama-gqa"  # repeats kept
     served = _compare_in_vllm(out)

@@ -99,7 +99,7 @@ def vllm_perplexity(folder: str | os.PathLike, ids: torch.Tensor, seq_len: int, 
 
     from mla_convert.serving.layout import check_servable
 
-    check_servable(json.loads((Path(folder) / "config.json").read_text()), "vLLM's MLA kernels")
+    check_servable(json.loads((Path(folder) / "config.json").read_text()), "vLLM's MLA kernels", query_norm=True)
     chunks = eval_windows(ids, seq_len, windows).tolist()
     windows = len(chunks)
     if vllm_python() is None:

@@ -5,6 +5,7 @@ Engines' MLA attention (vLLM's `MLAAttention`, SGLang's) knows one kv head per q
 its CPU kernel only 576). A native layer maps onto that exactly, tensor by tensor:
 
     q_proj [H*(d_n+d_r), D]        -> [H*(d_n+d_r'), D]   rope rows of each head padded with zero rows
+    (qk_norm calibrated: q_proj [H*d_h, D] and q_norm as they are; q_head_proj [H*(d_n+d_r), d_h] padded likewise)
     kv_a_proj [d_c+d_r, D]         -> [d_c'+d_r', D]      zero latent rows, zero rope rows (bias alike)
     kv_b_proj [G*(d_n+d_v), d_c]   -> [H*(d_n+d_v), d_c'] kv groups repeated per query head, zero columns; its bias
                                                           is dropped: the nope-key part adds one constant per query
@@ -49,12 +50,18 @@ class ServedLayout:
         return self.kv_lora_rank + self.rope_dims
 
 
-def check_servable(config, what: str = "vLLM's MLA kernels and the DeepSeek-V3 export") -> None:
-    """Refuse a native config with per-head q/k norms (Qwen3 sources): engines' MLA takes a linear query and key."""
+def check_servable(config, what: str = "vLLM's MLA kernels and the DeepSeek-V3 export",
+                   query_norm: bool = False) -> None:
+    """Refuse a native config with per-head q/k norms (Qwen3 sources) that `what` cannot run. Engines' MLA takes a key
+    linear in the latent: qk_norm "exact" (a per-token key norm) never serves. `query_norm`: the engine's query path
+    is ours (mla-convert's vLLM model), so "calibrated" (the query's per-head norm, keys linear) serves there."""
     mode = config.get("qk_norm") if isinstance(config, dict) else getattr(config, "qk_norm", None)
-    if mode:
+    if mode and not (query_norm and mode == "calibrated"):
+        fix = ("convert with --qk-norm calibrated to serve it in vLLM, or run it in transformers" if query_norm
+               else "run it in transformers (eval --engine transformers, generate), or serve a --qk-norm calibrated "
+               "conversion in vLLM through the plugin")
         raise UserError(f"this checkpoint normalizes each query and key head per token (qk_norm {mode}), which {what} "
-                        "cannot hold: run it in transformers (eval --engine transformers, generate)")
+                        f"cannot hold: {fix}")
 
 
 def served_layout(kv_lora_rank: list[int], rope_dims: int, layouts: tuple[tuple[int, int], ...]) -> ServedLayout:
@@ -126,9 +133,16 @@ def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: S
         y[d_c_out:] = _pad_rope_rows(x[d_c:].T, d_r, d_r_out).T
         return y
 
-    out["q_proj.weight"] = query(t["q_proj.weight"])
-    if "q_proj.bias" in t:
-        out["q_proj.bias"] = query(t["q_proj.bias"])[:, 0]
+    if "q_head_proj.weight" in t:  # qk_norm calibrated: q_proj and the per-head norm as they are, then per head
+        out["q_head_proj.weight"] = query(t["q_head_proj.weight"])
+        out["q_norm.weight"] = t["q_norm.weight"]
+        out["q_proj.weight"] = t["q_proj.weight"]
+        if "q_proj.bias" in t:
+            out["q_proj.bias"] = t["q_proj.bias"]
+    else:
+        out["q_proj.weight"] = query(t["q_proj.weight"])
+        if "q_proj.bias" in t:
+            out["q_proj.bias"] = query(t["q_proj.bias"])[:, 0]
     out["kv_a_proj.weight"] = latent_rows(t["kv_a_proj.weight"])
     if "kv_a_proj.bias" in t:
         out["kv_a_proj.bias"] = latent_rows(t["kv_a_proj.bias"])[:, 0]

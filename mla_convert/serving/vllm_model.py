@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -58,6 +58,34 @@ class PairRotaryEmbedding(nn.Module):
         return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+class NormedQuery(nn.Module):
+    """The query of a `--qk-norm calibrated` (Qwen3) checkpoint, as vLLM's MLA wrapper calls a q projection
+    (hidden [T, D] -> ([T, H*(d_n+d_r')], None)): the source's q_proj, its per-head RMS norm, then each head's own map
+    to its nope and rope parts (q_head_proj [H*(d_n+d_r'), d_h], used per head). The wrapper applies RoPE after it,
+    as the source does after its norm. Heads split over tensor-parallel ranks with both projections' rows."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, d_q: int, eps: float, bias: bool, quant, prefix: str):
+        super().__init__()
+        self.q_proj = ColumnParallelLinear(hidden, heads * head_dim, bias=bias, quant_config=quant,
+                                           prefix=f"{prefix}.q_proj")
+        self.q_norm = RMSNorm(head_dim, eps=eps)
+        # A plain parameter, not a vLLM linear layer: it is used per head (an einsum), and vLLM's CPU linears repack
+        # their weights for their own GEMM. Each rank keeps its heads' rows.
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        rows = heads // tp * d_q
+        self.q_head_proj = nn.Module()
+        self.q_head_proj.weight = nn.Parameter(torch.empty(rows, head_dim), requires_grad=False)
+        self.q_head_proj.weight.weight_loader = lambda param, loaded: param.data.copy_(loaded.narrow(0, rank * rows,
+                                                                                                     rows))
+        self.head_dim, self.d_q = head_dim, d_q
+
+    def forward(self, hidden_states: torch.Tensor):
+        q, _ = self.q_proj(hidden_states)  # [T, H_rank*d_h]
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape[0], -1, self.head_dim)  # [T, H_rank, d_h]
+        head_map = self.q_head_proj.weight.view(-1, self.d_q, self.head_dim)  # [H_rank, d_n+d_r', d_h]
+        return torch.einsum("thd,hed->the", q, head_map.to(q.dtype)).reshape(q.shape[0], -1), None
+
+
 class MLAServedAttention(nn.Module):
     def __init__(self, config, served, layer: int, inv_freq, attention_scaling, vllm_config: VllmConfig, prefix: str):
         super().__init__()
@@ -69,8 +97,13 @@ class MLAServedAttention(nn.Module):
         d_c = served.kv_lora_rank[layer]
         hidden = config.hidden_size
         quant = vllm_config.quant_config
-        self.q_proj = ColumnParallelLinear(hidden, heads * (d_n + d_r), bias=served.attention_bias,
-                                           quant_config=quant, prefix=f"{prefix}.q_proj")
+        if getattr(served, "qk_norm", None):  # "calibrated" (check_servable refuses "exact")
+            query = NormedQuery(hidden, heads, served.head_dim, d_n + d_r, served.rms_norm_eps,
+                                served.attention_bias, quant, prefix)
+            self.q_proj, self.q_norm, self.q_head_proj = query.q_proj, query.q_norm, query.q_head_proj
+        else:
+            query = self.q_proj = ColumnParallelLinear(hidden, heads * (d_n + d_r), bias=served.attention_bias,
+                                                       quant_config=quant, prefix=f"{prefix}.q_proj")
         self.kv_a_proj = ReplicatedLinear(hidden, d_c + d_r, bias=served.attention_bias, quant_config=quant,
                                           prefix=f"{prefix}.kv_a_proj")
         self.kv_b_proj = ColumnParallelLinear(d_c, heads * (d_n + d_v), bias=False, quant_config=quant,
@@ -88,7 +121,7 @@ class MLAServedAttention(nn.Module):
             kv_a_proj_with_mqa=self.kv_a_proj,
             q_a_layernorm=None,
             q_b_proj=None,
-            q_proj=self.q_proj,
+            q_proj=query,
             indexer=None,
             is_sparse=False,
             topk_indices_buffer=None,
@@ -188,6 +221,8 @@ class MLAForCausalLM(nn.Module):
     def _attention_names(self, layer: int) -> set[str]:
         c = self.config
         names = {f"{p}.weight" for p in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")}
+        if getattr(c, "qk_norm", None):
+            names |= {"q_norm.weight", "q_head_proj.weight"}
         if c.attention_bias:
             names |= {"q_proj.bias", "kv_a_proj.bias", "kv_b_proj.bias"}
         if c.o_proj_bias:

@@ -30,7 +30,7 @@ def layout_for(config):
     """The ServedLayout vLLM runs a native config in on this platform."""
     from mla_convert.serving.layout import check_servable, served_layout
 
-    check_servable(config, "vLLM's MLA kernels")
+    check_servable(config, "vLLM's MLA kernels", query_norm=True)
     return served_layout(list(config.kv_lora_rank), config.qk_rope_head_dim, platform_layouts())
 
 
