@@ -79,7 +79,8 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
 
 
 def friendly(fn):
-    """Turn a UserError (and a missing-file or interrupt) into one line on stderr and a non-zero exit."""
+    """Turn a UserError, an operating-system error (full disk, read-only place) or running out of memory into one
+    `error:` line and exit status 2; an interrupt into `interrupted` and 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -87,6 +88,15 @@ def friendly(fn):
             return fn(*args, **kwargs)
         except UserError as e:
             typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        except OSError as e:  # a full disk, a read-only or busy place: one line naming the path and the fix
+            from mla_convert.errors import os_error_line
+
+            typer.echo(f"error: {os_error_line(e)}", err=True)
+            raise typer.Exit(2)
+        except MemoryError:
+            typer.echo("error: out of memory: use a smaller model, batch or sequence length, or a machine with more "
+                       "memory", err=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)

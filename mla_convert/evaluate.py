@@ -100,6 +100,33 @@ def write_results_file(path: Path, result: dict, overwrite: bool) -> None:
             os.unlink(tmp)
 
 
+def check_loadable_folder(folder: Path) -> None:
+    """Refuse, in one line, a model folder that transformers would load through pickle or custom code: weights only
+    as pytorch_model.bin / *.pt, an index naming shards outside the folder, or a config asking for custom code."""
+    import json
+
+    from mla_convert.checkpoint import INDEX_NAME, read_weight_map
+
+    if (folder / INDEX_NAME).is_file():
+        read_weight_map(folder / INDEX_NAME)
+    elif not any(folder.glob("*.safetensors")):
+        pickles = sorted(p.name for p in (*folder.glob("*.bin"), *folder.glob("*.pt"), *folder.glob("*.pth")))
+        hint = f" (found {pickles[0]}: pickle files are never loaded, they can run code)" if pickles else ""
+        raise UserError(f"{folder} has no *.safetensors weights{hint}: convert the weights to safetensors")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"cannot read {folder / 'config.json'} ({type(e).__name__}): fix the file") from None
+    if isinstance(config, dict) and config.get("auto_map") and config.get("model_type") not in _KNOWN_MODEL_TYPES:
+        raise UserError(f"{folder / 'config.json'} asks for custom code (auto_map, model_type "
+                        f"{config.get('model_type')!r}); custom code from a checkpoint is never run: use a model "
+                        "transformers supports")
+
+
+# the model types load_model reads with stock (or mla_convert's registered) classes
+_KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "mla")
+
+
 def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer, label) for MODEL: None (embedded default), a .gguf file, or a model folder.
 
@@ -123,6 +150,8 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
         folder = path
         if not (folder / "config.json").is_file():
             raise UserError(f"{folder} has no config.json: pass a model folder or a .gguf file")
+        check_loadable_folder(folder)
+        kwargs["use_safetensors"] = True  # never torch.load: a pickle can run code
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False,

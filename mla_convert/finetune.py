@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a full disk, a read-only or busy place
+        from mla_convert.errors import os_error_line
+
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        sys.exit(2)
     if rank == "0":
         print(f"wrote {final}")
 

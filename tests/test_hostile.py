@@ -1,0 +1,311 @@
+"""Hostile files, planted links and faults (issue 54): every case ends in one `error:` line and exit status 2 (or
+runs, where the input is valid), with no traceback, nothing a user had changed, removed or uploaded, no output that
+looks complete after a failure, and nothing unpickled."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_user_error
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from mla_convert.cli import app
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every entry below `root` (links as links, never followed): files by content hash."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            out[rel] = "link -> " + str(path.readlink())
+        elif path.is_file():
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, sources, calib_text) -> Path:
+    root = tmp_path_factory.mktemp("hostile")
+    shutil.copytree(sources["llama-gqa"], root / "src")
+    shutil.copy(calib_text, root / "calib.txt")
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("my own notes")
+    (root / "secret.txt").write_text("hf_" + "a" * 34 + "\n")
+    return root
+
+
+CALIB = ["--calib-samples", "2", "--calib-seq-len", "16", "--refine-steps", "0", "--refine-model-steps", "0"]
+
+
+def convert_args(ws: Path, src: Path, out: Path, *extra: str) -> list[str]:
+    return ["llama", str(src), "--rank", "8", "-o", str(out), "--calib-data", str(ws / "calib.txt"), *CALIB, *extra]
+
+
+def variant(ws: Path, name: str, edit_config=None, edit_tensors=None) -> Path:
+    """A copy of the tiny source with its config.json and/or tensors edited."""
+    folder = ws / name
+    if folder.exists():
+        return folder
+    shutil.copytree(ws / "src", folder)
+    if edit_config is not None:
+        config = json.loads((folder / "config.json").read_text())
+        edit_config(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    if edit_tensors is not None:
+        state = load_file(folder / "model.safetensors")
+        edit_tensors(state)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+# ----------------------------------------------------------------------------------- staging and resume paths
+
+
+def test_staging_folder_planted_as_a_link_is_refused(ws, tmp_path):
+    """`.OUT.incomplete` pre-created as a link to a user's folder: never followed, nothing there deleted or written."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "thesis.tex").write_text("years of work")
+    (tmp_path / ".out.incomplete").symlink_to(user)
+    before = snapshot(tmp_path)
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert_user_error(code, output, ".out.incomplete", "link")
+    assert snapshot(tmp_path) == before
+    assert not (tmp_path / "out").exists()
+
+
+def test_staging_name_taken_by_a_file_is_one_line(ws, tmp_path):
+    (tmp_path / ".out.incomplete").write_text("a file of the user's")
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert_user_error(code, output, ".out.incomplete", "file")
+    assert (tmp_path / ".out.incomplete").read_text() == "a file of the user's"
+
+
+def test_lock_file_planted_as_a_link_is_never_truncated(ws, tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (tmp_path / ".out.incomplete" / ".resume").mkdir(parents=True)
+    (tmp_path / ".out.incomplete" / ".resume" / "lock").symlink_to(precious)
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert_user_error(code, output, "lock")
+    assert precious.read_text() == "keep me" and not (tmp_path / "out").exists()
+
+
+def test_links_left_in_the_staging_folder_are_removed_not_followed(ws, tmp_path):
+    """A leftover in a staging folder is removed on the next run; a link there goes, its target stays."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "data.txt").write_text("mine")
+    (tmp_path / ".out.incomplete").mkdir()
+    (tmp_path / ".out.incomplete" / "leftover").symlink_to(user)
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert code == 0, output
+    assert (user / "data.txt").read_text() == "mine"
+    assert not (tmp_path / "out" / "leftover").exists()
+
+
+# ------------------------------------------------------------------------------------------ the source validator
+
+
+def _set(name, value):
+    return lambda state: state.__setitem__(name, value)
+
+
+SOURCE_CASES = {
+    "a NaN weight": (dict(edit_tensors=lambda s: s["model.layers.1.mlp.up_proj.weight"].__setitem__((0, 0), float("nan"))),
+                     "NaN or infinite"),
+    "an infinite weight": (dict(edit_tensors=lambda s: s["model.layers.0.self_attn.k_proj.weight"].__setitem__(
+        (1, 1), float("inf"))), "NaN or infinite"),
+    "a missing MLP tensor": (dict(edit_tensors=lambda s: s.pop("model.layers.1.mlp.down_proj.weight")),
+                             "lacks tensor model.layers.1.mlp.down_proj.weight"),
+    "a missing final norm": (dict(edit_tensors=lambda s: s.pop("model.norm.weight")), "lacks tensor model.norm.weight"),
+    "a wrong-shaped up_proj": (dict(edit_tensors=_set("model.layers.0.mlp.up_proj.weight", torch.zeros(95, 64))),
+                               "mlp.up_proj.weight has shape [95, 64]"),
+    "wrong-shaped embeddings": (dict(edit_tensors=_set("model.embed_tokens.weight", torch.zeros(320, 63))),
+                                "embed_tokens.weight has shape"),
+    "a 1-D o_proj": (dict(edit_tensors=_set("model.layers.1.self_attn.o_proj.weight", torch.zeros(4096))),
+                     "o_proj.weight has shape [4096]"),
+    "a vocab size that disagrees with the weights": (dict(edit_config=lambda c: c.update(vocab_size=400)),
+                                                     "config.json implies [400, 64]"),
+    "an intermediate size that disagrees": (dict(edit_config=lambda c: c.update(intermediate_size=128)),
+                                            "config.json implies"),
+    "kv heads inconsistent with the weights": (dict(edit_config=lambda c: c.update(num_key_value_heads=4)),
+                                               "k_proj.weight has shape"),
+    "head_dim inconsistent with the weights": (dict(edit_config=lambda c: c.update(head_dim=8)), "has shape"),
+    "0 layers": (dict(edit_config=lambda c: c.update(num_hidden_layers=0)), "num_hidden_layers"),
+    "an unknown rope type": (dict(edit_config=lambda c: c.update(rope_parameters={"rope_type": "warp",
+                                                                                  "rope_theta": 1e4})), "warp"),
+    "custom code for an unknown model type": (dict(edit_config=lambda c: c.update(
+        model_type="evil_model", auto_map={"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.Model"})),
+        "custom code"),
+    "a deeply nested config.json": (dict(edit_config=lambda c: c.update(extra=json.loads("[" * 5000 + "]" * 5000))),
+                                    "config.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SOURCE_CASES))
+def test_broken_source_is_refused_before_any_work(ws, tmp_path, case):
+    edits, needle = SOURCE_CASES[case]
+    if case == "a deeply nested config.json":  # json.dumps of the edit would itself recurse too deep: written by hand
+        folder = variant(ws, "nested")
+        text = (folder / "config.json").read_text()
+        (folder / "config.json").write_text(text[:-1] + ', "extra": ' + "[" * 100000 + "]" * 100000 + "}")
+    else:
+        folder = variant(ws, "v-" + case.replace(" ", "-"), **edits)
+    before = snapshot(ws)
+    code, output = run(*convert_args(ws, folder, tmp_path / "out"))
+    assert_user_error(code, output, needle)
+    assert snapshot(ws) == before and list(tmp_path.iterdir()) == []
+
+
+def test_index_naming_shards_outside_the_folder_is_refused(ws, tmp_path):
+    """A sharded index may not send a read outside the model folder (`../x`, an absolute path), nor be a list."""
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(ws / "src" / "model.safetensors", outside)
+    for name, weight_map in (("up", "../elsewhere.safetensors"), ("abs", str(outside)), ("list", None)):
+        folder = tmp_path / name
+        shutil.copytree(ws / "src", folder)
+        names = list(load_file(folder / "model.safetensors"))
+        index = {"weight_map": [names] if weight_map is None else {n: weight_map for n in names}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        code, output = run(*convert_args(ws, folder, tmp_path / f"out-{name}"))
+        assert_user_error(code, output, "model.safetensors.index.json")
+        code, output = run("eval", folder, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
+        assert_user_error(code, output, "model.safetensors.index.json")
+        assert not (tmp_path / f"out-{name}").exists()
+
+
+# ---------------------------------------------------------------------------------------------- no pickle, no code
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    """Any torch.load or pickle load fails the test (and loads nothing)."""
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("something was unpickled")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+
+
+def test_eval_and_generate_refuse_a_pickle_only_folder(ws, tmp_path, no_unpickling):
+    folder = tmp_path / "pickled"
+    shutil.copytree(ws / "src", folder)
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    code, output = run("eval", folder, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
+    assert_user_error(code, output, "pytorch_model.bin", "pickle")
+    code, output = run("generate", folder, "-p", "w1 w2", "-n", "2")
+    assert_user_error(code, output, "pytorch_model.bin", "pickle")
+
+
+def test_custom_tokenizer_code_is_not_carried_into_the_output(ws, tmp_path):
+    """A source whose tokenizer_config names custom code converts with the stock classes, and the output does not
+    ask to run code it does not hold (it loads with the default trust_remote_code)."""
+    folder = tmp_path / "remote"
+    shutil.copytree(ws / "src", folder)
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    tok["auto_map"] = {"AutoTokenizer": ["evil.Tokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+    code, output = run(*convert_args(ws, folder, tmp_path / "out"))
+    assert code == 0, output
+    assert "auto_map" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tmp_path / "out")  # no prompt, no custom module needed
+
+
+# ---------------------------------------------------------------------------------------------------- I/O faults
+
+
+def _fail_on(monkeypatch, target: str, err: int, after: int = 0):
+    """Make `target` (a dotted save function) raise OSError(err) from its call number `after` on."""
+    import importlib
+
+    module, name = target.rsplit(".", 1)
+    mod = importlib.import_module(module)
+    real, calls = getattr(mod, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > after:
+            raise OSError(err, os_strerror(err), str(args[1]) if len(args) > 1 else None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, name, failing)
+
+
+def os_strerror(err: int) -> str:
+    import os
+
+    return os.strerror(err)
+
+
+@pytest.mark.parametrize("err,needle", [(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only"),
+                                        (errno.EBUSY, "busy")])
+def test_write_error_while_writing_the_shards_keeps_the_layers_and_names_the_fix(ws, tmp_path, monkeypatch, err,
+                                                                                 needle):
+    """A write error at the end (the shards): one line, no OUT, the converted layers kept; the same command then
+    finishes from them, to the bytes of an uninterrupted run."""
+    out = tmp_path / "out"
+    _fail_on(monkeypatch, "mla_convert.checkpoint.save_file", err)
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert_user_error(code, output, needle)
+    assert not out.exists()
+    kept = tmp_path / ".out.incomplete" / ".resume"
+    assert (kept / "layer-00000.safetensors").is_file() and (kept / "layer-00001.safetensors").is_file()
+    monkeypatch.undo()
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert code == 0, output
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "straight"))
+    assert code == 0, output
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "straight" / "model.safetensors").read_bytes()
+
+
+def test_write_error_on_a_kept_layer_is_one_line(ws, tmp_path, monkeypatch):
+    _fail_on(monkeypatch, "safetensors.torch.save_file", errno.ENOSPC, after=1)
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert_user_error(code, output, "disk is full")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_damaged_kept_layer_is_done_again(ws, tmp_path, monkeypatch, damage):
+    """A kept layer file damaged between runs is noticed by its checksum and converted again: the result equals an
+    uninterrupted run's, with no traceback on this or any later run."""
+    out = tmp_path / "out"
+    _fail_on(monkeypatch, "mla_convert.checkpoint.save_file", errno.ENOSPC)
+    assert run(*convert_args(ws, ws / "src", out))[0] == 2
+    monkeypatch.undo()
+    layer = tmp_path / ".out.incomplete" / ".resume" / "layer-00001.safetensors"
+    data = bytearray(layer.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data[-5] ^= 0xFF  # a tensor's bytes: the file still parses
+    layer.write_bytes(bytes(data))
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert code == 0, output
+    assert "damaged" in output
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "straight"))
+    assert code == 0, output
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "straight" / "model.safetensors").read_bytes()
