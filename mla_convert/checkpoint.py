@@ -494,7 +494,8 @@ _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 def foreign_files(folder: Path) -> list[str]:
     """Entries of an output folder that mla-convert does not write there (a user's notes, another tool's files)."""
     return sorted(p.name for p in Path(folder).iterdir()
-                  if not (p.is_file() and (p.name in OWN_FILES or p.name in AUX_FILES or _SHARD.fullmatch(p.name))))
+                  if not (p.is_file() and not p.is_symlink()
+                          and (p.name in OWN_FILES or p.name in AUX_FILES or _SHARD.fullmatch(p.name))))
 
 
 RESUME_DIR = ".resume"  # inside a resumable staging folder: the run's fingerprint, its lock and the work kept

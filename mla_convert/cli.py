@@ -789,6 +789,10 @@ def push_command(
     if result.hidden:
         shown = ", ".join(result.hidden[:5]) + (f" and {len(result.hidden) - 5} more" if len(result.hidden) > 5 else "")
         typer.echo(f"not pushed (hidden): {shown}")
+    if result.foreign:
+        shown = ", ".join(result.foreign[:5]) + (f" and {len(result.foreign) - 5} more" if len(result.foreign) > 5
+                                                 else "")
+        typer.echo(f"not pushed (not written by mla-convert): {shown}")
     if dry_run:
         typer.echo(f"dry run: would push {summary} from {folder} to {repo_id} (branch {result.revision}); nothing "
                    "uploaded")

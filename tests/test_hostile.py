@@ -309,3 +309,109 @@ def test_damaged_kept_layer_is_done_again(ws, tmp_path, monkeypatch, damage):
     code, output = run(*convert_args(ws, ws / "src", tmp_path / "straight"))
     assert code == 0, output
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "straight" / "model.safetensors").read_bytes()
+
+
+# ------------------------------------------------------------------------------------------------- finetune output
+
+
+@pytest.fixture(scope="module")
+def student(ws, convert_tiny) -> Path:
+    return convert_tiny(ws / "src", rank=8, rope_dims=8)
+
+
+def finetune_args(ws: Path, student: Path, out: Path, *extra: str) -> list[str]:
+    return ["finetune", "--config", "smollm2-135m", f"model={student}", f"data={ws / 'calib.txt'}", f"output={out}",
+            "teacher=none", "kd_weight=0", "max_steps=2", "seq_len=16", "batch_size=1", "grad_accum=1",
+            "eval_windows=1", "eval_every=0", "save_every=0", "threads=1", "dtype=float32", "-q", *extra]
+
+
+@pytest.mark.parametrize("planted", ["a user's metrics.jsonl", "metrics.jsonl linked to a user's file",
+                                     "loss.png linked to a user's file", "final linked to a user's folder"])
+def test_finetune_never_touches_a_users_files_in_its_output(ws, student, tmp_path, planted):
+    out, user = tmp_path / "run", tmp_path / "user"
+    out.mkdir()
+    user.mkdir()
+    (user / "log.jsonl").write_text('{"my": "experiment"}\n')
+    if planted == "a user's metrics.jsonl":
+        (out / "metrics.jsonl").write_text('{"my": "experiment"}\n')
+    elif planted == "final linked to a user's folder":
+        (out / "metrics.jsonl").write_text("")
+        (out / "final").symlink_to(user)
+    else:
+        (out / planted.split()[0]).symlink_to(user / "log.jsonl")
+    before = snapshot(tmp_path)
+    for extra in ([], ["overwrite=true"]):
+        code, output = run(*finetune_args(ws, student, out, *extra))
+        assert_user_error(code, output, str(out))
+        assert snapshot(tmp_path) == before
+
+
+def test_finetune_into_a_locked_output_is_refused(ws, student, tmp_path):
+    """Two runs into one output: the second is refused while the first holds the folder's lock."""
+    import os
+
+    from mla_convert.training.checkpoints import lock_run_folder
+
+    out = tmp_path / "run"
+    fd = lock_run_folder(out)
+    try:
+        code, output = run(*finetune_args(ws, student, out))
+        assert_user_error(code, output, "another fine-tuning run is writing")
+        assert list(out.iterdir()) == []
+    finally:
+        os.close(fd)
+    code, output = run(*finetune_args(ws, student, out))
+    assert code == 0, output
+    fd = lock_run_folder(out)  # released when the run ended
+    os.close(fd)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS])
+def test_finetune_failing_while_writing_final_leaves_no_complete_looking_final(ws, student, tmp_path, monkeypatch,
+                                                                             err):
+    """A write error (or a kill) while final/ is written: no final/ at all (provenance.json goes in last, under a
+    hidden name renamed into place); the next run finishes it."""
+    from mla_convert.training.loop import Trainer
+
+    out = tmp_path / "run"
+
+    def failing(self, final, *args):
+        (final / "provenance.json").write_text("{}")  # half-way: even a provenance on its way must not count
+        raise OSError(err, os_strerror(err), str(final / "README.md"))
+
+    monkeypatch.setattr(Trainer, "_write_provenance", failing)
+    code, output = run(*finetune_args(ws, student, out))
+    assert_user_error(code, output, os_strerror(err))
+    assert not (out / "final").exists()
+    monkeypatch.undo()
+    code, output = run(*finetune_args(ws, student, out))
+    assert code == 0, output
+    assert (out / "final" / "provenance.json").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["final", "loss.png", "metrics.jsonl"]
+
+
+RECIPE_CASES = {
+    "eval_seq_len 0": (["eval_seq_len=0"], "eval_seq_len"),
+    "a negative seed": (["seed=-1"], "seed"),
+    "100000 threads": (["threads=100000"], "threads"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECIPE_CASES))
+def test_finetune_setting_out_of_range_is_one_line(ws, student, tmp_path, case):
+    extra, needle = RECIPE_CASES[case]
+    code, output = run(*finetune_args(ws, student, tmp_path / "run", *extra))
+    assert_user_error(code, output, needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_yaml_alias_bomb_is_refused_small(ws, tmp_path):
+    """A 10-level alias bomb expands to 10^10 entries: refused in one short line, without expanding it."""
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    lines += ["finetune:", "  model: *a9", "  data: x", "  output: y"]
+    recipe = tmp_path / "bomb.yaml"
+    recipe.write_text("\n".join(lines) + "\n")
+    code, output = run("finetune", "--config", recipe)
+    assert_user_error(code, output, "alias")
+    assert len(output) < 1000
