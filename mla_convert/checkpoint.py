@@ -101,7 +101,7 @@ class Source:
         if getattr(self, "_tokenizer", None) is None:
             try:
                 self._tokenizer = self._load_tokenizer()
-            except (OSError, ValueError, KeyError, TypeError) as e:  # missing or broken tokenizer files
+            except Exception as e:  # missing or broken tokenizer files (the tokenizers library raises plain Exception)
                 raise UserError(f"cannot load the tokenizer of {self.origin} ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0][:160] if str(e) else ''}): the folder needs its tokenizer "
                                 "files (tokenizer.json / tokenizer_config.json)") from None

@@ -591,9 +591,10 @@ def generate_command(
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer of {label} has no chat template: drop --chat")
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        from mla_convert.templates import apply_chat_template
+
+        encoded = apply_chat_template(tokenizer, [{"role": "user", "content": prompt}], label,
+                                      add_generation_prompt=True, return_tensors="pt", return_dict=True)
     else:
         encoded = tokenizer(prompt, return_tensors="pt")
     ids = encoded["input_ids"].to(device)  # [1, P]

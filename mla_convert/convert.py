@@ -913,6 +913,7 @@ def convert(
     if dry_run:
         return plan
     check_source_finite(source, family)  # before any work: a NaN or inf weight would convert into a broken output
+    source.tokenizer()  # read even without calibration text: a broken tokenizer is refused, not copied into the output
     config = source.config
     config._attn_implementation = "sdpa"  # calibration runs source layers causally without an explicit mask
     inv_freq, attention_scaling = rope.source_frequencies(config)

@@ -415,3 +415,88 @@ def test_yaml_alias_bomb_is_refused_small(ws, tmp_path):
     code, output = run("finetune", "--config", recipe)
     assert_user_error(code, output, "alias")
     assert len(output) < 1000
+
+
+# --------------------------------------------------------------------------------------- texts, tokenizers, templates
+
+
+def test_whitespace_only_calibration_text_is_refused(ws, tmp_path):
+    (tmp_path / "blank.txt").write_text(" \n\t\n   \n" * 100)
+    code, output = run("llama", ws / "src", "--rank", "8", "-o", tmp_path / "out", "--calib-data", tmp_path / "blank.txt",
+                       *CALIB)
+    assert_user_error(code, output, "only whitespace")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt"]
+
+
+def test_garbage_tokenizer_is_refused_without_calibration_text(ws, tmp_path):
+    """With --calib-data none the tokenizer is still read before any work: a broken one is refused, not copied into a
+    finished-looking output."""
+    for garbage in ('{"version": "1.0", "model": {"type": "BPE", "vocab": 5}}', "{not json"):
+        folder = tmp_path / "badtok"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(ws / "src", folder)
+        (folder / "tokenizer.json").write_text(garbage)
+        code, output = run("llama", folder, "--rank", "8", "-o", tmp_path / "out", "--calib-data", "none")
+        assert_user_error(code, output, "tokenizer")
+        assert not (tmp_path / "out").exists()
+
+
+def _fifo_with(tmp_path: Path, name: str, text: str) -> Path:
+    """A named pipe that yields `text` once, as `<(cat file)` does."""
+    import os
+    import threading
+
+    path = tmp_path / name
+    os.mkfifo(path)
+
+    def feed():
+        with open(path, "w") as f:
+            f.write(text)
+
+    threading.Thread(target=feed, daemon=True).start()
+    return path
+
+
+def test_process_substitution_is_valid_input(ws, tmp_path):
+    text = (ws / "calib.txt").read_text()
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out")[:-len(CALIB) - 2], "--calib-data",
+                       _fifo_with(tmp_path, "calib-pipe", text), *CALIB)
+    assert code == 0, output
+    code, output = run("eval", tmp_path / "out", "--data", _fifo_with(tmp_path, "eval-pipe", text), "--seq-len", "16",
+                       "--windows", "1")
+    assert code == 0, output
+    assert "perplexity" in output
+
+
+@pytest.fixture(scope="module")
+def chat_model(student, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(student, folder)
+    return folder
+
+
+def _with_template(folder: Path, template: str) -> Path:
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}", "did not finish"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "sandbox"),
+    ("{{ messages[0].__init__.__globals__ }}", "sandbox"),
+    ("{% for m in messages %}{{ m.content", "cannot be rendered"),
+])
+def test_hostile_chat_template_is_one_line(chat_model, monkeypatch, template, needle):
+    monkeypatch.setattr("mla_convert.templates.SECONDS", 2.0)
+    _with_template(chat_model, template)
+    code, output = run("generate", chat_model, "-p", "w1 w2", "-n", "2", "--chat")
+    assert_user_error(code, output, needle)
+
+
+def test_plain_chat_template_still_renders(chat_model):
+    _with_template(chat_model, "{% for m in messages %}{{ m.content }}{% endfor %}")
+    code, output = run("generate", chat_model, "-p", "w1 w2", "-n", "2", "--chat")
+    assert code == 0, output
