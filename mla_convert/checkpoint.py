@@ -471,6 +471,9 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), mark
     out = check_location(out, [("input", src) for src in inputs], "-o out/NAME")
     if out.exists() and not out.is_dir():
         raise UserError(f"output {given} is an existing file: choose a folder name")
+    if out.is_dir() and os.path.ismount(out):  # the finished folder is renamed into place: a mount point cannot be
+        raise UserError(f"output {given} is a mount point, which a finished folder cannot be moved onto: choose a "
+                        f"folder inside it, e.g. {given}/NAME")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"{given} already exists and is not empty: pass --overwrite or choose another -o")
@@ -591,6 +594,53 @@ def kept_file_intact(path: Path) -> bool:
     return intact
 
 
+class _DirLock:
+    """An exclusive advisory lock on a folder itself, held until `close()` or the end of the process."""
+
+    def __init__(self, folder: Path):
+        import fcntl
+
+        self.fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _lock_dir(folder: Path) -> _DirLock:
+    return _DirLock(folder)
+
+
+def _remove_stale_stages(out: Path) -> None:
+    """Remove the private staging folders (`.NAME.incomplete-XXXX`) that a killed run left beside `out`: real folders
+    of that name whose lock no live process holds (links and files of that name are left alone)."""
+    for stage in out.parent.glob(f".{glob_escape(out.name)}.incomplete-*"):
+        if stage.is_symlink() or not stage.is_dir():
+            continue
+        try:
+            held = _DirLock(stage)
+        except BlockingIOError:  # in use by a running conversion or export
+            continue
+        try:
+            log.warning("removing %s, left by a run that was killed", stage)
+            shutil.rmtree(stage)
+        finally:
+            held.close()
+
+
+def glob_escape(name: str) -> str:
+    """`name` as a glob pattern that matches only itself."""
+    import re as _re
+
+    return _re.sub(r"([*?\[])", r"[\1]", name)
+
+
 @contextlib.contextmanager
 def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fingerprint: dict | None = None):
     """Yield a hidden staging folder beside `out`; move it into place only if the block completes.
@@ -604,14 +654,17 @@ def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fin
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = None
     if fingerprint is None:
+        _remove_stale_stages(out)
         stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+        lock = _lock_dir(stage)  # held while in use: a later run removes it only once this process is gone
     else:
         stage, lock = _claim_resumable_stage(out, fingerprint)
     try:
         yield stage
         check_output(out, overwrite, inputs)  # again: the folder may have changed during a long conversion
     except BaseException:
-        kept = lock is not None and any(p.name not in ("lock", "fingerprint.json") for p in resume_dir(stage).iterdir())
+        kept = fingerprint is not None and any(p.name not in ("lock", "fingerprint.json")
+                                               for p in resume_dir(stage).iterdir())
         if kept:
             log.warning("the finished part stays in %s: run the same command again to resume", stage)
         else:
@@ -631,11 +684,11 @@ def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fin
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(stage, out)
-    if lock is not None:
+    if fingerprint is not None:
         # the kept work (and the lock file) go only now: the lock is held until the output is in place, so a second
         # run of the same command cannot claim the staging folder while this one moves it
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
-        lock.close()
+    lock.close()
 
 
 class ShardedWriter:

@@ -90,8 +90,10 @@ def friendly(fn):
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
         except OSError as e:  # a full disk, a read-only or busy place: one line naming the path and the fix
-            from mla_convert.errors import os_error_line
+            from mla_convert.errors import is_environment_error, os_error_line
 
+            if not is_environment_error(e):
+                raise  # another OSError is a bug: it keeps its traceback
             typer.echo(f"error: {os_error_line(e)}", err=True)
             raise typer.Exit(2)
         except MemoryError:

@@ -19,14 +19,19 @@ _OS_FIXES = {
     "EBUSY": "the path is busy (a mount point, or in use by another program): choose another folder",
     "EXDEV": "the path lies on another file system than its staging folder: choose a plain folder (not a mount point)",
     "ENOTDIR": "a part of the path is a file, not a folder: choose another path",
-    "EISDIR": "the path is a folder where a file was expected: choose another path",
-    "ENOTEMPTY": "a folder that should be empty is not: move its files out or choose another path",
-    "EEXIST": "the path is taken by something else: move it away or choose another path",
     "ELOOP": "the path goes through a symbolic link loop: choose a plain path",
     "ENAMETOOLONG": "the path is too long: choose a shorter one",
     "EMFILE": "too many open files: raise the limit (ulimit -n) and re-run",
     "EIO": "an input/output error of the device: check the disk and re-run",
 }
+
+
+def is_environment_error(err: BaseException) -> bool:
+    """An operating-system error that the place or the machine causes (a full disk, a read-only, busy or
+    forbidden place, a device error), not a bug: these become one `error:` line (`os_error_line`)."""
+    import errno as _errno
+
+    return isinstance(err, OSError) and _errno.errorcode.get(err.errno or 0, "") in _OS_FIXES
 
 
 def os_error_line(err: OSError) -> str:

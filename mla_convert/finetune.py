@@ -82,8 +82,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:  # a full disk, a read-only or busy place
-        from mla_convert.errors import os_error_line
+        from mla_convert.errors import is_environment_error, os_error_line
 
+        if not is_environment_error(e):
+            raise
         print(f"error: {os_error_line(e)}", file=sys.stderr)
         sys.exit(2)
     if rank == "0":

@@ -500,3 +500,75 @@ def test_plain_chat_template_still_renders(chat_model):
     _with_template(chat_model, "{% for m in messages %}{{ m.content }}{% endfor %}")
     code, output = run("generate", chat_model, "-p", "w1 w2", "-n", "2", "--chat")
     assert code == 0, output
+
+
+# ------------------------------------------------------------------------------------------------ export, eval
+
+
+@pytest.fixture(scope="module")
+def exportable(ws, convert_tiny) -> Path:
+    return convert_tiny(ws / "src", rank=8, rope_strategy="uniform")
+
+
+def test_export_write_error_leaves_nothing_and_stale_stages_are_cleaned(ws, exportable, tmp_path, monkeypatch):
+    """A full disk during export: one line, no OUT, no hidden copy; a hidden copy a killed export left is removed by
+    the next export, one still locked by a running export is not."""
+    import os
+
+    from mla_convert.checkpoint import _lock_dir
+
+    out = tmp_path / "exp"
+    _fail_on(monkeypatch, "mla_convert.checkpoint.save_file", errno.ENOSPC)
+    code, output = run("export", exportable, "-o", out, "--no-verify")
+    assert_user_error(code, output, "disk is full")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    stale, busy = tmp_path / ".exp.incomplete-dead01", tmp_path / ".exp.incomplete-busy01"
+    for folder in (stale, busy):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / ".exp.incomplete-link").symlink_to(ws / "mine")
+    held = _lock_dir(busy)
+    try:
+        code, output = run("export", exportable, "-o", out, "--no-verify")
+        assert code == 0, output
+    finally:
+        held.close()
+    assert not stale.exists() and busy.is_dir() and (ws / "mine" / "notes.txt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".exp.incomplete-busy01", ".exp.incomplete-link", "exp"]
+    os.unlink(tmp_path / ".exp.incomplete-link")
+
+
+def test_output_that_is_a_mount_point_is_refused_before_work(ws, tmp_path, monkeypatch):
+    import os
+
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mount or real(p))
+    code, output = run(*convert_args(ws, ws / "src", mount))
+    assert_user_error(code, output, "mount point", "mnt/NAME")
+    assert list(tmp_path.iterdir()) == [mount] and list(mount.iterdir()) == []
+
+
+def test_eval_record_on_a_read_only_folder_is_one_line(student, ws, tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    shutil.copytree(student, folder)
+    before = snapshot(folder)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os_strerror(errno.EROFS), str(folder / "provenance.json"))
+
+    monkeypatch.setattr("mla_convert.provenance.save", read_only)
+    code, output = run("eval", folder, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1", "--record")
+    assert_user_error(code, output, "read-only", "provenance.json")
+    assert snapshot(folder) == before
+
+
+def test_out_of_memory_is_one_line(ws, student, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr("mla_convert.evaluate.perplexity", no_memory)
+    code, output = run("eval", student, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
+    assert_user_error(code, output, "out of memory")
