@@ -590,6 +590,7 @@ def generate_command(
             pass
 
     net, tokenizer, label = evaluate.load_model(model, dtype, device)
+    evaluate.check_generation_config(net, label)
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer of {label} has no chat template: drop --chat")

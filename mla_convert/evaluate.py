@@ -100,6 +100,44 @@ def write_results_file(path: Path, result: dict, overwrite: bool) -> None:
             os.unlink(tmp)
 
 
+def _cannot_load(path: Path, e: Exception, gguf: bool) -> UserError:
+    first = (str(e).splitlines() or [""])[0][:200]
+    return UserError(f"cannot load {path} ({type(e).__name__}: {first}): re-copy or re-create the "
+                     f"{'file' if gguf else 'folder'}")
+
+
+def check_generation_config(net, label: str) -> None:
+    """Refuse, in one line, sampling settings of a model's generation_config.json that generate would trip over."""
+    config = getattr(net, "generation_config", None)
+    if config is None:
+        return
+
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    rules = {
+        "temperature": (lambda v: number(v) and v > 0, "a positive number"),
+        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number >= 0"),
+        "top_p": (lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "min_p": (lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+        "typical_p": (lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "repetition_penalty": (lambda v: number(v) and v > 0, "a positive number"),
+        "max_length": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a whole number >= 1"),
+        "num_beams": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a whole number >= 1"),
+    }
+    for key, (ok, wanted) in rules.items():
+        value = getattr(config, key, None)
+        if value is not None and not ok(value):
+            raise UserError(f"{key} in the generation_config.json of {label} must be {wanted}, got {value!r:.60}: "
+                            "fix or remove it")
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(config, key, None)
+        values = value if isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise UserError(f"{key} in the generation_config.json of {label} must be a token id (or a list of "
+                            f"them), got {value!r:.60}: fix or remove it")
+
+
 def check_loadable_folder(folder: Path) -> None:
     """Refuse, in one line, a model folder that transformers would load through pickle or custom code: weights only
     as pytorch_model.bin / *.pt, an index naming shards outside the folder, or a config asking for custom code."""
@@ -152,13 +190,18 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
             raise UserError(f"{folder} has no config.json: pass a model folder or a .gguf file")
         check_loadable_folder(folder)
         kwargs["use_safetensors"] = True  # never torch.load: a pickle can run code
+    # the folder's own damage is the user's to fix; a GGUF or tokenizer file is parsed by code that raises many types
+    gguf = "gguf_file" in kwargs
+    broken = Exception if gguf else (OSError, ValueError, KeyError, SafetensorError)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except broken as e:
+        raise _cannot_load(path, e, gguf) from None
+    try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False,
-                                                  **({"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}))
-    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: a truncated or damaged shard
-        raise UserError(f"cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): re-copy or "
-                        "re-create the folder") from None
+                                                  **({"gguf_file": kwargs["gguf_file"]} if gguf else {}))
+    except Exception as e:
+        raise _cannot_load(path, e, gguf) from None
     return model.to(device).eval(), tokenizer, str(path)
 
 

@@ -572,3 +572,72 @@ def test_out_of_memory_is_one_line(ws, student, monkeypatch):
     monkeypatch.setattr("mla_convert.evaluate.perplexity", no_memory)
     code, output = run("eval", student, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
     assert_user_error(code, output, "out of memory")
+
+
+# ------------------------------------------------------------------------------- damaged files in eval and generate
+
+
+def _truncated_gguf(path: Path) -> Path:
+    """A GGUF header that promises metadata and stops in the middle of its first key."""
+    import struct
+
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 5) + struct.pack("<Q", 40) + b"general.arch")
+    return path
+
+
+def _edited(student: Path, tmp_path: Path, name: str, edit) -> Path:
+    folder = tmp_path / name
+    shutil.copytree(student, folder)
+    edit(folder)
+    return folder
+
+
+def _json_edit(file: str, **fields):
+    def edit(folder: Path):
+        record = json.loads((folder / file).read_text())
+        record.update(fields)
+        (folder / file).write_text(json.dumps(record))
+    return edit
+
+
+DAMAGED = {
+    "eval an invalid tokenizer.json": (lambda f: (f / "tokenizer.json").write_text("{not json"), "eval", "cannot load"),
+    "generate with temperature of the wrong type": (_json_edit("generation_config.json", temperature=[1]), "generate",
+                                                    "temperature"),
+    "generate with a negative top_k": (_json_edit("generation_config.json", top_k=-5), "generate", "top_k"),
+    "generate with a top_p above 1": (_json_edit("generation_config.json", top_p=7), "generate", "top_p"),
+    "generate with a text eos id": (_json_edit("generation_config.json", eos_token_id="x"), "generate", "eos_token_id"),
+    "eval --record with measurements a list": (_json_edit("provenance.json", measurements=[1, 2]), "record",
+                                               "measurements"),
+    "eval --record with kind a number": (_json_edit("provenance.json", kind=5), "record", "kind"),
+    "eval --record with a perplexity of text": (_json_edit("provenance.json", measurements={"perplexity": "low"}),
+                                                "record", "perplexity"),
+    "push with measurements text": (_json_edit("provenance.json", measurements="y"), "push", "measurements"),
+    "push with kind a list": (_json_edit("provenance.json", kind=[1]), "push", "kind"),
+    "push with a parent of the wrong shape": (_json_edit("provenance.json", parent={"kind": "convert",
+                                                                                    "options": [1]}), "push",
+                                              "parent's options"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_damaged_model_folder_is_one_line(ws, student, tmp_path, case):
+    edit, command, needle = DAMAGED[case]
+    folder = _edited(student, tmp_path, "model", edit)
+    before = snapshot(folder)
+    data = ["--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1"]
+    args = {"eval": ["eval", folder, *data], "record": ["eval", folder, *data, "--record"],
+            "generate": ["generate", folder, "-p", "w1 w2", "-n", "2", "--sample"],
+            "push": ["push", folder, "me/model", "--dry-run"]}[command]
+    code, output = run(*args)
+    assert_user_error(code, output, needle)
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_truncated_gguf_is_one_line(ws, tmp_path, command):
+    path = _truncated_gguf(tmp_path / "model.gguf")
+    args = (["eval", path, "--data", ws / "calib.txt", "--seq-len", "16"] if command == "eval"
+            else ["generate", path, "-p", "hi", "-n", "2"])
+    code, output = run(*args)
+    assert_user_error(code, output, "cannot load", "model.gguf")
