@@ -100,6 +100,13 @@ def friendly(fn):
             typer.echo("error: out of memory: use a smaller model, batch or sequence length, or a machine with more "
                        "memory", err=True)
             raise typer.Exit(2)
+        except RuntimeError as e:  # torch's allocators: CPU "can't allocate memory", torch.OutOfMemoryError on CUDA
+            text = str(e)
+            if type(e).__name__ != "OutOfMemoryError" and "can't allocate memory" not in text:
+                raise
+            typer.echo(f"error: out of memory ({(text.splitlines() or [''])[0][:160]}): use a smaller batch, "
+                       "sequence length or model, or a machine (GPU) with more memory", err=True)
+            raise typer.Exit(2)
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130)

@@ -641,3 +641,27 @@ def test_truncated_gguf_is_one_line(ws, tmp_path, command):
             else ["generate", path, "-p", "hi", "-n", "2"])
     code, output = run(*args)
     assert_user_error(code, output, "cannot load", "model.gguf")
+
+
+def test_finetune_full_disk_while_saving_a_checkpoint(ws, student, tmp_path, monkeypatch):
+    """A full disk while step_1/ is saved: one line, no step_1/ that looks complete (nor a loadable half), and the
+    next run (same command) starts cleanly and finishes."""
+    out = tmp_path / "run"
+    _fail_on(monkeypatch, "safetensors.torch.save_file", errno.ENOSPC)
+    code, output = run(*finetune_args(ws, student, out, "save_every=1", "max_steps=2"))
+    assert_user_error(code, output, "disk is full")
+    assert not (out / "step_1").exists() and not (out / "final").exists()
+    monkeypatch.undo()
+    code, output = run(*finetune_args(ws, student, out, "save_every=1", "max_steps=2"))
+    assert code == 0, output
+    assert sorted(p.name for p in out.iterdir()) == ["final", "loss.png", "metrics.jsonl", "step_1"]
+
+
+def test_torch_allocation_failure_is_one_line(ws, student, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 1099511627776 bytes.")
+
+    monkeypatch.setattr("mla_convert.evaluate.perplexity", no_memory)
+    code, output = run("eval", student, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
+    assert_user_error(code, output, "out of memory", "smaller batch")
