@@ -665,3 +665,30 @@ def test_torch_allocation_failure_is_one_line(ws, student, monkeypatch):
     monkeypatch.setattr("mla_convert.evaluate.perplexity", no_memory)
     code, output = run("eval", student, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
     assert_user_error(code, output, "out of memory", "smaller batch")
+
+
+@pytest.mark.parametrize("name", ["fingerprint.json.tmp", "layer-00001.safetensors.sha256.tmp",
+                                  "provenance.json.tmp", "README.md.tmp", "model.safetensors.index.json.tmp"])
+def test_write_error_at_any_file_of_a_conversion(ws, tmp_path, monkeypatch, name):
+    """A full disk at any of the files a conversion writes (text files here, the tensors above): one line, no OUT,
+    and the same command afterwards gives the bytes of an uninterrupted run."""
+    real = Path.write_text
+
+    def failing(self, *args, **kwargs):
+        if self.name == name and ".out.incomplete" in str(self):
+            raise OSError(errno.ENOSPC, os_strerror(errno.ENOSPC), str(self))
+        return real(self, *args, **kwargs)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(Path, "write_text", failing)
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert_user_error(code, output, "disk is full", name)
+    assert not out.exists()
+    monkeypatch.undo()
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert code == 0, output
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "straight"))
+    assert code == 0, output
+    for f in ("model.safetensors", "config.json"):
+        assert (out / f).read_bytes() == (tmp_path / "straight" / f).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "straight"]
