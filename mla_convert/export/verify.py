@@ -76,7 +76,7 @@ def verify_export(native_folder: Path, export_folder: Path, options: ExportOptio
     del native
     with tempfile.TemporaryDirectory(prefix="mla-export-verify-") as tmp:
         inputs, result = Path(tmp) / "inputs.safetensors", Path(tmp) / "result.safetensors"
-        save_file({"input_ids": ids.contiguous(), "prompt": prompt.contiguous()}, str(inputs),
+        save_file({"input_ids": ids.clone(), "prompt": prompt.clone()}, str(inputs),
                   metadata={"settings": json.dumps({"new_tokens": n, "zero_biases": bool(has_biases)})})
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of ours on the path
         proc = subprocess.run(
