@@ -96,16 +96,13 @@ def friendly(fn):
                 raise  # another OSError is a bug: it keeps its traceback
             typer.echo(f"error: {os_error_line(e)}", err=True)
             raise typer.Exit(2)
-        except MemoryError:
-            typer.echo("error: out of memory: use a smaller model, batch or sequence length, or a machine with more "
-                       "memory", err=True)
-            raise typer.Exit(2)
-        except RuntimeError as e:  # torch's allocators: CPU "can't allocate memory", torch.OutOfMemoryError on CUDA
-            text = str(e)
-            if type(e).__name__ != "OutOfMemoryError" and "can't allocate memory" not in text:
+        except (MemoryError, RuntimeError) as e:  # torch's allocators: CPU "can't allocate memory", CUDA OOM
+            from mla_convert.errors import out_of_memory_line
+
+            line = out_of_memory_line(e)
+            if line is None:
                 raise
-            typer.echo(f"error: out of memory ({(text.splitlines() or [''])[0][:160]}): use a smaller batch, "
-                       "sequence length or model, or a machine (GPU) with more memory", err=True)
+            typer.echo(f"error: {line}", err=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)

@@ -44,3 +44,17 @@ def os_error_line(err: OSError) -> str:
     what = err.strerror or str(err) or type(err).__name__
     fix = _OS_FIXES.get(name, "check the path and the disk, then re-run")
     return f"{what}{f' ({where})' if where else ''}: {fix}"
+
+
+def out_of_memory_line(err: BaseException) -> str | None:
+    """One line for running out of memory (Python's MemoryError, torch's CPU allocator, torch.OutOfMemoryError on a
+    GPU); None for any other error."""
+    if isinstance(err, MemoryError):
+        detail = ""
+    elif isinstance(err, RuntimeError) and (type(err).__name__ == "OutOfMemoryError"
+                                            or "can't allocate memory" in str(err)):
+        detail = f" ({(str(err).splitlines() or [''])[0][:160]})"
+    else:
+        return None
+    return (f"out of memory{detail}: use a smaller batch, sequence length or model, or a machine (GPU) with more "
+            "memory")

@@ -339,6 +339,8 @@ def test_finetune_never_touches_a_users_files_in_its_output(ws, student, tmp_pat
         (out / "final").symlink_to(user)
     else:
         (out / planted.split()[0]).symlink_to(user / "log.jsonl")
+        if planted.startswith("loss.png"):
+            (out / "metrics.jsonl").write_text("")  # otherwise a started run of ours
     before = snapshot(tmp_path)
     for extra in ([], ["overwrite=true"]):
         code, output = run(*finetune_args(ws, student, out, *extra))
@@ -692,3 +694,15 @@ def test_write_error_at_any_file_of_a_conversion(ws, tmp_path, monkeypatch, name
     for f in ("model.safetensors", "config.json"):
         assert (out / f).read_bytes() == (tmp_path / "straight" / f).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "straight"]
+
+
+def test_finetune_batch_that_does_not_fit_is_one_line(ws, student, tmp_path, monkeypatch):
+    from mla_convert.training.loop import Trainer
+
+    def too_big(self, step):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8796093022208 bytes.")
+
+    monkeypatch.setattr(Trainer, "train_step", too_big)
+    code, output = run(*finetune_args(ws, student, tmp_path / "run", "batch_size=100000"))
+    assert_user_error(code, output, "out of memory", "smaller batch")
+    assert not (tmp_path / "run" / "final").exists()
