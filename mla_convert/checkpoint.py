@@ -258,7 +258,8 @@ class SafetensorsSource(Source):
         entry = _shard_header(self.folder / self.weight_map[name])[1].get(name)
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
-            raise UserError(f"{self.folder / self.weight_map[name]} has no valid header entry for {name}: re-download it")
+            raise UserError(f"{self.folder / self.weight_map[name]} has no valid header entry for {name}: "
+                            "re-download it")
         return tuple(shape)
 
     def get_raw(self, name: str) -> torch.Tensor:

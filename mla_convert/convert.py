@@ -21,8 +21,8 @@ import torch
 
 from mla_convert import lowrank, provenance, refine, rope, selftext
 from mla_convert.card import write_model_card
-from mla_convert.checkpoint import (AUX_FILES, SHARD_BYTES, ShardedWriter, Source, file_stamp, kept_file_intact, resume_dir,
-                                   seal_kept_file, staged_output)
+from mla_convert.checkpoint import (AUX_FILES, SHARD_BYTES, ShardedWriter, Source, file_stamp, kept_file_intact,
+                                   resume_dir, seal_kept_file, staged_output)
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mla_convert import provenance
 from mla_convert.card import CARD_FILENAME, render_model_card, write_model_card
-from mla_convert.checkpoint import AUX_FILES, OWN_FILES, _SHARD, verify_checkpoint
+from mla_convert.checkpoint import AUX_FILES, OWN_FILES, _SHARD, glob_escape, verify_checkpoint
 from mla_convert.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -135,11 +135,6 @@ def hidden_entries(folder: str | os.PathLike) -> list[str]:
         if not any(part.startswith(".") for part in rel.parts[:-1]):  # not inside a hidden folder already named
             found.append(rel.as_posix() + ("/" if path.is_dir() else ""))
     return found
-
-
-def glob_escape(name: str) -> str:
-    """`name` as an fnmatch pattern that matches only itself."""
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def _hub_message(err) -> str:

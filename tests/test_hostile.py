@@ -127,8 +127,8 @@ def _set(name, value):
 
 
 SOURCE_CASES = {
-    "a NaN weight": (dict(edit_tensors=lambda s: s["model.layers.1.mlp.up_proj.weight"].__setitem__((0, 0), float("nan"))),
-                     "NaN or infinite"),
+    "a NaN weight": (dict(edit_tensors=lambda s: s["model.layers.1.mlp.up_proj.weight"].__setitem__(
+        (0, 0), float("nan"))), "NaN or infinite"),
     "an infinite weight": (dict(edit_tensors=lambda s: s["model.layers.0.self_attn.k_proj.weight"].__setitem__(
         (1, 1), float("inf"))), "NaN or infinite"),
     "a missing MLP tensor": (dict(edit_tensors=lambda s: s.pop("model.layers.1.mlp.down_proj.weight")),
@@ -424,8 +424,8 @@ def test_yaml_alias_bomb_is_refused_small(ws, tmp_path):
 
 def test_whitespace_only_calibration_text_is_refused(ws, tmp_path):
     (tmp_path / "blank.txt").write_text(" \n\t\n   \n" * 100)
-    code, output = run("llama", ws / "src", "--rank", "8", "-o", tmp_path / "out", "--calib-data", tmp_path / "blank.txt",
-                       *CALIB)
+    code, output = run("llama", ws / "src", "--rank", "8", "-o", tmp_path / "out", "--calib-data",
+                       tmp_path / "blank.txt", *CALIB)
     assert_user_error(code, output, "only whitespace")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt"]
 
