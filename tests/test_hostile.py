@@ -706,3 +706,47 @@ def test_finetune_batch_that_does_not_fit_is_one_line(ws, student, tmp_path, mon
     code, output = run(*finetune_args(ws, student, tmp_path / "run", "batch_size=100000"))
     assert_user_error(code, output, "out of memory", "smaller batch")
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_looping_chat_template_in_a_source_does_not_hang_self_calibration(ws, tmp_path, monkeypatch):
+    """`--calib-data self` renders the source's chat template: a template that never ends is stopped, one line."""
+    monkeypatch.setattr("mla_convert.templates.SECONDS", 1.0)
+    folder = tmp_path / "looping"
+    shutil.copytree(ws / "src", folder)
+    _with_template(folder, "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}")
+    code, output = run("llama", folder, "--rank", "8", "-o", tmp_path / "out", "--calib-data", "self",
+                       "--calib-samples", "2", "--calib-seq-len", "16", "--calib-sample-tokens", "8",
+                       "--refine-steps", "0", "--refine-model-steps", "0")
+    assert_user_error(code, output, "did not finish")
+    assert not (tmp_path / "out").exists()
+
+
+FINETUNE_KILLER = """
+import os, signal, sys
+from mla_convert.training import loop
+real = loop.Trainer._write_provenance
+def killing(self, final, *args):
+    real(self, final, *args)  # the whole model folder, provenance and card written: then SIGKILL, before the rename
+    os.kill(os.getpid(), signal.SIGKILL)
+loop.Trainer._write_provenance = killing
+from mla_convert.cli import app
+sys.argv[0] = "mla-convert"
+app()
+"""
+
+
+def test_finetune_killed_while_finishing_leaves_no_final(ws, student, tmp_path):
+    """kill -9 with final/ fully written but not yet in place: no final/ at all; the next run finishes it."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", FINETUNE_KILLER, *finetune_args(ws, student, out)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (out / "final").exists() and (out / ".final.incomplete" / "provenance.json").is_file()
+    code, output = run(*finetune_args(ws, student, out))
+    assert code == 0, output
+    assert sorted(p.name for p in out.iterdir()) == ["final", "loss.png", "metrics.jsonl"]
