@@ -750,3 +750,13 @@ def test_finetune_killed_while_finishing_leaves_no_final(ws, student, tmp_path):
     code, output = run(*finetune_args(ws, student, out))
     assert code == 0, output
     assert sorted(p.name for p in out.iterdir()) == ["final", "loss.png", "metrics.jsonl"]
+
+
+def test_export_without_room_is_refused_before_any_work(exportable, tmp_path, monkeypatch):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    code, output = run("export", exportable, "-o", tmp_path / "exp", "--no-verify")
+    assert_user_error(code, output, "free", "the checkpoint")
+    assert list(tmp_path.iterdir()) == []
