@@ -430,7 +430,11 @@ def render_model_card(folder: str | os.PathLike, repo_id: str | None = None) -> 
     # The title is generated (inside the block) unless the user's own text outside the block has one.
     outside = _FENCE_RE.sub("", _BLOCK_RE.sub("", text))
     title = None if re.search(r"^# \S", outside, re.M) else _title(folder, repo_id)
-    block = _render_block(folder, record, repo_id, title)
+    try:
+        block = _render_block(folder, record, repo_id, title)
+    except (AttributeError, TypeError, KeyError, ValueError, IndexError) as e:  # a hand-edited or foreign record
+        raise UserError(f"{folder / provenance.FILENAME} holds a field of the wrong type or shape ({type(e).__name__}: "
+                        f"{str(e)[:120]}): restore it or re-run the step that wrote {folder}") from None
     if _BLOCK_RE.search(text):
         text = _BLOCK_RE.sub(lambda _: block, text, count=1)
     elif text.strip():

@@ -85,6 +85,10 @@ class Source:
         """Bytes per element of the tensor as stored."""
         return self.get_raw(name).element_size()
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape as stored."""
+        return tuple(self.get_raw(name).shape)
+
     def nbytes(self) -> int:
         raise NotImplementedError
 
@@ -97,7 +101,7 @@ class Source:
         if getattr(self, "_tokenizer", None) is None:
             try:
                 self._tokenizer = self._load_tokenizer()
-            except (OSError, ValueError, KeyError, TypeError) as e:  # missing or broken tokenizer files
+            except Exception as e:  # missing or broken tokenizer files (the tokenizers library raises plain Exception)
                 raise UserError(f"cannot load the tokenizer of {self.origin} ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0][:160] if str(e) else ''}): the folder needs its tokenizer "
                                 "files (tokenizer.json / tokenizer_config.json)") from None
@@ -116,6 +120,7 @@ class Source:
             if src is not None and src.is_file():
                 shutil.copy2(src, out / name)
                 copied.append(name)
+        _drop_auto_map(out / "tokenizer_config.json")
         return copied
 
     def license(self) -> str | None:
@@ -135,6 +140,20 @@ class Source:
 
     def close(self) -> None:
         pass
+
+
+def _drop_auto_map(path: Path) -> None:
+    """Remove `auto_map` (custom tokenizer code the source named) from a copied tokenizer_config.json: the output is
+    read with the stock classes, as the source was, and loading it never asks to run code it does not hold."""
+    if not path.is_file():
+        return
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, RecursionError):
+        return  # copied as it was; the tokenizer check of the output names it
+    if isinstance(record, dict) and "auto_map" in record:
+        del record["auto_map"]
+        path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
 
 
 SAFETENSORS_DTYPES = {
@@ -169,15 +188,32 @@ def _shard_header(path: Path) -> tuple[int, dict]:
     return 8 + size, header
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The {tensor: shard file name} of a safetensors index, checked: a JSON object of names to plain file names in the
+    index's own folder (a shard named with a folder part, `..` or an absolute path is refused, never read)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise UserError(f"{index} is not a valid safetensors index ({type(e).__name__}: {str(e)[:120]}): "
+                        "re-download it") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise UserError(f"{index} is not a valid safetensors index (its weight_map must map tensor names to shard "
+                        "file names): re-download it")
+    outside = sorted({v for v in weight_map.values()
+                      if not v or v in (".", "..") or "/" in v or "\\" in v or Path(v).name != v})
+    if outside:
+        raise UserError(f"{index} names shard {outside[0]!r} outside its folder (a shard must be a plain file name "
+                        "beside the index): re-download the checkpoint")
+    return weight_map
+
+
 class SafetensorsSource(Source):
     def __init__(self, config, origin: str, folder: Path, revision: str | None = None):
         super().__init__(config, origin, folder, revision)
         index = folder / INDEX_NAME
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise UserError(f"{index} is not a valid safetensors index ({e}): re-download it") from None
+            weight_map = read_weight_map(index)
         else:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
@@ -217,6 +253,14 @@ class SafetensorsSource(Source):
         entry = _shard_header(path)[1].get(name)
         dtype = _entry_dtype(entry)
         return dtype.itemsize if dtype is not None else 2  # the 8-bit and other rare dtypes: as for 16 bits
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        entry = _shard_header(self.folder / self.weight_map[name])[1].get(name)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+            raise UserError(f"{self.folder / self.weight_map[name]} has no valid header entry for {name}: "
+                            "re-download it")
+        return tuple(shape)
 
     def get_raw(self, name: str) -> torch.Tensor:
         """The tensor as stored (its own dtype), read with plain file reads into memory this process owns: no
@@ -345,8 +389,13 @@ def open_source(model: str | None, revision: str | None = None) -> Source:
 
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError, StrictDataclassError) as e:
-        raise UserError(f"cannot read {folder / 'config.json'} ({str(e).splitlines()[0][:200]}): fix the file") from None
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError, OSError, StrictDataclassError, RecursionError) as e:
+        if "custom code" in str(e):
+            raise UserError(f"{folder / 'config.json'} asks for custom code (auto_map) for a model type transformers "
+                            "does not know; code from a checkpoint is never run: convert a Llama, Mistral or Qwen "
+                            "model") from None
+        raise UserError(f"cannot read {folder / 'config.json'} ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]}): fix the file") from None
     # transformers fills a missing field with its class default (e.g. 32 heads), which would convert the wrong shapes
     from mla_convert.families import REQUIRED_KEYS
 
@@ -423,6 +472,9 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), mark
     out = check_location(out, [("input", src) for src in inputs], "-o out/NAME")
     if out.exists() and not out.is_dir():
         raise UserError(f"output {given} is an existing file: choose a folder name")
+    if out.is_dir() and os.path.ismount(out):  # the finished folder is renamed into place: a mount point cannot be
+        raise UserError(f"output {given} is a mount point, which a finished folder cannot be moved onto: choose a "
+                        f"folder inside it, e.g. {given}/NAME")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise UserError(f"{given} already exists and is not empty: pass --overwrite or choose another -o")
@@ -446,7 +498,8 @@ _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 def foreign_files(folder: Path) -> list[str]:
     """Entries of an output folder that mla-convert does not write there (a user's notes, another tool's files)."""
     return sorted(p.name for p in Path(folder).iterdir()
-                  if not (p.is_file() and (p.name in OWN_FILES or p.name in AUX_FILES or _SHARD.fullmatch(p.name))))
+                  if not (p.is_file() and not p.is_symlink()
+                          and (p.name in OWN_FILES or p.name in AUX_FILES or _SHARD.fullmatch(p.name))))
 
 
 RESUME_DIR = ".resume"  # inside a resumable staging folder: the run's fingerprint, its lock and the work kept
@@ -464,8 +517,16 @@ def _claim_resumable_stage(out: Path, fingerprint: dict):
 
     stage = out.parent / f".{out.name}.incomplete"
     keep = resume_dir(stage)
-    keep.mkdir(parents=True, exist_ok=True)
-    lock = open(keep / "lock", "w")
+    for path in (stage, keep):  # never followed through a link, never a file taken for a folder
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise UserError(f"the staging name {path} is taken by a {'link' if path.is_symlink() else 'file'} "
+                            f"mla-convert did not make: move it away (it is not touched) or choose another -o")
+        path.mkdir(exist_ok=True)
+    try:  # O_NOFOLLOW: a link planted as the lock file is refused, its target never truncated
+        lock = os.fdopen(os.open(keep / "lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644), "w")
+    except OSError as e:
+        raise UserError(f"cannot open the lock file {keep / 'lock'} ({e.strerror}): remove {stage} (a leftover of "
+                        "mla-convert) and re-run") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -485,13 +546,100 @@ def _claim_resumable_stage(out: Path, fingerprint: dict):
             changed = sorted(k for k in set(kept) | set(wanted) if kept.get(k) != wanted.get(k))
             log.warning("starting over in %s: its kept work was done with another %s", stage, ", ".join(changed))
         leftovers += [c for c in keep.iterdir() if c.name != "lock"]
-    for child in leftovers:
-        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    for child in leftovers:  # a link is removed itself, never what it points at
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
     if kept != wanted:
         tmp = state.with_name(state.name + ".tmp")
         tmp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, state)
     return stage, lock
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def seal_kept_file(tmp: Path, path: Path) -> None:
+    """Move a finished file of kept work (`tmp`) to `path` and write its checksum beside it (`path.sha256`, last):
+    `kept_file_intact` accepts it on a resume only while both agree."""
+    digest = _sha256(tmp)
+    os.replace(tmp, path)
+    seal = path.with_name(path.name + ".sha256")
+    seal_tmp = seal.with_name(seal.name + ".tmp")
+    seal_tmp.write_text(digest + "\n")
+    os.replace(seal_tmp, seal)
+
+
+def kept_file_intact(path: Path) -> bool:
+    """True when `path` (kept work, written by `seal_kept_file`) is a plain file whose bytes match its checksum. A
+    damaged, unsealed or linked one is removed with a warning, so the work is done again."""
+    seal = path.with_name(path.name + ".sha256")
+    if not path.exists() and not path.is_symlink():
+        return False
+    try:
+        intact = (not path.is_symlink() and path.is_file() and not seal.is_symlink()
+                  and seal.read_text().strip() == _sha256(path))
+    except OSError:
+        intact = False
+    if not intact:
+        log.warning("%s is damaged or was not finished (its checksum does not match): doing that work again", path)
+        for p in (path, seal):
+            if p.is_symlink() or p.is_file():
+                p.unlink()
+    return intact
+
+
+class _DirLock:
+    """An exclusive advisory lock on a folder itself, held until `close()` or the end of the process."""
+
+    def __init__(self, folder: Path):
+        import fcntl
+
+        self.fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _lock_dir(folder: Path) -> _DirLock:
+    return _DirLock(folder)
+
+
+def _remove_stale_stages(out: Path) -> None:
+    """Remove the private staging folders (`.NAME.incomplete-XXXX`) that a killed run left beside `out`: real folders
+    of that name whose lock no live process holds (links and files of that name are left alone)."""
+    for stage in out.parent.glob(f".{glob_escape(out.name)}.incomplete-*"):
+        if stage.is_symlink() or not stage.is_dir():
+            continue
+        try:
+            held = _DirLock(stage)
+        except BlockingIOError:  # in use by a running conversion or export
+            continue
+        try:
+            log.warning("removing %s, left by a run that was killed", stage)
+            shutil.rmtree(stage)
+        finally:
+            held.close()
+
+
+def glob_escape(name: str) -> str:
+    """`name` as a glob pattern that matches only itself."""
+    import re as _re
+
+    return _re.sub(r"([*?\[])", r"[\1]", name)
 
 
 @contextlib.contextmanager
@@ -507,14 +655,17 @@ def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fin
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = None
     if fingerprint is None:
+        _remove_stale_stages(out)
         stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+        lock = _lock_dir(stage)  # held while in use: a later run removes it only once this process is gone
     else:
         stage, lock = _claim_resumable_stage(out, fingerprint)
     try:
         yield stage
         check_output(out, overwrite, inputs)  # again: the folder may have changed during a long conversion
     except BaseException:
-        kept = lock is not None and any(p.name not in ("lock", "fingerprint.json") for p in resume_dir(stage).iterdir())
+        kept = fingerprint is not None and any(p.name not in ("lock", "fingerprint.json")
+                                               for p in resume_dir(stage).iterdir())
         if kept:
             log.warning("the finished part stays in %s: run the same command again to resume", stage)
         else:
@@ -534,11 +685,11 @@ def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fin
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(stage, out)
-    if lock is not None:
+    if fingerprint is not None:
         # the kept work (and the lock file) go only now: the lock is held until the output is in place, so a second
         # run of the same command cannot claim the staging folder while this one moves it
         shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
-        lock.close()
+    lock.close()
 
 
 class ShardedWriter:
@@ -644,9 +795,9 @@ def verify_checkpoint(folder: str | os.PathLike) -> dict:
     single = folder / "model.safetensors"
     if index_path.is_file():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            broken.append("model.safetensors.index.json (no weight_map)")
+            weight_map = read_weight_map(index_path)
+        except UserError:
+            broken.append("model.safetensors.index.json (no weight_map of plain shard names beside it)")
             weight_map = {}
         by_shard: dict[str, set[str]] = {}
         for name, shard in weight_map.items():

@@ -79,7 +79,8 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
 
 
 def friendly(fn):
-    """Turn a UserError (and a missing-file or interrupt) into one line on stderr and a non-zero exit."""
+    """Turn a UserError, an operating-system error (full disk, read-only place) or running out of memory into one
+    `error:` line and exit status 2; an interrupt into `interrupted` and 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -87,6 +88,21 @@ def friendly(fn):
             return fn(*args, **kwargs)
         except UserError as e:
             typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        except OSError as e:  # a full disk, a read-only or busy place: one line naming the path and the fix
+            from mla_convert.errors import is_environment_error, os_error_line
+
+            if not is_environment_error(e):
+                raise  # another OSError is a bug: it keeps its traceback
+            typer.echo(f"error: {os_error_line(e)}", err=True)
+            raise typer.Exit(2)
+        except (MemoryError, RuntimeError) as e:  # torch's allocators: CPU "can't allocate memory", CUDA OOM
+            from mla_convert.errors import out_of_memory_line
+
+            line = out_of_memory_line(e)
+            if line is None:
+                raise
+            typer.echo(f"error: {line}", err=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
@@ -580,12 +596,14 @@ def generate_command(
             pass
 
     net, tokenizer, label = evaluate.load_model(model, dtype, device)
+    evaluate.check_generation_config(net, label)
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"the tokenizer of {label} has no chat template: drop --chat")
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        from mla_convert.templates import apply_chat_template
+
+        encoded = apply_chat_template(tokenizer, [{"role": "user", "content": prompt}], label,
+                                      add_generation_prompt=True, return_tensors="pt", return_dict=True)
     else:
         encoded = tokenizer(prompt, return_tensors="pt")
     ids = encoded["input_ids"].to(device)  # [1, P]
@@ -781,6 +799,10 @@ def push_command(
     if result.hidden:
         shown = ", ".join(result.hidden[:5]) + (f" and {len(result.hidden) - 5} more" if len(result.hidden) > 5 else "")
         typer.echo(f"not pushed (hidden): {shown}")
+    if result.foreign:
+        shown = ", ".join(result.foreign[:5]) + (f" and {len(result.foreign) - 5} more" if len(result.foreign) > 5
+                                                 else "")
+        typer.echo(f"not pushed (not written by mla-convert): {shown}")
     if dry_run:
         typer.echo(f"dry run: would push {summary} from {folder} to {repo_id} (branch {result.revision}); nothing "
                    "uploaded")

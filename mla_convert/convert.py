@@ -21,7 +21,8 @@ import torch
 
 from mla_convert import lowrank, provenance, refine, rope, selftext
 from mla_convert.card import write_model_card
-from mla_convert.checkpoint import AUX_FILES, SHARD_BYTES, ShardedWriter, Source, file_stamp, resume_dir, staged_output
+from mla_convert.checkpoint import (AUX_FILES, SHARD_BYTES, ShardedWriter, Source, file_stamp, kept_file_intact,
+                                   resume_dir, seal_kept_file, staged_output)
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for
@@ -879,6 +880,9 @@ def convert(
     from tqdm.auto import tqdm
 
     family = family_for(source.config, family_name)
+    from mla_convert.validate import check_source_finite, check_source_shapes
+
+    check_source_shapes(source, family)  # every tensor present, of the config's shape: before the plan
     options = resolve_allocation(without_calibration(options))
     if options.factorization == "split" and options.value_inputs == "attended" and not options.latent_rounds:
         # the attended refit fits values in the whole latent, which a split factorization keeps for keys and values
@@ -902,6 +906,8 @@ def convert(
     plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window)
     if dry_run:
         return plan
+    check_source_finite(source, family)  # before any work: a NaN or inf weight would convert into a broken output
+    source.tokenizer()  # read even without calibration text: a broken tokenizer is refused, not copied into the output
     config = source.config
     config._attn_implementation = "sdpa"  # calibration runs source layers causally without an explicit mask
     inv_freq, attention_scaling = rope.source_frequencies(config)
@@ -919,7 +925,7 @@ def convert(
         # carry the calibration activations on (they ran in float32)
         kept_dtype = torch.float32 if options.calib_propagate == "converted" else DTYPES[plan.dtype]
         skip_through = -1  # layers up to this one need no calibration forward: their output activations are kept
-        done = {i for i in range(plan.layers) if (kept / _layer_file(i)).is_file()}
+        done = {i for i in range(plan.layers) if kept_file_intact(kept / _layer_file(i))}
         if done:
             log.warning("resuming in %s: %d of %d layers were converted already", stage, len(done), plan.layers)
         if options.needs_statistics() and runner is None:
@@ -1079,7 +1085,7 @@ def _write_layer(path: Path, tensors: dict[str, torch.Tensor], rope_pairs: list[
     meta = {"order": json.dumps(list(tensors)), "rope_pairs": json.dumps([int(p) for p in rope_pairs])}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    seal_kept_file(tmp, path)
 
 
 def _read_layer(path: Path, tensors: bool = True) -> tuple[dict[str, torch.Tensor], list[int]]:
@@ -1102,13 +1108,13 @@ def _write_activations(folder: Path, layer: int, hidden: torch.Tensor) -> None:
 
     tmp = folder / (ACTIVATIONS_FILE + ".tmp")
     save_file({"hidden": hidden.contiguous()}, str(tmp), metadata={"after_layer": str(layer)})
-    os.replace(tmp, folder / ACTIVATIONS_FILE)
+    seal_kept_file(tmp, folder / ACTIVATIONS_FILE)
 
 
 def _read_activations(folder: Path) -> tuple[int, torch.Tensor] | None:
     from safetensors import safe_open
 
-    if not (folder / ACTIVATIONS_FILE).is_file():
+    if not kept_file_intact(folder / ACTIVATIONS_FILE):
         return None
     with safe_open(str(folder / ACTIVATIONS_FILE), framework="pt") as f:
         return int(f.metadata()["after_layer"]), f.get_tensor("hidden")
@@ -1148,22 +1154,24 @@ def output_bytes(config, plan: Plan) -> int:
     return (embeddings + hidden + layers * mlp + plan.attn_params_after) * plan.bytes_per_element
 
 
-def check_room(out: Path, needed: int) -> None:
+def check_room(out: Path, needed: int, copies: int = 2) -> None:
     """Refuse, before any work, an output whose file system cannot take it or whose folder cannot be written.
 
-    Needs twice the checkpoint's size: the finished layers kept for a resume sit beside the shards being written."""
+    Needs `copies` times the checkpoint's size: for a conversion twice, the finished layers kept for a resume sit
+    beside the shards being written."""
     parent = Path(out).expanduser().resolve()
     while not parent.exists():
         parent = parent.parent
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write under {parent} (permission denied): choose an output folder you can write to")
     free = shutil.disk_usage(parent).free
-    if free < 2 * needed:
+    if free < copies * needed:
         def size(n: int) -> str:
             return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
-        raise UserError(f"{parent} has {size(free)} free, the conversion needs about {size(2 * needed)} (the "
-                        "checkpoint and the layers kept for a resume): free space or choose another output folder")
+        what = "the checkpoint and the layers kept for a resume" if copies == 2 else "the checkpoint"
+        raise UserError(f"{parent} has {size(free)} free, the output needs about {size(copies * needed)} ({what}): "
+                        "free space or choose another output folder")
 
 
 def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
@@ -1316,7 +1324,7 @@ def _model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs,
     from mla_convert.modeling.modeling_mla import MLAForCausalLM
 
     done = kept / MODEL_STAGE_FILE
-    if done.is_file():
+    if kept_file_intact(done):
         with safe_open(str(done), framework="pt") as f:
             plan.refine_model_record = json.loads(f.metadata()["record"])
             return {name: f.get_tensor(name) for name in f.keys()}
@@ -1348,7 +1356,7 @@ def _model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs,
     trained = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if n in names}
     tmp = done.with_name(done.name + ".tmp")
     save_file(trained, str(tmp), metadata={"record": json.dumps(record)})
-    os.replace(tmp, done)
+    seal_kept_file(tmp, done)
     plan.refine_model_record = record
     return trained
 

@@ -38,8 +38,33 @@ def check_text_spec(spec: str) -> None:
     path = Path(spec).expanduser()
     if path.is_dir():
         raise UserError(f"text {spec} is a folder: pass a text file (.txt/.raw/.tokens/.jsonl) or a datasets name")
+    if is_pipe(path):  # process substitution, <(cat file): read once, kept for the run
+        return
+    if path.exists() and not path.is_file():
+        raise UserError(f"text {spec} is not a regular file (a device?): pass a text file or <(command)")
     if not path.is_file() and written_as_path(spec):
         raise UserError(f"text file {spec} does not exist: check the path (relative paths start at the current folder)")
+
+
+def is_pipe(path: Path) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISFIFO(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+_PIPED: dict[str, bytes] = {}  # the text read from each pipe (it can be read only once), by its path
+
+
+def _read_bytes(path: Path) -> bytes:
+    if not is_pipe(path):
+        return path.read_bytes()
+    key = str(path)
+    if key not in _PIPED:
+        _PIPED[key] = path.read_bytes()
+    return _PIPED[key]
 
 
 def looks_like_test_split(spec: str) -> bool:
@@ -53,9 +78,9 @@ def load_text(spec: str) -> str:
     """The text named by `spec` (a local file or `datasets` name[:config[:split]]), as one string."""
     check_text_spec(spec)
     path = Path(spec).expanduser()
-    if path.is_file():
+    if path.is_file() or is_pipe(path):
         try:
-            raw = path.read_bytes()
+            raw = _read_bytes(path)
         except OSError as e:
             raise UserError(f"cannot read {path} ({e.strerror or type(e).__name__}): check the file and its "
                             "permissions, or pass another text") from None
@@ -79,7 +104,10 @@ def load_text(spec: str) -> str:
         # a binary file (weights, an archive) read as text would calibrate on noise: refuse it
         if b"\0" in raw[:65536] or raw[:65536].decode("utf-8", errors="replace").count("\ufffd") > 0.01 * min(len(raw), 65536):
             raise UserError(f"{path} is not UTF-8 text (binary data?): pass a plain text or .jsonl file")
-        return raw.decode("utf-8", errors="replace")
+        text = raw.decode("utf-8", errors="replace")
+        if raw and not text.strip():
+            raise UserError(f"{path} holds only whitespace ({len(raw)} bytes): pass a text with words in it")
+        return text
     parts = spec.split(":")
     name = parts[0]
     config = parts[1] if len(parts) > 1 and parts[1] else None

@@ -8,3 +8,53 @@ Everything else is a bug and keeps its traceback.
 
 class UserError(Exception):
     """An error caused by input the user can fix; the message names the fix."""
+
+
+_OS_FIXES = {
+    "ENOSPC": "the disk is full: free space there or choose a folder on another disk",
+    "EDQUOT": "the disk quota is used up: free space there or choose a folder on another disk",
+    "EROFS": "the file system is read-only: choose a folder you can write to",
+    "EACCES": "permission denied: choose a folder you can write to (or fix its permissions)",
+    "EPERM": "not permitted: choose a folder you can write to (or fix its permissions)",
+    "EBUSY": "the path is busy (a mount point, or in use by another program): choose another folder",
+    "EXDEV": "the path lies on another file system than its staging folder: choose a plain folder (not a mount point)",
+    "ENOTDIR": "a part of the path is a file, not a folder: choose another path",
+    "ELOOP": "the path goes through a symbolic link loop: choose a plain path",
+    "ENAMETOOLONG": "the path is too long: choose a shorter one",
+    "EMFILE": "too many open files: raise the limit (ulimit -n) and re-run",
+    "EIO": "an input/output error of the device: check the disk and re-run",
+}
+
+
+def is_environment_error(err: BaseException) -> bool:
+    """An operating-system error that the place or the machine causes (a full disk, a read-only, busy or
+    forbidden place, a device error), not a bug: these become one `error:` line (`os_error_line`)."""
+    import errno as _errno
+
+    return isinstance(err, OSError) and _errno.errorcode.get(err.errno or 0, "") in _OS_FIXES
+
+
+def os_error_line(err: OSError) -> str:
+    """One line for an operating-system error (full disk, read-only or busy place, permissions): what failed, on
+    which path, and the fix. Never a traceback: whatever was being written was staged, and a re-run resumes."""
+    import errno as _errno
+
+    name = _errno.errorcode.get(err.errno or 0, "")
+    where = " -> ".join(str(p) for p in (err.filename, err.filename2) if p)
+    what = err.strerror or str(err) or type(err).__name__
+    fix = _OS_FIXES.get(name, "check the path and the disk, then re-run")
+    return f"{what}{f' ({where})' if where else ''}: {fix}"
+
+
+def out_of_memory_line(err: BaseException) -> str | None:
+    """One line for running out of memory (Python's MemoryError, torch's CPU allocator, torch.OutOfMemoryError on a
+    GPU); None for any other error."""
+    if isinstance(err, MemoryError):
+        detail = ""
+    elif isinstance(err, RuntimeError) and (type(err).__name__ == "OutOfMemoryError"
+                                            or "can't allocate memory" in str(err)):
+        detail = f" ({(str(err).splitlines() or [''])[0][:160]})"
+    else:
+        return None
+    return (f"out of memory{detail}: use a smaller batch, sequence length or model, or a machine (GPU) with more "
+            "memory")

@@ -100,6 +100,71 @@ def write_results_file(path: Path, result: dict, overwrite: bool) -> None:
             os.unlink(tmp)
 
 
+def _cannot_load(path: Path, e: Exception, gguf: bool) -> UserError:
+    first = (str(e).splitlines() or [""])[0][:200]
+    return UserError(f"cannot load {path} ({type(e).__name__}: {first}): re-copy or re-create the "
+                     f"{'file' if gguf else 'folder'}")
+
+
+def check_generation_config(net, label: str) -> None:
+    """Refuse, in one line, sampling settings of a model's generation_config.json that generate would trip over."""
+    config = getattr(net, "generation_config", None)
+    if config is None:
+        return
+
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    rules = {
+        "temperature": (lambda v: number(v) and v > 0, "a positive number"),
+        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number >= 0"),
+        "top_p": (lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "min_p": (lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+        "typical_p": (lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "repetition_penalty": (lambda v: number(v) and v > 0, "a positive number"),
+        "max_length": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a whole number >= 1"),
+        "num_beams": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a whole number >= 1"),
+    }
+    for key, (ok, wanted) in rules.items():
+        value = getattr(config, key, None)
+        if value is not None and not ok(value):
+            raise UserError(f"{key} in the generation_config.json of {label} must be {wanted}, got {value!r:.60}: "
+                            "fix or remove it")
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(config, key, None)
+        values = value if isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise UserError(f"{key} in the generation_config.json of {label} must be a token id (or a list of "
+                            f"them), got {value!r:.60}: fix or remove it")
+
+
+def check_loadable_folder(folder: Path) -> None:
+    """Refuse, in one line, a model folder that transformers would load through pickle or custom code: weights only
+    as pytorch_model.bin / *.pt, an index naming shards outside the folder, or a config asking for custom code."""
+    import json
+
+    from mla_convert.checkpoint import INDEX_NAME, read_weight_map
+
+    if (folder / INDEX_NAME).is_file():
+        read_weight_map(folder / INDEX_NAME)
+    elif not any(folder.glob("*.safetensors")):
+        pickles = sorted(p.name for p in (*folder.glob("*.bin"), *folder.glob("*.pt"), *folder.glob("*.pth")))
+        hint = f" (found {pickles[0]}: pickle files are never loaded, they can run code)" if pickles else ""
+        raise UserError(f"{folder} has no *.safetensors weights{hint}: convert the weights to safetensors")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"cannot read {folder / 'config.json'} ({type(e).__name__}): fix the file") from None
+    if isinstance(config, dict) and config.get("auto_map") and config.get("model_type") not in _KNOWN_MODEL_TYPES:
+        raise UserError(f"{folder / 'config.json'} asks for custom code (auto_map, model_type "
+                        f"{config.get('model_type')!r}); custom code from a checkpoint is never run: use a model "
+                        "transformers supports")
+
+
+# the model types load_model reads with stock (or mla_convert's registered) classes
+_KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "mla")
+
+
 def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer, label) for MODEL: None (embedded default), a .gguf file, or a model folder.
 
@@ -123,13 +188,20 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
         folder = path
         if not (folder / "config.json").is_file():
             raise UserError(f"{folder} has no config.json: pass a model folder or a .gguf file")
+        check_loadable_folder(folder)
+        kwargs["use_safetensors"] = True  # never torch.load: a pickle can run code
+    # the folder's own damage is the user's to fix; a GGUF or tokenizer file is parsed by code that raises many types
+    gguf = "gguf_file" in kwargs
+    broken = Exception if gguf else (OSError, ValueError, KeyError, SafetensorError)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except broken as e:
+        raise _cannot_load(path, e, gguf) from None
+    try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False,
-                                                  **({"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}))
-    except (OSError, ValueError, KeyError, SafetensorError) as e:  # SafetensorError: a truncated or damaged shard
-        raise UserError(f"cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): re-copy or "
-                        "re-create the folder") from None
+                                                  **({"gguf_file": kwargs["gguf_file"]} if gguf else {}))
+    except Exception as e:
+        raise _cannot_load(path, e, gguf) from None
     return model.to(device).eval(), tokenizer, str(path)
 
 

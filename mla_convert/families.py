@@ -118,6 +118,10 @@ def check_config(config, family: Family) -> None:
     missing = [k for k in REQUIRED_KEYS if getattr(config, k, None) is None]
     if missing:
         raise UserError(f"config.json is missing {', '.join(missing)}: fix or re-download the source's config.json")
+    for key in REQUIRED_KEYS + ("num_key_value_heads", "head_dim"):
+        value = getattr(config, key, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise UserError(f"{key} in config.json must be a positive whole number, got {value!r}: fix config.json")
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % kv:
         raise UserError(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}) in config.json")
@@ -134,5 +138,13 @@ def check_config(config, family: Family) -> None:
             "(e.g. Mistral-7B v0.2 or later)"
         )
     rope = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"rope_parameters in config.json must be an object, got {type(rope).__name__}: fix config.json")
     if rope.get("rope_type", "default") == "dynamic":
         raise UserError("dynamic NTK RoPE changes frequencies with the sequence length; not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = sorted({"default", *ROPE_INIT_FUNCTIONS} - {"dynamic"})
+    if rope.get("rope_type", "default") not in known:
+        raise UserError(f"rope_type {rope.get('rope_type')!r} in config.json is not a RoPE type transformers knows "
+                        f"({', '.join(known)}): fix config.json")

@@ -81,6 +81,21 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a full disk, a read-only or busy place
+        from mla_convert.errors import is_environment_error, os_error_line
+
+        if not is_environment_error(e):
+            raise
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    except (MemoryError, RuntimeError) as e:
+        from mla_convert.errors import out_of_memory_line
+
+        line = out_of_memory_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
     if rank == "0":
         print(f"wrote {final}")
 

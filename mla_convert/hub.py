@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from pathlib import Path
 
 from mla_convert import provenance
 from mla_convert.card import CARD_FILENAME, render_model_card, write_model_card
-from mla_convert.checkpoint import verify_checkpoint
+from mla_convert.checkpoint import AUX_FILES, OWN_FILES, _SHARD, glob_escape, verify_checkpoint
 from mla_convert.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -48,20 +49,80 @@ class PushResult:
     commit_oid: str | None = None
     commit_url: str | None = None
     hidden: list[str] = dataclasses.field(default_factory=list)  # hidden files and folders left out of the upload
+    foreign: list[str] = dataclasses.field(default_factory=list)  # visible files mla-convert did not write: left out
 
     @property
     def total_bytes(self) -> int:
         return sum(size for _, size in self.files)
 
 
-def upload_files(folder: str | os.PathLike) -> list[tuple[str, int]]:
-    """The files a push uploads: (path relative to the folder, bytes), with the same filters as the upload."""
+# What mla-convert writes into an output folder (convert, export, finetune's final/): only these are pushed. A user's
+# other files stay out (named by the push), so a token file or private notes beside the model never reach the Hub.
+_OWN_EXTRA = ("metrics.jsonl", "loss.png")  # finetune's final/
+_OWN_NESTED = re.compile(r"additional_chat_templates/[^/]+\.jinja")  # a tokenizer's named chat templates
+# A Hugging Face access token (user or organization): a file that holds one is refused, whatever its name.
+TOKEN_PATTERN = re.compile(rb"\b(hf_|api_org_)[A-Za-z0-9]{30,}")
+_SCANNED_BYTES = 64 * 2**20  # text files are scanned whole; weights (safetensors) by their JSON header
+
+
+def _is_own(rel: str) -> bool:
+    return (rel in OWN_FILES or rel in AUX_FILES or rel in _OWN_EXTRA or bool(_SHARD.fullmatch(rel))
+            or bool(_OWN_NESTED.fullmatch(rel)))
+
+
+def _visible(folder: Path) -> list[str]:
     from huggingface_hub.utils import filter_repo_objects
 
+    entries = [p.relative_to(folder).as_posix() for p in sorted(folder.glob("**/*"))
+               if p.is_symlink() or p.is_file()]
+    return list(filter_repo_objects(entries, ignore_patterns=IGNORE_PATTERNS))
+
+
+def upload_files(folder: str | os.PathLike) -> list[tuple[str, int]]:
+    """The files a push uploads: (path relative to the folder, bytes): the visible files mla-convert writes (its own
+    names), never a link, each checked for an access token."""
     folder = Path(folder).resolve()
-    paths = {p.relative_to(folder).as_posix(): p for p in sorted(folder.glob("**/*")) if p.is_file()}
-    kept = filter_repo_objects(paths.keys(), ignore_patterns=IGNORE_PATTERNS)
-    return [(rel, paths[rel].stat().st_size) for rel in kept]
+    files = []
+    for rel in _visible(folder):
+        path = folder / rel
+        if not _is_own(rel):
+            continue
+        if path.is_symlink() or path.resolve() != folder / rel:  # the file itself or a folder on its way
+            raise UserError(f"{path} is a symbolic link: push uploads only files mla-convert wrote, never through a "
+                            "link; replace it with the file itself or remove it")
+        _refuse_credentials(path)
+        files.append((rel, path.stat().st_size))
+    return files
+
+
+def left_out(folder: str | os.PathLike) -> list[str]:
+    """Visible files in `folder` that mla-convert did not write (a user's notes, links): never pushed, named."""
+    folder = Path(folder).resolve()
+    return [rel for rel in _visible(folder) if not _is_own(rel)]
+
+
+def _refuse_credentials(path: Path) -> None:
+    """Refuse a file that holds something shaped like a Hugging Face token (its value is never shown)."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        if path.suffix == ".safetensors":
+            head = f.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            data = f.read(min(size, 100 * 2**20))
+        else:
+            data = f.read(_SCANNED_BYTES)
+    found = TOKEN_PATTERN.search(data)
+    if found is None and path.suffix == ".json":  # escaped in JSON text: look at the decoded strings as well
+        try:
+            text = json.dumps(json.loads(data), ensure_ascii=False).encode()
+            found = TOKEN_PATTERN.search(text)
+        except (ValueError, RecursionError):
+            pass
+    if found is not None:
+        raise UserError(f"{path} holds what looks like a Hugging Face access token ({found.group(1).decode()}...): "
+                        "nothing was pushed; remove the token from the file (and revoke it if it was ever shared)")
 
 
 def hidden_entries(folder: str | os.PathLike) -> list[str]:
@@ -167,7 +228,7 @@ def push(
     card_bytes = len(render_model_card(folder, repo_id).encode())
     files = sorted([f for f in upload_files(folder) if f[0] != CARD_FILENAME] + [(CARD_FILENAME, card_bytes)])
     result = PushResult(repo_id=repo_id, files=files, dry_run=dry_run, revision=branch, private=private,
-                        hidden=hidden_entries(folder))
+                        hidden=hidden_entries(folder), foreign=left_out(folder))
     if dry_run:
         return result
 
@@ -222,6 +283,7 @@ def push(
             repo_type="model",
             revision=branch,
             commit_message=message,
+            allow_patterns=[glob_escape(rel) for rel, _ in result.files],  # only the files checked above
             ignore_patterns=list(IGNORE_PATTERNS),
             delete_patterns=list(STALE_WEIGHT_PATTERNS),
         )

@@ -69,7 +69,37 @@ def load(folder: str | os.PathLike) -> dict | None:
         from mla_convert.errors import UserError
 
         raise UserError(f"{path} is unreadable ({type(e).__name__}): re-run the step that wrote {Path(folder)}") from None
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return None
+    _check_types(record, path)
+    return record
+
+
+# The fields of a record that code reads, with the type each must have where present (None allowed but for kind).
+_FIELD_TYPES = {"kind": str, "mla_convert_version": str, "created": str, "command": str, "measurements": dict,
+                "options": dict, "source": dict, "kv_cache": dict, "plan": dict, "parent": dict, "export": dict,
+                "versions": dict}
+
+
+def _check_types(record: dict, path: Path, depth: int = 0) -> None:
+    """Refuse (one line) a record whose known fields, or its parents' (the chain of steps), have another type."""
+    from mla_convert.errors import UserError
+
+    for key, kind in _FIELD_TYPES.items():
+        value = record.get(key)
+        if (value is None and key != "kind" and key in record) or key not in record:
+            continue
+        if not isinstance(value, kind):
+            where = "parent's " * depth
+            raise UserError(f"{path} has a {where}{key} of type {type(value).__name__}, not {kind.__name__}: restore "
+                            f"the file or re-run the step that wrote {path.parent}")
+    measurements = record.get("measurements") or {}
+    for key in ("perplexity", "finetune"):
+        if measurements.get(key) is not None and not isinstance(measurements[key], dict):
+            raise UserError(f"{path} has measurements.{key} of type {type(measurements[key]).__name__}, not dict: "
+                            f"restore the file or re-run the step that wrote {path.parent}")
+    if isinstance(record.get("parent"), dict) and depth < 32:
+        _check_types(record["parent"], path, depth + 1)
 
 
 def save(folder: str | os.PathLike, record: dict) -> None:

@@ -208,10 +208,12 @@ def prompts(tokenizer, first: int, count: int, style: str = "chat") -> list[list
     """Token ids of `count` prompts, the first being PROMPTS[first] (cycling): chat-templated requests for a model
     with a chat template (chat style), else its BOS (or EOS) token alone."""
     if style == "chat" and getattr(tokenizer, "chat_template", None):
+        from mla_convert.templates import apply_chat_template
+
         out = []
         for i in range(first, first + count):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                                add_generation_prompt=True, tokenize=True)
+            ids = apply_chat_template(tokenizer, [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                      "the source", add_generation_prompt=True, tokenize=True)
             out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
         return out
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id

@@ -281,15 +281,47 @@ def test_push_leaves_hidden_files_out(model, server):
     code, output = run("push", model, "tester/tiny-llama-mla", "--dry-run")
     assert code == 0, output
     listed = [line.split()[0] for line in output.splitlines() if line.startswith("  ")]
-    assert "extra/notes.md" in listed and not [p for p in listed if "/." in "/" + p]
+    assert "extra/notes.md" not in listed and not [p for p in listed if "/." in "/" + p]
     assert "not pushed (hidden): .env, .ipynb_checkpoints/, extra/.DS_Store" in output
+    assert "not pushed (not written by mla-convert): extra/notes.md" in output  # a user's visible file stays too
     code, output = run("push", model, "tester/tiny-llama-mla")
     assert code == 0, output
     uploaded = server.repos["tester/tiny-llama-mla"].files()
-    assert "extra/notes.md" in uploaded
+    assert "extra/notes.md" not in uploaded
     assert sorted(p for p in uploaded if "/." in "/" + p) == [".gitattributes"]  # the Hub's own
     assert not any(SECRET.encode() in data for data in uploaded.values())
     assert "not pushed (hidden): .env, .ipynb_checkpoints/, extra/.DS_Store" in output
+
+
+def test_push_uploads_only_its_own_files_never_links_or_tokens(model, server, tmp_path):
+    """Only the files mla-convert writes go up: a visible link to the token file and a plain token file beside the
+    model stay out (named); a link or a token in one of its own files refuses the whole push in one line."""
+    token = "hf_" + "Q" * 34
+    token_file = tmp_path / "hf-home-token"
+    token_file.write_text(token + "\n")
+    (model / "notes.txt").symlink_to(token_file)  # looks like a note, is the Hub token
+    (model / "hf_token.txt").write_text(token + "\n")
+    code, output = run("push", model, "tester/tiny-llama-mla")
+    assert code == 0, output
+    assert "not pushed (not written by mla-convert): hf_token.txt, notes.txt" in output
+    uploaded = server.repos["tester/tiny-llama-mla"].files()
+    assert "notes.txt" not in uploaded and "hf_token.txt" not in uploaded
+    assert not any(token.encode() in data for data in uploaded.values())
+
+    commits = len(server.repos["tester/tiny-llama-mla"].commits)
+    (model / "generation_config.json").unlink()
+    (model / "generation_config.json").symlink_to(token_file)
+    one_error_line(*run("push", model, "tester/tiny-llama-mla"), "generation_config.json", "symbolic link")
+    one_error_line(*run("push", model, "tester/tiny-llama-mla", "--dry-run"), "symbolic link")
+    (model / "generation_config.json").unlink()
+    (model / "generation_config.json").write_text("{}\n")
+    with open(model / "README.md", "a") as f:
+        f.write(f"\nmy token: {token}\n")
+    code, output = run("push", model, "tester/tiny-llama-mla")
+    one_error_line(code, output, "README.md", "access token")
+    assert token not in output
+    assert len(server.repos["tester/tiny-llama-mla"].commits) == commits  # nothing more was uploaded
+    assert token_file.read_text() == token + "\n"
 
 
 def test_push_private_with_the_stored_login(model, server, monkeypatch):

@@ -61,8 +61,9 @@ def test_killed_conversion_resumes_to_the_same_bytes(four_layers, calib_text, tm
     assert killed.returncode == -9, killed.stderr[-2000:]
     stage = tmp_path / ".resumed.incomplete"
     assert not resumed.exists()
-    assert sorted(p.name for p in (stage / ".resume").glob("layer-*")) == [f"layer-{i:05d}.safetensors"
-                                                                            for i in range(after + 1)]
+    assert sorted(p.name for p in (stage / ".resume").glob("layer-*.safetensors")) == [
+        f"layer-{i:05d}.safetensors" for i in range(after + 1)]
+    assert all((stage / ".resume" / f"layer-{i:05d}.safetensors.sha256").is_file() for i in range(after + 1))  # sealed
     assert (stage / ".resume" / "activations.safetensors").is_file()  # the resume starts from them
     assert not (stage / ".resume" / "model_stage.safetensors").exists()
 

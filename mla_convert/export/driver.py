@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +47,10 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     config = MLAConfig.from_pretrained(folder)
     dtype = out_dtype(options, config)
     source = SafetensorsSource(config, str(folder), folder)
+    from mla_convert.convert import check_room
+
+    elements = sum(math.prod(source.shape(name)) for name in source.keys())
+    check_room(Path(out), elements * dtype.itemsize, copies=1)  # before any work: the export is one full copy
     layers = config.num_hidden_layers
     prefix = "model.layers.{i}."
 

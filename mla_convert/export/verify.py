@@ -4,6 +4,7 @@ mla_convert, against the native model (logits on random tokens and greedy genera
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,20 +12,29 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from mla_convert.export.plan import ExportOptions
 
 # Runs in a fresh interpreter that never imports mla_convert: the export must load in stock transformers alone.
 _STOCK_CHECK = r"""
+import json
 import sys
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import DeepseekV3ForCausalLM
 
 folder, inputs_path, out_path = sys.argv[1:4]
-inp = torch.load(inputs_path)
-model, info = DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+with safe_open(inputs_path, framework="pt") as f:
+    inp = {k: f.get_tensor(k) for k in f.keys()}
+    inp.update(json.loads(f.metadata()["settings"]))
+model, info = DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True,
+                                                    use_safetensors=True)
 model.eval()
-res = {"loading_info": {k: sorted(str(x) for x in v) for k, v in info.items()}}
+meta = {"loading_info": {k: sorted(str(x) for x in v) for k, v in info.items()}}
+res = {}
 with torch.no_grad():
     res["logits"] = model(inp["input_ids"]).logits
     n = inp["new_tokens"]
@@ -36,9 +46,9 @@ with torch.no_grad():
             if name.endswith(".bias"):
                 p.zero_()
         res["logits_without_biases"] = model(inp["input_ids"]).logits
-res["mla_convert_imported"] = any(m.split(".")[0] == "mla_convert" for m in sys.modules)
-res["transformers_version"] = __import__("transformers").__version__
-torch.save(res, out_path)
+meta["mla_convert_imported"] = any(m.split(".")[0] == "mla_convert" for m in sys.modules)
+meta["transformers_version"] = __import__("transformers").__version__
+save_file({k: v.contiguous() for k, v in res.items()}, out_path, metadata={"result": json.dumps(meta)})
 """
 
 
@@ -54,7 +64,8 @@ def verify_export(native_folder: Path, export_folder: Path, options: ExportOptio
 
     import mla_convert.modeling  # noqa: F401  (registers model_type mla)
 
-    native = AutoModelForCausalLM.from_pretrained(native_folder, dtype=torch.float32, trust_remote_code=False).eval()
+    native = AutoModelForCausalLM.from_pretrained(native_folder, dtype=torch.float32, trust_remote_code=False,
+                                                  use_safetensors=True).eval()
     gen = torch.Generator().manual_seed(options.seed)
     ids = torch.randint(0, native.config.vocab_size, (options.verify_batch, options.verify_tokens), generator=gen)
     prompt = ids[:1, : max(1, options.verify_tokens // 4)]
@@ -64,8 +75,9 @@ def verify_export(native_folder: Path, export_folder: Path, options: ExportOptio
         native_gen = native.generate(prompt, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
     del native
     with tempfile.TemporaryDirectory(prefix="mla-export-verify-") as tmp:
-        inputs, result = Path(tmp) / "inputs.pt", Path(tmp) / "result.pt"
-        torch.save({"input_ids": ids, "prompt": prompt, "new_tokens": n, "zero_biases": has_biases}, inputs)
+        inputs, result = Path(tmp) / "inputs.safetensors", Path(tmp) / "result.safetensors"
+        save_file({"input_ids": ids.clone(), "prompt": prompt.clone()}, str(inputs),
+                  metadata={"settings": json.dumps({"new_tokens": n, "zero_biases": bool(has_biases)})})
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of ours on the path
         proc = subprocess.run(
             [sys.executable, "-c", _STOCK_CHECK, str(export_folder), str(inputs), str(result)],
@@ -74,7 +86,9 @@ def verify_export(native_folder: Path, export_folder: Path, options: ExportOptio
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"
             raise RuntimeError(f"stock DeepseekV3ForCausalLM failed on the export: {tail}\n{proc.stderr[-4000:]}")
-        res = torch.load(result)
+        with safe_open(str(result), framework="pt") as f:  # no pickle either way
+            res = {k: f.get_tensor(k) for k in f.keys()}
+            res.update(json.loads(f.metadata()["result"]))
     info = res["loading_info"]
     if res["mla_convert_imported"]:
         raise RuntimeError("the stock check imported mla_convert: it would not prove a stock load")

@@ -65,7 +65,8 @@ def score_in_transformers(folder: str | os.PathLike, windows: list[list[int]] = 
 
     import mla_convert.modeling  # noqa: F401  (model_type mla)
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False,
+                                                 use_safetensors=True).eval()
     out: dict = {"logprobs": [], "greedy": []}
     with torch.no_grad():
         for w in windows:

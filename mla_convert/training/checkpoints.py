@@ -178,7 +178,14 @@ def _foreign_entries(out: Path) -> list[str]:
 
     foreign = []
     for entry in sorted(out.iterdir()):
-        if entry.name in (METRICS_FILE, PLOT_FILE) and entry.is_file():
+        if entry.is_symlink():  # a link is never the trainer's: neither written through nor removed
+            foreign.append(entry.name)
+            continue
+        if entry.name == PLOT_FILE and entry.is_file():
+            continue
+        if entry.name == METRICS_FILE and entry.is_file() and _our_metrics(entry):
+            continue
+        if entry.is_dir() and _STAGING.fullmatch(entry.name):  # a model folder a killed run was writing
             continue
         if not (entry.is_dir() and (entry.name == FINAL_DIR or re.fullmatch(r"step_\d+", entry.name))):
             foreign.append(entry.name)
@@ -197,10 +204,54 @@ def _foreign_entries(out: Path) -> list[str]:
     return foreign
 
 
+# hidden names the trainer writes a model folder under before it renames it into place (final/, step_N/)
+_STAGING = re.compile(rf"\.({re.escape(FINAL_DIR)}|step_\d+)\.incomplete")
+
+
+def staging_dir(folder: Path) -> Path:
+    """The hidden name a model folder (OUT/final, OUT/step_N) is written under until it is complete."""
+    return folder.with_name(f".{folder.name}.incomplete")
+
+
+def _our_metrics(path: Path) -> bool:
+    """True when `path` reads as the trainer's metrics.jsonl: empty, or every line a JSON record of a train or eval
+    event (a user's file of that name is neither rewritten nor deleted)."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read(64 * 2**20 + 1).decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+    try:
+        records = [json.loads(line) for line in lines if line.strip()]
+    except ValueError:
+        return False
+    return all(isinstance(r, dict) and r.get("event") in ("train", "eval") and isinstance(r.get("step"), int)
+               for r in records)
+
+
 def _is_run_folder(out: Path) -> bool:
     """A folder this trainer wrote: a finished run, complete checkpoints, or the metrics of a started run."""
+    metrics = out / METRICS_FILE
     return ((out / FINAL_DIR / "provenance.json").is_file() or bool(complete_checkpoints(out))
-            or (out / METRICS_FILE).is_file())
+            or (metrics.is_file() and not metrics.is_symlink() and _our_metrics(metrics)))
+
+
+def lock_run_folder(out: Path):
+    """Create `out` if needed and lock it for this run (an advisory lock on the folder itself, released when the
+    process ends): a second run into the same folder is refused instead of interleaving with this one. Returns the
+    open descriptor to keep."""
+    import fcntl
+    import os
+
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"another fine-tuning run is writing {out}: wait for it to finish or stop it, or choose "
+                        "another output") from None
+    return fd
 
 
 def prepare_output(cfg: FinetuneConfig, out: Path, is_main: bool) -> None:
@@ -210,9 +261,12 @@ def prepare_output(cfg: FinetuneConfig, out: Path, is_main: bool) -> None:
         out.mkdir(parents=True, exist_ok=True)
         return
     _check_output(cfg, out)  # again, right before a delete
-    if cfg.overwrite:
-        shutil.rmtree(out)
-        out.mkdir(parents=True)
+    for stale in out.iterdir():  # a model folder a killed run was still writing: never complete, never reused
+        if _STAGING.fullmatch(stale.name) and stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
+    if cfg.overwrite:  # the folder's entries, not the folder: it holds this run's lock
+        for entry in list(out.iterdir()):
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     elif (out / FINAL_DIR / "provenance.json").is_file():
         raise UserError(f"{out} holds a finished run ({out / FINAL_DIR}): pass overwrite=true or another output")
     elif not cfg.resume and complete_checkpoints(out):

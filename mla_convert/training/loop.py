@@ -26,7 +26,8 @@ from mla_convert.training.models import (
 )
 from mla_convert.training.losses import kd_loss, lm_loss
 from mla_convert.training.checkpoints import (
-    check_output, complete_checkpoints, load_trainer_state, prepare_output, save_trainer_state,
+    check_output, complete_checkpoints, load_trainer_state, lock_run_folder, prepare_output, save_trainer_state,
+    staging_dir,
 )
 from mla_convert.training.metrics import Metrics, peak_memory_bytes, plot
 
@@ -79,6 +80,7 @@ class Trainer:
         cfg = self.cfg
         self.out = out = check_output(cfg)
         if self.is_main:
+            self._lock = lock_run_folder(out)  # held until the process ends: one run per output folder
             prepare_output(cfg, out, self.is_main)
         self.accelerator.wait_for_everyone()
         checkpoints = complete_checkpoints(out) if cfg.resume else []
@@ -250,22 +252,26 @@ class Trainer:
         """OUT/step_N: the loadable model, trainer/ state, and trainer_state.json last (marks it complete)."""
         cfg, accelerator, is_main = self.cfg, self.accelerator, self.is_main
         folder = self.out / f"step_{step}"
-        if is_main and folder.exists():
-            shutil.rmtree(folder)  # an incomplete leftover of a killed run
+        stage = staging_dir(folder)  # written under a hidden name, renamed into place once complete
+        if is_main and stage.exists():
+            shutil.rmtree(stage)  # an incomplete leftover of a killed run
         accelerator.wait_for_everyone()
         state_dict = accelerator.get_state_dict(self.model)  # full state dict on the main process (FSDP gathers)
         if is_main:
-            accelerator.unwrap_model(self.model).save_pretrained(folder, state_dict=state_dict)
-            self.tokenizer.save_pretrained(folder)
+            accelerator.unwrap_model(self.model).save_pretrained(stage, state_dict=state_dict)
+            self.tokenizer.save_pretrained(stage)
         optim_state = self.optimizer_state() if self.fsdp or is_main else None  # FSDP: every process joins the gather
-        save_trainer_state(folder / TRAINER_DIR, optim_state if is_main else None, self.scheduler, accelerator.scaler,
+        save_trainer_state(stage / TRAINER_DIR, optim_state if is_main else None, self.scheduler, accelerator.scaler,
                            self.rank)
         del optim_state
         accelerator.wait_for_everyone()
         if is_main:
             record = {"step": step, "total_steps": self.total_steps, "tokens": step * self.tokens_per_step,
                       "elapsed_s": self.elapsed, "world_size": self.world, "config": dataclasses.asdict(cfg)}
-            (folder / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")  # last: marks it complete
+            (stage / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")  # last: marks it complete
+            if folder.exists():
+                shutil.rmtree(folder)  # a step_N of an older mla-convert that a killed run left incomplete
+            os.replace(stage, folder)
             if cfg.keep_last_n:  # 0 keeps every checkpoint
                 for _, old in complete_checkpoints(self.out)[: -cfg.keep_last_n]:
                     shutil.rmtree(old, ignore_errors=True)
@@ -334,15 +340,21 @@ class Trainer:
         final = out / FINAL_DIR
         state_dict = accelerator.get_state_dict(self.model)
         if self.is_main:
-            if final.exists():
-                shutil.rmtree(final)
-            accelerator.unwrap_model(self.model).save_pretrained(final, state_dict=state_dict)
-            self.tokenizer.save_pretrained(final)
+            # written under a hidden name with provenance.json last, renamed into place only then: a run killed
+            # (or out of disk) on the way leaves no final/ that looks complete
+            stage = staging_dir(final)
+            if stage.exists():
+                shutil.rmtree(stage)
+            accelerator.unwrap_model(self.model).save_pretrained(stage, state_dict=state_dict)
+            self.tokenizer.save_pretrained(stage)
             records = self.metrics.read()
             plot(records, out / PLOT_FILE)
-            shutil.copy(out / PLOT_FILE, final / PLOT_FILE)
-            shutil.copy(out / METRICS_FILE, final / METRICS_FILE)
-            self._write_provenance(final, records, after, checksums, peak, timing)
+            shutil.copy(out / PLOT_FILE, stage / PLOT_FILE)
+            shutil.copy(out / METRICS_FILE, stage / METRICS_FILE)
+            self._write_provenance(stage, records, after, checksums, peak, timing)
+            if final.exists():
+                shutil.rmtree(final)  # an incomplete final/ of an older mla-convert
+            os.replace(stage, final)
             if len(set(checksums)) != 1:
                 log.error("processes disagree on the trained weights: checksums %s", checksums)
         accelerator.wait_for_everyone()
@@ -413,5 +425,10 @@ def run(cfg: FinetuneConfig) -> Path:
     import mla_convert  # noqa: F401  (registers the MLA model)
 
     trainer = Trainer(cfg)
-    trainer.setup()
-    return trainer.train()
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        if getattr(trainer, "_lock", None) is not None:  # the run folder's lock (main process)
+            os.close(trainer._lock)
+            trainer._lock = None

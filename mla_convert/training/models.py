@@ -22,8 +22,12 @@ def load_student(path: str, dtype: torch.dtype):
     import mla_convert  # noqa: F401  (registers the MLA model with the Auto classes)
     from transformers import AutoModelForCausalLM
 
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    from mla_convert.evaluate import check_loadable_folder
+
+    if Path(path).is_dir():
+        check_loadable_folder(Path(path))  # no pickle, no custom code, no shard outside the folder
+    try:  # use_safetensors: never torch.load
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, use_safetensors=True)
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"cannot load the student {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
                         "pass a model folder (e.g. the output of mla-convert llama)") from None
@@ -55,7 +59,8 @@ def load_teacher(spec: str, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False,
+                                                         use_safetensors=True)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load the teacher {spec} ({type(e).__name__}): pass a local folder or .gguf") from None
     model.eval()

@@ -101,8 +101,13 @@ class FinetuneConfig:
             raise UserError(f"max_steps must be at least 1, got {self.max_steps}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.threads is not None and self.threads < 1:
-            raise UserError(f"threads must be at least 1, got {self.threads}")
+        cores = os.cpu_count() or 1
+        if self.threads is not None and not 1 <= self.threads <= cores:
+            raise UserError(f"threads must lie between 1 and this machine's {cores} cores, got {self.threads}")
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"seed must lie between 0 and 2**32 - 1, got {self.seed}")
+        if self.eval_seq_len is not None and self.eval_seq_len < 2:
+            raise UserError(f"eval_seq_len must be at least 2, got {self.eval_seq_len}")
         if self.data_tokens is not None and self.data_tokens < self.seq_len:
             raise UserError(f"data_tokens must be at least one sequence of seq_len={self.seq_len} tokens, "
                             f"got {self.data_tokens}")
@@ -157,7 +162,8 @@ class FinetuneConfig:
                 out[f.name] = str(value)
             else:
                 wanted = " or ".join(names[k] for k in kinds if k in names)
-                raise UserError(f"{f.name} must be {wanted}, got {value!r}")
+                shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+                raise UserError(f"{f.name} must be {wanted}, got {shown}")
         return out
 
 
@@ -205,17 +211,43 @@ def resolve_accelerate_config(spec: str | os.PathLike) -> Path:
     return _resolve_shipped(spec, "accelerate", "accelerate config", "fsdp")
 
 
+def _recipe_loader():
+    import yaml
+
+    class RecipeLoader(yaml.SafeLoader):
+        """safe_load without aliases: a recipe never needs them, and nested ones expand exponentially (a 20-line
+        "billion laughs" recipe would take gigabytes)."""
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a recipe: write "
+                                                  "the value out", mark)
+            return super().compose_node(parent, index)
+
+    return RecipeLoader
+
+
+class _LazyLoader:  # yaml is imported when a recipe is read, not when this module is
+    def __call__(self, stream):
+        return _recipe_loader()(stream)
+
+
+_RecipeLoader = _LazyLoader()
+
+
 def read_recipe(path: str | os.PathLike) -> dict:
     """The recipe as a mapping (sections `convert`, `finetune`, `eval`, ...)."""
     import yaml
 
     path = resolve_recipe_path(path)
     try:
-        recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
+        recipe = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)
     except OSError as e:
         raise UserError(f"cannot read {path} ({e.strerror or type(e).__name__}): check the file") from None
-    except (yaml.YAMLError, ValueError) as e:  # ValueError: not UTF-8
-        raise UserError(f"{path} is not valid UTF-8 YAML ({str(e).splitlines()[0]}): fix the file") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: not UTF-8
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"{path} is not valid UTF-8 YAML ({first}): fix the file") from None
     if not isinstance(recipe, dict):
         raise UserError(f"{path} must hold a mapping with a `finetune:` section")
     return recipe

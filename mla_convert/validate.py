@@ -1,0 +1,70 @@
+"""The source validator: every tensor a conversion reads is present, has the shape the config says, and is finite,
+checked before any work, so a damaged or mismatched source is refused in one line instead of converting into an
+output that does not load (or loads with weights initialised at random)."""
+
+from __future__ import annotations
+
+import torch
+
+from mla_convert.errors import UserError
+
+
+def expected_shapes(config, family) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of every tensor a source of `family` with `config` must hold."""
+    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    inter = config.intermediate_size
+    qkv_bias, o_bias = family.attention_biases(config)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not getattr(config, "tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(layers):
+        p = family.layer_prefix.format(i=i)
+        shapes.update({
+            f"{p}input_layernorm.weight": (hidden,), f"{p}post_attention_layernorm.weight": (hidden,),
+            family.tensor(i, "q"): (heads * head_dim, hidden), family.tensor(i, "k"): (kv * head_dim, hidden),
+            family.tensor(i, "v"): (kv * head_dim, hidden), family.tensor(i, "o"): (hidden, heads * head_dim),
+            f"{p}mlp.gate_proj.weight": (inter, hidden), f"{p}mlp.up_proj.weight": (inter, hidden),
+            f"{p}mlp.down_proj.weight": (hidden, inter),
+        })  # fmt: skip
+        if qkv_bias:
+            shapes.update({family.tensor(i, "q", "bias"): (heads * head_dim,),
+                           family.tensor(i, "k", "bias"): (kv * head_dim,),
+                           family.tensor(i, "v", "bias"): (kv * head_dim,)})
+        if o_bias:
+            shapes[family.tensor(i, "o", "bias")] = (hidden,)
+        if family.has_qk_norm(config):
+            shapes[f"{p}{family.q_norm}.weight"] = (head_dim,)
+            shapes[f"{p}{family.k_norm}.weight"] = (head_dim,)
+    return shapes
+
+
+def check_source_shapes(source, family) -> None:
+    """Refuse a source that lacks a tensor the config implies or holds one of another shape (headers only)."""
+    config = source.config
+    expected = expected_shapes(config, family)
+    held = set(source.keys())
+    missing = [n for n in expected if n not in held]
+    where = source.origin
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UserError(f"the source {where} lacks tensor {missing[0]}{more}, which its config.json implies: "
+                        "re-download the checkpoint (or fix config.json)")
+    for name, shape in expected.items():
+        found = tuple(source.shape(name))
+        if found != shape:
+            raise UserError(f"tensor {name} has shape {list(found)} in {where}, but config.json implies {list(shape)} "
+                            "(hidden_size, heads, head_dim, intermediate_size, vocab_size): fix config.json or "
+                            "re-download the checkpoint")
+
+
+def check_source_finite(source, family) -> None:
+    """Refuse a source with a NaN or infinite weight (read tensor by tensor, one in memory at a time)."""
+    for name in expected_shapes(source.config, family):
+        tensor = source.get_raw(name)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise UserError(f"tensor {name} of {source.origin} holds {bad} NaN or infinite values: the checkpoint is "
+                            "damaged; re-download it or convert a healthy one")

@@ -1,0 +1,762 @@
+"""Hostile files, planted links and faults (issue 54): every case ends in one `error:` line and exit status 2 (or
+runs, where the input is valid), with no traceback, nothing a user had changed, removed or uploaded, no output that
+looks complete after a failure, and nothing unpickled."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_user_error
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from mla_convert.cli import app
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every entry below `root` (links as links, never followed): files by content hash."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            out[rel] = "link -> " + str(path.readlink())
+        elif path.is_file():
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, sources, calib_text) -> Path:
+    root = tmp_path_factory.mktemp("hostile")
+    shutil.copytree(sources["llama-gqa"], root / "src")
+    shutil.copy(calib_text, root / "calib.txt")
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("my own notes")
+    (root / "secret.txt").write_text("hf_" + "a" * 34 + "\n")
+    return root
+
+
+CALIB = ["--calib-samples", "2", "--calib-seq-len", "16", "--refine-steps", "0", "--refine-model-steps", "0"]
+
+
+def convert_args(ws: Path, src: Path, out: Path, *extra: str) -> list[str]:
+    return ["llama", str(src), "--rank", "8", "-o", str(out), "--calib-data", str(ws / "calib.txt"), *CALIB, *extra]
+
+
+def variant(ws: Path, name: str, edit_config=None, edit_tensors=None) -> Path:
+    """A copy of the tiny source with its config.json and/or tensors edited."""
+    folder = ws / name
+    if folder.exists():
+        return folder
+    shutil.copytree(ws / "src", folder)
+    if edit_config is not None:
+        config = json.loads((folder / "config.json").read_text())
+        edit_config(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    if edit_tensors is not None:
+        state = load_file(folder / "model.safetensors")
+        edit_tensors(state)
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+# ----------------------------------------------------------------------------------- staging and resume paths
+
+
+def test_staging_folder_planted_as_a_link_is_refused(ws, tmp_path):
+    """`.OUT.incomplete` pre-created as a link to a user's folder: never followed, nothing there deleted or written."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "thesis.tex").write_text("years of work")
+    (tmp_path / ".out.incomplete").symlink_to(user)
+    before = snapshot(tmp_path)
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert_user_error(code, output, ".out.incomplete", "link")
+    assert snapshot(tmp_path) == before
+    assert not (tmp_path / "out").exists()
+
+
+def test_staging_name_taken_by_a_file_is_one_line(ws, tmp_path):
+    (tmp_path / ".out.incomplete").write_text("a file of the user's")
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert_user_error(code, output, ".out.incomplete", "file")
+    assert (tmp_path / ".out.incomplete").read_text() == "a file of the user's"
+
+
+def test_lock_file_planted_as_a_link_is_never_truncated(ws, tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (tmp_path / ".out.incomplete" / ".resume").mkdir(parents=True)
+    (tmp_path / ".out.incomplete" / ".resume" / "lock").symlink_to(precious)
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert_user_error(code, output, "lock")
+    assert precious.read_text() == "keep me" and not (tmp_path / "out").exists()
+
+
+def test_links_left_in_the_staging_folder_are_removed_not_followed(ws, tmp_path):
+    """A leftover in a staging folder is removed on the next run; a link there goes, its target stays."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "data.txt").write_text("mine")
+    (tmp_path / ".out.incomplete").mkdir()
+    (tmp_path / ".out.incomplete" / "leftover").symlink_to(user)
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert code == 0, output
+    assert (user / "data.txt").read_text() == "mine"
+    assert not (tmp_path / "out" / "leftover").exists()
+
+
+# ------------------------------------------------------------------------------------------ the source validator
+
+
+def _set(name, value):
+    return lambda state: state.__setitem__(name, value)
+
+
+SOURCE_CASES = {
+    "a NaN weight": (dict(edit_tensors=lambda s: s["model.layers.1.mlp.up_proj.weight"].__setitem__(
+        (0, 0), float("nan"))), "NaN or infinite"),
+    "an infinite weight": (dict(edit_tensors=lambda s: s["model.layers.0.self_attn.k_proj.weight"].__setitem__(
+        (1, 1), float("inf"))), "NaN or infinite"),
+    "a missing MLP tensor": (dict(edit_tensors=lambda s: s.pop("model.layers.1.mlp.down_proj.weight")),
+                             "lacks tensor model.layers.1.mlp.down_proj.weight"),
+    "a missing final norm": (dict(edit_tensors=lambda s: s.pop("model.norm.weight")), "lacks tensor model.norm.weight"),
+    "a wrong-shaped up_proj": (dict(edit_tensors=_set("model.layers.0.mlp.up_proj.weight", torch.zeros(95, 64))),
+                               "mlp.up_proj.weight has shape [95, 64]"),
+    "wrong-shaped embeddings": (dict(edit_tensors=_set("model.embed_tokens.weight", torch.zeros(320, 63))),
+                                "embed_tokens.weight has shape"),
+    "a 1-D o_proj": (dict(edit_tensors=_set("model.layers.1.self_attn.o_proj.weight", torch.zeros(4096))),
+                     "o_proj.weight has shape [4096]"),
+    "a vocab size that disagrees with the weights": (dict(edit_config=lambda c: c.update(vocab_size=400)),
+                                                     "config.json implies [400, 64]"),
+    "an intermediate size that disagrees": (dict(edit_config=lambda c: c.update(intermediate_size=128)),
+                                            "config.json implies"),
+    "kv heads inconsistent with the weights": (dict(edit_config=lambda c: c.update(num_key_value_heads=4)),
+                                               "k_proj.weight has shape"),
+    "head_dim inconsistent with the weights": (dict(edit_config=lambda c: c.update(head_dim=8)), "has shape"),
+    "0 layers": (dict(edit_config=lambda c: c.update(num_hidden_layers=0)), "num_hidden_layers"),
+    "an unknown rope type": (dict(edit_config=lambda c: c.update(rope_parameters={"rope_type": "warp",
+                                                                                  "rope_theta": 1e4})), "warp"),
+    "custom code for an unknown model type": (dict(edit_config=lambda c: c.update(
+        model_type="evil_model", auto_map={"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.Model"})),
+        "custom code"),
+    "a deeply nested config.json": (dict(edit_config=lambda c: c.update(extra=json.loads("[" * 5000 + "]" * 5000))),
+                                    "config.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SOURCE_CASES))
+def test_broken_source_is_refused_before_any_work(ws, tmp_path, case):
+    edits, needle = SOURCE_CASES[case]
+    if case == "a deeply nested config.json":  # json.dumps of the edit would itself recurse too deep: written by hand
+        folder = variant(ws, "nested")
+        text = (folder / "config.json").read_text()
+        (folder / "config.json").write_text(text[:-1] + ', "extra": ' + "[" * 100000 + "]" * 100000 + "}")
+    else:
+        folder = variant(ws, "v-" + case.replace(" ", "-"), **edits)
+    before = snapshot(ws)
+    code, output = run(*convert_args(ws, folder, tmp_path / "out"))
+    assert_user_error(code, output, needle)
+    assert snapshot(ws) == before and list(tmp_path.iterdir()) == []
+
+
+def test_index_naming_shards_outside_the_folder_is_refused(ws, tmp_path):
+    """A sharded index may not send a read outside the model folder (`../x`, an absolute path), nor be a list."""
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(ws / "src" / "model.safetensors", outside)
+    for name, weight_map in (("up", "../elsewhere.safetensors"), ("abs", str(outside)), ("list", None)):
+        folder = tmp_path / name
+        shutil.copytree(ws / "src", folder)
+        names = list(load_file(folder / "model.safetensors"))
+        index = {"weight_map": [names] if weight_map is None else {n: weight_map for n in names}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        code, output = run(*convert_args(ws, folder, tmp_path / f"out-{name}"))
+        assert_user_error(code, output, "model.safetensors.index.json")
+        code, output = run("eval", folder, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
+        assert_user_error(code, output, "model.safetensors.index.json")
+        assert not (tmp_path / f"out-{name}").exists()
+
+
+# ---------------------------------------------------------------------------------------------- no pickle, no code
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    """Any torch.load or pickle load fails the test (and loads nothing)."""
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("something was unpickled")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+
+
+def test_eval_and_generate_refuse_a_pickle_only_folder(ws, tmp_path, no_unpickling):
+    folder = tmp_path / "pickled"
+    shutil.copytree(ws / "src", folder)
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    code, output = run("eval", folder, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
+    assert_user_error(code, output, "pytorch_model.bin", "pickle")
+    code, output = run("generate", folder, "-p", "w1 w2", "-n", "2")
+    assert_user_error(code, output, "pytorch_model.bin", "pickle")
+
+
+def test_custom_tokenizer_code_is_not_carried_into_the_output(ws, tmp_path):
+    """A source whose tokenizer_config names custom code converts with the stock classes, and the output does not
+    ask to run code it does not hold (it loads with the default trust_remote_code)."""
+    folder = tmp_path / "remote"
+    shutil.copytree(ws / "src", folder)
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    tok["auto_map"] = {"AutoTokenizer": ["evil.Tokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+    code, output = run(*convert_args(ws, folder, tmp_path / "out"))
+    assert code == 0, output
+    assert "auto_map" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tmp_path / "out")  # no prompt, no custom module needed
+
+
+# ---------------------------------------------------------------------------------------------------- I/O faults
+
+
+def _fail_on(monkeypatch, target: str, err: int, after: int = 0):
+    """Make `target` (a dotted save function) raise OSError(err) from its call number `after` on."""
+    import importlib
+
+    module, name = target.rsplit(".", 1)
+    mod = importlib.import_module(module)
+    real, calls = getattr(mod, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > after:
+            raise OSError(err, os_strerror(err), str(args[1]) if len(args) > 1 else None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, name, failing)
+
+
+def os_strerror(err: int) -> str:
+    import os
+
+    return os.strerror(err)
+
+
+@pytest.mark.parametrize("err,needle", [(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only"),
+                                        (errno.EBUSY, "busy")])
+def test_write_error_while_writing_the_shards_keeps_the_layers_and_names_the_fix(ws, tmp_path, monkeypatch, err,
+                                                                                 needle):
+    """A write error at the end (the shards): one line, no OUT, the converted layers kept; the same command then
+    finishes from them, to the bytes of an uninterrupted run."""
+    out = tmp_path / "out"
+    _fail_on(monkeypatch, "mla_convert.checkpoint.save_file", err)
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert_user_error(code, output, needle)
+    assert not out.exists()
+    kept = tmp_path / ".out.incomplete" / ".resume"
+    assert (kept / "layer-00000.safetensors").is_file() and (kept / "layer-00001.safetensors").is_file()
+    monkeypatch.undo()
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert code == 0, output
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "straight"))
+    assert code == 0, output
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "straight" / "model.safetensors").read_bytes()
+
+
+def test_write_error_on_a_kept_layer_is_one_line(ws, tmp_path, monkeypatch):
+    _fail_on(monkeypatch, "safetensors.torch.save_file", errno.ENOSPC, after=1)
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert_user_error(code, output, "disk is full")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_damaged_kept_layer_is_done_again(ws, tmp_path, monkeypatch, damage):
+    """A kept layer file damaged between runs is noticed by its checksum and converted again: the result equals an
+    uninterrupted run's, with no traceback on this or any later run."""
+    out = tmp_path / "out"
+    _fail_on(monkeypatch, "mla_convert.checkpoint.save_file", errno.ENOSPC)
+    assert run(*convert_args(ws, ws / "src", out))[0] == 2
+    monkeypatch.undo()
+    layer = tmp_path / ".out.incomplete" / ".resume" / "layer-00001.safetensors"
+    data = bytearray(layer.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data[-5] ^= 0xFF  # a tensor's bytes: the file still parses
+    layer.write_bytes(bytes(data))
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert code == 0, output
+    assert "damaged" in output
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "straight"))
+    assert code == 0, output
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "straight" / "model.safetensors").read_bytes()
+
+
+# ------------------------------------------------------------------------------------------------- finetune output
+
+
+@pytest.fixture(scope="module")
+def student(ws, convert_tiny) -> Path:
+    return convert_tiny(ws / "src", rank=8, rope_dims=8)
+
+
+def finetune_args(ws: Path, student: Path, out: Path, *extra: str) -> list[str]:
+    return ["finetune", "--config", "smollm2-135m", f"model={student}", f"data={ws / 'calib.txt'}", f"output={out}",
+            "teacher=none", "kd_weight=0", "max_steps=2", "seq_len=16", "batch_size=1", "grad_accum=1",
+            "eval_windows=1", "eval_every=0", "save_every=0", "threads=1", "dtype=float32", "-q", *extra]
+
+
+@pytest.mark.parametrize("planted", ["a user's metrics.jsonl", "metrics.jsonl linked to a user's file",
+                                     "loss.png linked to a user's file", "final linked to a user's folder"])
+def test_finetune_never_touches_a_users_files_in_its_output(ws, student, tmp_path, planted):
+    out, user = tmp_path / "run", tmp_path / "user"
+    out.mkdir()
+    user.mkdir()
+    (user / "log.jsonl").write_text('{"my": "experiment"}\n')
+    if planted == "a user's metrics.jsonl":
+        (out / "metrics.jsonl").write_text('{"my": "experiment"}\n')
+    elif planted == "final linked to a user's folder":
+        (out / "metrics.jsonl").write_text("")
+        (out / "final").symlink_to(user)
+    else:
+        (out / planted.split()[0]).symlink_to(user / "log.jsonl")
+        if planted.startswith("loss.png"):
+            (out / "metrics.jsonl").write_text("")  # otherwise a started run of ours
+    before = snapshot(tmp_path)
+    for extra in ([], ["overwrite=true"]):
+        code, output = run(*finetune_args(ws, student, out, *extra))
+        assert_user_error(code, output, str(out))
+        assert snapshot(tmp_path) == before
+
+
+def test_finetune_into_a_locked_output_is_refused(ws, student, tmp_path):
+    """Two runs into one output: the second is refused while the first holds the folder's lock."""
+    import os
+
+    from mla_convert.training.checkpoints import lock_run_folder
+
+    out = tmp_path / "run"
+    fd = lock_run_folder(out)
+    try:
+        code, output = run(*finetune_args(ws, student, out))
+        assert_user_error(code, output, "another fine-tuning run is writing")
+        assert list(out.iterdir()) == []
+    finally:
+        os.close(fd)
+    code, output = run(*finetune_args(ws, student, out))
+    assert code == 0, output
+    fd = lock_run_folder(out)  # released when the run ended
+    os.close(fd)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS])
+def test_finetune_failing_while_writing_final_leaves_no_complete_looking_final(ws, student, tmp_path, monkeypatch,
+                                                                             err):
+    """A write error (or a kill) while final/ is written: no final/ at all (provenance.json goes in last, under a
+    hidden name renamed into place); the next run finishes it."""
+    from mla_convert.training.loop import Trainer
+
+    out = tmp_path / "run"
+
+    def failing(self, final, *args):
+        (final / "provenance.json").write_text("{}")  # half-way: even a provenance on its way must not count
+        raise OSError(err, os_strerror(err), str(final / "README.md"))
+
+    monkeypatch.setattr(Trainer, "_write_provenance", failing)
+    code, output = run(*finetune_args(ws, student, out))
+    assert_user_error(code, output, os_strerror(err))
+    assert not (out / "final").exists()
+    monkeypatch.undo()
+    code, output = run(*finetune_args(ws, student, out))
+    assert code == 0, output
+    assert (out / "final" / "provenance.json").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["final", "loss.png", "metrics.jsonl"]
+
+
+RECIPE_CASES = {
+    "eval_seq_len 0": (["eval_seq_len=0"], "eval_seq_len"),
+    "a negative seed": (["seed=-1"], "seed"),
+    "100000 threads": (["threads=100000"], "threads"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RECIPE_CASES))
+def test_finetune_setting_out_of_range_is_one_line(ws, student, tmp_path, case):
+    extra, needle = RECIPE_CASES[case]
+    code, output = run(*finetune_args(ws, student, tmp_path / "run", *extra))
+    assert_user_error(code, output, needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_yaml_alias_bomb_is_refused_small(ws, tmp_path):
+    """A 10-level alias bomb expands to 10^10 entries: refused in one short line, without expanding it."""
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    lines += ["finetune:", "  model: *a9", "  data: x", "  output: y"]
+    recipe = tmp_path / "bomb.yaml"
+    recipe.write_text("\n".join(lines) + "\n")
+    code, output = run("finetune", "--config", recipe)
+    assert_user_error(code, output, "alias")
+    assert len(output) < 1000
+
+
+# --------------------------------------------------------------------------------------- texts, tokenizers, templates
+
+
+def test_whitespace_only_calibration_text_is_refused(ws, tmp_path):
+    (tmp_path / "blank.txt").write_text(" \n\t\n   \n" * 100)
+    code, output = run("llama", ws / "src", "--rank", "8", "-o", tmp_path / "out", "--calib-data",
+                       tmp_path / "blank.txt", *CALIB)
+    assert_user_error(code, output, "only whitespace")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt"]
+
+
+def test_garbage_tokenizer_is_refused_without_calibration_text(ws, tmp_path):
+    """With --calib-data none the tokenizer is still read before any work: a broken one is refused, not copied into a
+    finished-looking output."""
+    for garbage in ('{"version": "1.0", "model": {"type": "BPE", "vocab": 5}}', "{not json"):
+        folder = tmp_path / "badtok"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(ws / "src", folder)
+        (folder / "tokenizer.json").write_text(garbage)
+        code, output = run("llama", folder, "--rank", "8", "-o", tmp_path / "out", "--calib-data", "none")
+        assert_user_error(code, output, "tokenizer")
+        assert not (tmp_path / "out").exists()
+
+
+def _fifo_with(tmp_path: Path, name: str, text: str) -> Path:
+    """A named pipe that yields `text` once, as `<(cat file)` does."""
+    import os
+    import threading
+
+    path = tmp_path / name
+    os.mkfifo(path)
+
+    def feed():
+        with open(path, "w") as f:
+            f.write(text)
+
+    threading.Thread(target=feed, daemon=True).start()
+    return path
+
+
+def test_process_substitution_is_valid_input(ws, tmp_path):
+    text = (ws / "calib.txt").read_text()
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out")[:-len(CALIB) - 2], "--calib-data",
+                       _fifo_with(tmp_path, "calib-pipe", text), *CALIB)
+    assert code == 0, output
+    code, output = run("eval", tmp_path / "out", "--data", _fifo_with(tmp_path, "eval-pipe", text), "--seq-len", "16",
+                       "--windows", "1")
+    assert code == 0, output
+    assert "perplexity" in output
+
+
+@pytest.fixture(scope="module")
+def chat_model(student, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(student, folder)
+    return folder
+
+
+def _with_template(folder: Path, template: str) -> Path:
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}", "did not finish"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "sandbox"),
+    ("{{ messages[0].__init__.__globals__ }}", "sandbox"),
+    ("{% for m in messages %}{{ m.content", "cannot be rendered"),
+])
+def test_hostile_chat_template_is_one_line(chat_model, monkeypatch, template, needle):
+    monkeypatch.setattr("mla_convert.templates.SECONDS", 2.0)
+    _with_template(chat_model, template)
+    code, output = run("generate", chat_model, "-p", "w1 w2", "-n", "2", "--chat")
+    assert_user_error(code, output, needle)
+
+
+def test_plain_chat_template_still_renders(chat_model):
+    _with_template(chat_model, "{% for m in messages %}{{ m.content }}{% endfor %}")
+    code, output = run("generate", chat_model, "-p", "w1 w2", "-n", "2", "--chat")
+    assert code == 0, output
+
+
+# ------------------------------------------------------------------------------------------------ export, eval
+
+
+@pytest.fixture(scope="module")
+def exportable(ws, convert_tiny) -> Path:
+    return convert_tiny(ws / "src", rank=8, rope_strategy="uniform")
+
+
+def test_export_write_error_leaves_nothing_and_stale_stages_are_cleaned(ws, exportable, tmp_path, monkeypatch):
+    """A full disk during export: one line, no OUT, no hidden copy; a hidden copy a killed export left is removed by
+    the next export, one still locked by a running export is not."""
+    import os
+
+    from mla_convert.checkpoint import _lock_dir
+
+    out = tmp_path / "exp"
+    _fail_on(monkeypatch, "mla_convert.checkpoint.save_file", errno.ENOSPC)
+    code, output = run("export", exportable, "-o", out, "--no-verify")
+    assert_user_error(code, output, "disk is full")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    stale, busy = tmp_path / ".exp.incomplete-dead01", tmp_path / ".exp.incomplete-busy01"
+    for folder in (stale, busy):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / ".exp.incomplete-link").symlink_to(ws / "mine")
+    held = _lock_dir(busy)
+    try:
+        code, output = run("export", exportable, "-o", out, "--no-verify")
+        assert code == 0, output
+    finally:
+        held.close()
+    assert not stale.exists() and busy.is_dir() and (ws / "mine" / "notes.txt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".exp.incomplete-busy01", ".exp.incomplete-link", "exp"]
+    os.unlink(tmp_path / ".exp.incomplete-link")
+
+
+def test_output_that_is_a_mount_point_is_refused_before_work(ws, tmp_path, monkeypatch):
+    import os
+
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mount or real(p))
+    code, output = run(*convert_args(ws, ws / "src", mount))
+    assert_user_error(code, output, "mount point", "mnt/NAME")
+    assert list(tmp_path.iterdir()) == [mount] and list(mount.iterdir()) == []
+
+
+def test_eval_record_on_a_read_only_folder_is_one_line(student, ws, tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    shutil.copytree(student, folder)
+    before = snapshot(folder)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os_strerror(errno.EROFS), str(folder / "provenance.json"))
+
+    monkeypatch.setattr("mla_convert.provenance.save", read_only)
+    code, output = run("eval", folder, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1", "--record")
+    assert_user_error(code, output, "read-only", "provenance.json")
+    assert snapshot(folder) == before
+
+
+def test_out_of_memory_is_one_line(ws, student, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr("mla_convert.evaluate.perplexity", no_memory)
+    code, output = run("eval", student, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
+    assert_user_error(code, output, "out of memory")
+
+
+# ------------------------------------------------------------------------------- damaged files in eval and generate
+
+
+def _truncated_gguf(path: Path) -> Path:
+    """A GGUF header that promises metadata and stops in the middle of its first key."""
+    import struct
+
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 5) + struct.pack("<Q", 40) + b"general.arch")
+    return path
+
+
+def _edited(student: Path, tmp_path: Path, name: str, edit) -> Path:
+    folder = tmp_path / name
+    shutil.copytree(student, folder)
+    edit(folder)
+    return folder
+
+
+def _json_edit(file: str, **fields):
+    def edit(folder: Path):
+        record = json.loads((folder / file).read_text())
+        record.update(fields)
+        (folder / file).write_text(json.dumps(record))
+    return edit
+
+
+DAMAGED = {
+    "eval an invalid tokenizer.json": (lambda f: (f / "tokenizer.json").write_text("{not json"), "eval", "cannot load"),
+    "generate with temperature of the wrong type": (_json_edit("generation_config.json", temperature=[1]), "generate",
+                                                    "temperature"),
+    "generate with a negative top_k": (_json_edit("generation_config.json", top_k=-5), "generate", "top_k"),
+    "generate with a top_p above 1": (_json_edit("generation_config.json", top_p=7), "generate", "top_p"),
+    "generate with a text eos id": (_json_edit("generation_config.json", eos_token_id="x"), "generate", "eos_token_id"),
+    "eval --record with measurements a list": (_json_edit("provenance.json", measurements=[1, 2]), "record",
+                                               "measurements"),
+    "eval --record with kind a number": (_json_edit("provenance.json", kind=5), "record", "kind"),
+    "eval --record with a perplexity of text": (_json_edit("provenance.json", measurements={"perplexity": "low"}),
+                                                "record", "perplexity"),
+    "push with measurements text": (_json_edit("provenance.json", measurements="y"), "push", "measurements"),
+    "push with kind a list": (_json_edit("provenance.json", kind=[1]), "push", "kind"),
+    "push with a parent of the wrong shape": (_json_edit("provenance.json", parent={"kind": "convert",
+                                                                                    "options": [1]}), "push",
+                                              "parent's options"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_damaged_model_folder_is_one_line(ws, student, tmp_path, case):
+    edit, command, needle = DAMAGED[case]
+    folder = _edited(student, tmp_path, "model", edit)
+    before = snapshot(folder)
+    data = ["--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1"]
+    args = {"eval": ["eval", folder, *data], "record": ["eval", folder, *data, "--record"],
+            "generate": ["generate", folder, "-p", "w1 w2", "-n", "2", "--sample"],
+            "push": ["push", folder, "me/model", "--dry-run"]}[command]
+    code, output = run(*args)
+    assert_user_error(code, output, needle)
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_truncated_gguf_is_one_line(ws, tmp_path, command):
+    path = _truncated_gguf(tmp_path / "model.gguf")
+    args = (["eval", path, "--data", ws / "calib.txt", "--seq-len", "16"] if command == "eval"
+            else ["generate", path, "-p", "hi", "-n", "2"])
+    code, output = run(*args)
+    assert_user_error(code, output, "cannot load", "model.gguf")
+
+
+def test_finetune_full_disk_while_saving_a_checkpoint(ws, student, tmp_path, monkeypatch):
+    """A full disk while step_1/ is saved: one line, no step_1/ that looks complete (nor a loadable half), and the
+    next run (same command) starts cleanly and finishes."""
+    out = tmp_path / "run"
+    _fail_on(monkeypatch, "safetensors.torch.save_file", errno.ENOSPC)
+    code, output = run(*finetune_args(ws, student, out, "save_every=1", "max_steps=2"))
+    assert_user_error(code, output, "disk is full")
+    assert not (out / "step_1").exists() and not (out / "final").exists()
+    monkeypatch.undo()
+    code, output = run(*finetune_args(ws, student, out, "save_every=1", "max_steps=2"))
+    assert code == 0, output
+    assert sorted(p.name for p in out.iterdir()) == ["final", "loss.png", "metrics.jsonl", "step_1"]
+
+
+def test_torch_allocation_failure_is_one_line(ws, student, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 1099511627776 bytes.")
+
+    monkeypatch.setattr("mla_convert.evaluate.perplexity", no_memory)
+    code, output = run("eval", student, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
+    assert_user_error(code, output, "out of memory", "smaller batch")
+
+
+@pytest.mark.parametrize("name", ["fingerprint.json.tmp", "layer-00001.safetensors.sha256.tmp",
+                                  "provenance.json.tmp", "README.md.tmp", "model.safetensors.index.json.tmp"])
+def test_write_error_at_any_file_of_a_conversion(ws, tmp_path, monkeypatch, name):
+    """A full disk at any of the files a conversion writes (text files here, the tensors above): one line, no OUT,
+    and the same command afterwards gives the bytes of an uninterrupted run."""
+    real = Path.write_text
+
+    def failing(self, *args, **kwargs):
+        if self.name == name and ".out.incomplete" in str(self):
+            raise OSError(errno.ENOSPC, os_strerror(errno.ENOSPC), str(self))
+        return real(self, *args, **kwargs)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(Path, "write_text", failing)
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert_user_error(code, output, "disk is full", name)
+    assert not out.exists()
+    monkeypatch.undo()
+    code, output = run(*convert_args(ws, ws / "src", out))
+    assert code == 0, output
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "straight"))
+    assert code == 0, output
+    for f in ("model.safetensors", "config.json"):
+        assert (out / f).read_bytes() == (tmp_path / "straight" / f).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "straight"]
+
+
+def test_finetune_batch_that_does_not_fit_is_one_line(ws, student, tmp_path, monkeypatch):
+    from mla_convert.training.loop import Trainer
+
+    def too_big(self, step):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8796093022208 bytes.")
+
+    monkeypatch.setattr(Trainer, "train_step", too_big)
+    code, output = run(*finetune_args(ws, student, tmp_path / "run", "batch_size=100000"))
+    assert_user_error(code, output, "out of memory", "smaller batch")
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_looping_chat_template_in_a_source_does_not_hang_self_calibration(ws, tmp_path, monkeypatch):
+    """`--calib-data self` renders the source's chat template: a template that never ends is stopped, one line."""
+    monkeypatch.setattr("mla_convert.templates.SECONDS", 1.0)
+    folder = tmp_path / "looping"
+    shutil.copytree(ws / "src", folder)
+    _with_template(folder, "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}")
+    code, output = run("llama", folder, "--rank", "8", "-o", tmp_path / "out", "--calib-data", "self",
+                       "--calib-samples", "2", "--calib-seq-len", "16", "--calib-sample-tokens", "8",
+                       "--refine-steps", "0", "--refine-model-steps", "0")
+    assert_user_error(code, output, "did not finish")
+    assert not (tmp_path / "out").exists()
+
+
+FINETUNE_KILLER = """
+import os, signal, sys
+from mla_convert.training import loop
+real = loop.Trainer._write_provenance
+def killing(self, final, *args):
+    real(self, final, *args)  # the whole model folder, provenance and card written: then SIGKILL, before the rename
+    os.kill(os.getpid(), signal.SIGKILL)
+loop.Trainer._write_provenance = killing
+from mla_convert.cli import app
+sys.argv[0] = "mla-convert"
+app()
+"""
+
+
+def test_finetune_killed_while_finishing_leaves_no_final(ws, student, tmp_path):
+    """kill -9 with final/ fully written but not yet in place: no final/ at all; the next run finishes it."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", FINETUNE_KILLER, *finetune_args(ws, student, out)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (out / "final").exists() and (out / ".final.incomplete" / "provenance.json").is_file()
+    code, output = run(*finetune_args(ws, student, out))
+    assert code == 0, output
+    assert sorted(p.name for p in out.iterdir()) == ["final", "loss.png", "metrics.jsonl"]
+
+
+def test_export_without_room_is_refused_before_any_work(exportable, tmp_path, monkeypatch):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    code, output = run("export", exportable, "-o", tmp_path / "exp", "--no-verify")
+    assert_user_error(code, output, "free", "the checkpoint")
+    assert list(tmp_path.iterdir()) == []
