@@ -249,7 +249,8 @@ def test_tp_plan_names_existing_modules(qk_norm):
     if qk_norm == "exact":
         assert not attention  # k_rope_up/k_rope_down span every group: attention stays whole on each rank
     else:
-        assert "model.layers.*.self_attn.kv_a_proj" not in plan  # the latent (and the cache) is whole on each rank
+        # the latent (and so the cache) is whole on each rank; only its rope key's gradient is summed over the ranks
+        assert plan["model.layers.*.self_attn.kv_a_proj"] == "mla_kv_a_proj"
         assert ("model.layers.*.self_attn.q_head_proj" in plan) == (qk_norm == "calibrated")
 
 
@@ -258,8 +259,8 @@ def _shard(attn, rank: int, ranks: int, plan: dict):
     of output rows, rowwise ones their slice of input columns (and the bias on one rank only: it is added once)."""
     shard = copy.deepcopy(attn)
     for name, style in plan.items():
-        if not name.startswith("model.layers.*.self_attn."):
-            continue
+        if not name.startswith("model.layers.*.self_attn.") or style not in ("colwise", "rowwise"):
+            continue  # whole on every rank
         linear = getattr(shard, name.rsplit(".", 1)[1])
         with torch.no_grad():
             if style == "colwise":

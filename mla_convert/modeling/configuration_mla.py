@@ -30,7 +30,8 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 
 # Tensor parallelism (`tp_plan="auto"`): each rank keeps a slice of the query heads (q_proj, and q_head_proj with
 # qk_norm) and of the kv groups they read (kv_b_proj: per group nope key and value), and o_proj sums the ranks'
-# outputs; the latent projection (kv_a_proj) and so the cache are whole on every rank. MLP as Llama's.
+# outputs; the latent projection (kv_a_proj) and so the cache are whole on every rank. MLP as Llama's. With gradients,
+# attention takes the expanded form under tensor parallelism (MLAAttention.sharded_for_training).
 MLP_TP_PLAN = {
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
@@ -38,6 +39,8 @@ MLP_TP_PLAN = {
 }
 ATTENTION_TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
+    # whole on each rank; the rope key's gradient (from this rank's heads only) is summed over the ranks
+    "layers.*.self_attn.kv_a_proj": "mla_kv_a_proj",
     "layers.*.self_attn.kv_b_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
 }
@@ -88,7 +91,12 @@ class MLAConfig(LlamaConfig):
             # groups): attention stays whole on each rank
             self.base_model_tp_plan = dict(MLP_TP_PLAN)
         elif self.qk_norm:
-            self.base_model_tp_plan = {**ATTENTION_TP_PLAN, "layers.*.self_attn.q_head_proj": "colwise", **MLP_TP_PLAN}
+            self.base_model_tp_plan = {
+                **ATTENTION_TP_PLAN,
+                "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",  # sees this rank's heads only
+                "layers.*.self_attn.q_head_proj": "colwise",
+                **MLP_TP_PLAN,
+            }
         if self.rope_pairs is None:
             self.rope_pairs = [list(range(self.qk_rope_head_dim // 2)) for _ in range(self.num_hidden_layers)]
 

@@ -47,6 +47,19 @@ from transformers.models.llama.modeling_llama import (
 from mla_convert.modeling.compat import cache_kwargs, output_cache, renamed_cache_kwarg, take_cache
 from mla_convert.modeling.configuration_mla import MLAConfig
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch without distributed support: no tensor parallelism, no DTensor weights
+
+    class DTensor:  # noqa: D101
+        pass
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight read directly (not through its module's forward): under tensor parallelism (`tp_plan`) a DTensor,
+    of which this rank's shard is what its heads use."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """rotate_half RoPE on the last dim of `x` [B, *, T, d]; cos/sin [B, T, d]."""
@@ -94,6 +107,12 @@ class MLAAttention(nn.Module):
         self.rope_pairs = list(config.rope_pairs[layer_idx])
         self._rope_index: dict[torch.device, torch.Tensor] = {}
 
+    def sharded_for_training(self) -> bool:
+        """Tensor parallel with gradients: the expanded form, whose kv_b_proj (colwise) sums the latent's gradient
+        over the ranks; the latent forms read its weight directly, so each rank's latent gradient would cover only
+        its own heads."""
+        return isinstance(self.kv_b_proj.weight, DTensor) and torch.is_grad_enabled()
+
     def _rope_cos_sin(self, position_embeddings):
         cos, sin = position_embeddings  # [B, T, d_h] in rotate_half layout: frequency i at dims i and i + d_h/2
         index = self._rope_index.get(cos.device)
@@ -110,6 +129,8 @@ class MLAAttention(nn.Module):
         mode = self.config.mla_attention_mode
         if self.qk_norm == "exact":
             return False  # the per-token key norm needs each group's key: expanded form only
+        if self.sharded_for_training():
+            return False
         if mode == "auto":
             return q_len == 1 and cache is not None
         return mode == "absorbed"
@@ -136,7 +157,7 @@ class MLAAttention(nn.Module):
             key_position_embeddings = position_embeddings
         if self.qk_norm:
             q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.config.head_dim)).transpose(1, 2)
-            head_map = self.q_head_proj.weight.view(-1, d_n + d_r, self.config.head_dim)  # [H, d_n+d_r, d_h]
+            head_map = local(self.q_head_proj.weight).view(-1, d_n + d_r, self.config.head_dim)  # [H, d_n+d_r, d_h]
             q = torch.einsum("bhtd,hed->bhte", q, head_map)  # [B, H, T, d_n+d_r]
         else:
             q = self.q_proj(hidden_states).view(bsz, q_len, -1, d_n + d_r).transpose(1, 2)
@@ -224,6 +245,8 @@ class MLAAttention(nn.Module):
         anchor keeps its path."""
         if self.config.mla_attention_mode != "auto" or self.qk_norm == "exact" or q_len == 1:
             return False
+        if self.sharded_for_training():
+            return False
         if self.config._attn_implementation != "sdpa":
             return False
         if attention_mask is not None and attention_mask.dtype != torch.bool:
@@ -267,7 +290,7 @@ class MLAAttention(nn.Module):
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`W_uk` [G, d_n, d_c] and `W_uv` [G, d_v, d_c], views of `kv_b_proj.weight`."""
-        w = self.kv_b_proj.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = local(self.kv_b_proj.weight).view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
     def _absorbed(self, q_nope, q_rope, latent, k_rope, attention_mask, filled=None):
@@ -313,7 +336,7 @@ class MLAAttention(nn.Module):
         out = torch.einsum("bgrtc,gvc->bgrtv", out_latent.reshape(bsz, -1, per_group, q_len, self.kv_lora_rank), w_uv)
         out = out.reshape(bsz, heads, q_len, self.v_head_dim)
         if self.kv_b_proj.bias is not None:  # softmax weights sum to one: the value bias passes through unchanged
-            v_bias = self.kv_b_proj.bias.view(-1, self.qk_nope_head_dim + self.v_head_dim)[:, self.qk_nope_head_dim :]
+            v_bias = local(self.kv_b_proj.bias).view(-1, self.qk_nope_head_dim + self.v_head_dim)[:, self.qk_nope_head_dim :]
             out = out + v_bias.repeat_interleave(per_group, dim=0)[None, :, None, :]
         return out  # [B, H, T, d_v]
 
