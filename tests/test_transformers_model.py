@@ -302,7 +302,8 @@ def test_tp_plan_shards_attention_exactly(mode, qk_norm):
 
 
 def test_custom_attention_function_is_used():
-    """_supports_attention_backend: an attention function registered with transformers runs in the expanded form."""
+    """_supports_attention_backend (`is_backend_compatible()`, which callers such as engines' transformers backends
+    read): an attention function registered with transformers runs in the expanded form."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -312,6 +313,7 @@ def test_custom_attention_function_is_used():
         calls.append(1)
         return sdpa_attention_forward(*args, **kwargs)
 
+    assert MLAForCausalLM.is_backend_compatible()
     AttentionInterface.register("mla_counted_sdpa", counted)
     model = tiny_model(mla_attention_mode="expanded")
     x = ids()
