@@ -23,8 +23,6 @@ layer `keys = c [B, 1, S, d_c]` and `values = k_r [B, 1, S, d_r]`. Over a static
 length on the host (the Triton kernel takes the cache's counter on the device), so it can be captured in a CUDA graph.
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
@@ -33,7 +31,8 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.llama.modeling_llama import (
@@ -478,7 +477,7 @@ class MLAModel(MLAPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds=None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         cache = take_cache(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
@@ -546,7 +545,7 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         labels=None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         cache = take_cache(cache, kwargs)
         outputs = self.model(
