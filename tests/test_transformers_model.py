@@ -223,6 +223,20 @@ def test_old_list_config_loads_the_same_model(tmp_path):
         torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=0, rtol=0)
 
 
+def test_ranks_given_at_load_or_set_later(tmp_path):
+    """A rank list (or one number for every layer) passed to from_pretrained or set on a built config replaces
+    every layer's rank (the vLLM plugin's served layout loads this way)."""
+    tiny_config().save_pretrained(tmp_path)
+    assert MLAConfig.from_pretrained(tmp_path, kv_lora_rank=[64, 32, 64]).kv_lora_ranks == [64, 32, 64]
+    uniform = MLAConfig.from_pretrained(tmp_path, kv_lora_rank=24)
+    assert uniform.kv_lora_ranks == [24, 24, 24] and uniform.kv_lora_rank == 24
+    config = tiny_config()
+    config.kv_lora_rank = [4, 5, 6]
+    assert config.kv_lora_ranks == [4, 5, 6]
+    assert json.loads(config.to_json_string())["per_layer_config"] == {"0": {"kv_lora_rank": 4},
+                                                                       "1": {"kv_lora_rank": 5}}
+
+
 def test_rank_list_of_the_wrong_length_is_refused():
     with pytest.raises(ValueError, match="one entry per layer"):
         tiny_config(kv_lora_rank=[8, 8])

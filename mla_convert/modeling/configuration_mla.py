@@ -115,7 +115,7 @@ class MLAConfig(LlamaConfig):
 
     def __setattr__(self, key, value):
         if key == "kv_lora_rank" and isinstance(value, (list, tuple)) and self.__dict__.get("_post_init_done"):
-            # one rank per layer set on a built config (e.g. `from_pretrained(folder, kv_lora_rank=[...])`)
+            # one rank per layer set on a built config (`config.kv_lora_rank = [r_0, r_1, ...]`)
             ranks = [int(r) for r in value]
             if len(ranks) != self.num_hidden_layers:
                 raise ValueError(f"kv_lora_rank needs one entry per layer ({self.num_hidden_layers}), got {len(ranks)}")
