@@ -325,9 +325,9 @@ def _vllm_section(ref: str, config: dict) -> list[str]:
     """How to serve a native checkpoint in vLLM, or why it cannot be (a layout beyond vLLM's MLA kernels)."""
     from mla_convert.serving.layout import serving_notes
 
-    kv_lora_rank = config.get("kv_lora_rank") or [0]
-    kv_lora_rank = kv_lora_rank if isinstance(kv_lora_rank, list) else [kv_lora_rank]
-    notes = serving_notes(kv_lora_rank, int(config.get("qk_rope_head_dim") or 0))
+    from mla_convert.modeling.configuration_mla import layer_ranks
+
+    notes = serving_notes(layer_ranks(config) or [0], int(config.get("qk_rope_head_dim") or 0))
     if notes:
         return [f"Not servable in vLLM as converted: {notes[0]}.", ""]
     return [

@@ -381,7 +381,7 @@ def prefilled_cache(model, batch, context, device, dtype):
     cache = DynamicCache(config=cfg)
     for i in range(cfg.num_hidden_layers):
         if cfg.model_type == "mla":
-            shapes = ((batch, 1, context, cfg.kv_lora_rank[i]), (batch, 1, context, cfg.qk_rope_head_dim))
+            shapes = ((batch, 1, context, cfg.kv_lora_ranks[i]), (batch, 1, context, cfg.qk_rope_head_dim))
         else:
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             shapes = ((batch, cfg.num_key_value_heads, context, head_dim),) * 2
@@ -400,7 +400,7 @@ def prefilled_static_cache(model, batch, context, device, dtype):
     cache = StaticCache(config=cfg, max_cache_len=context + 1)
     for i, layer in enumerate(cache.layers):
         if cfg.model_type == "mla":
-            shapes = ((batch, 1, 1, cfg.kv_lora_rank[i]), (batch, 1, 1, cfg.qk_rope_head_dim))
+            shapes = ((batch, 1, 1, cfg.kv_lora_ranks[i]), (batch, 1, 1, cfg.qk_rope_head_dim))
         else:
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             shapes = ((batch, cfg.num_key_value_heads, 1, head_dim),) * 2

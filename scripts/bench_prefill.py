@@ -126,7 +126,7 @@ def attention_rows(src_cfg, mla_cfg, lengths, train_lengths, rounds, log, unpadd
     d_qk, d_v = mla_cfg.qk_nope_head_dim + mla_cfg.qk_rope_head_dim, mla_cfg.v_head_dim
     rep = heads // groups
     d_r = mla_cfg.qk_rope_head_dim
-    ranks = mla_cfg.kv_lora_rank if isinstance(mla_cfg.kv_lora_rank, list) else [mla_cfg.kv_lora_rank]
+    ranks = mla_cfg.kv_lora_ranks
     narrow = min(ranks) if min(ranks) < mla_cfg.qk_nope_head_dim else None  # layers that attend over the latent
     rows = []
     for length in sorted(set(lengths) | set(train_lengths)):
@@ -472,7 +472,7 @@ def main(argv=None):
     source, source_label = load_model(args.source, args.dtype)
     mla, mla_label = load_model(args.model, args.dtype)
     c = mla.config
-    ranks = c.kv_lora_rank if isinstance(c.kv_lora_rank, list) else [c.kv_lora_rank]
+    ranks = c.kv_lora_ranks
     mean = sum(ranks) / len(ranks)
     d_c = f"{ranks[0]}" if len(set(ranks)) == 1 else f"{min(ranks)}-{max(ranks)} by layer, mean {mean:g}"
     cache, source_cache = mean + c.qk_rope_head_dim, 2 * source.config.num_key_value_heads * source.config.head_dim

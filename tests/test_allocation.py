@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 import mla_convert  # noqa: F401
 from mla_convert.lowrank import allocate_ranks
 from mla_convert.modeling.compat import output_cache
+from mla_convert.modeling.configuration_mla import layer_ranks
 
 
 def test_allocation_follows_relative_spectra():
@@ -66,18 +67,19 @@ def test_energy_allocation_converts_at_the_same_cache(steep_first_layer, convert
     sequential = convert_tiny(steep_first_layer, rank=8, rope_dims=4, calib_propagate="converted", refine_steps=0)
     cfg_u, cfg_s, cfg_d, cfg_q = (json.loads((f / "config.json").read_text())
                                   for f in (uniform, shared, default, sequential))
-    assert cfg_u["kv_lora_rank"] == [8, 8]
-    assert cfg_d["kv_lora_rank"] == cfg_s["kv_lora_rank"] == cfg_q["kv_lora_rank"]
+    assert layer_ranks(cfg_u) == [8, 8]
+    assert layer_ranks(cfg_d) == layer_ranks(cfg_s) == layer_ranks(cfg_q)
     assert json.loads((sequential / "provenance.json").read_text())["options"]["rank_allocation"] == "energy"
-    assert sum(cfg_s["kv_lora_rank"]) == 16 and cfg_s["kv_lora_rank"][0] < 8 < cfg_s["kv_lora_rank"][1]
+    ranks = layer_ranks(cfg_s)
+    assert sum(ranks) == 16 and ranks[0] < 8 < ranks[1]
     record = json.loads((shared / "provenance.json").read_text())
-    assert record["plan"]["ranks"] == cfg_s["kv_lora_rank"]
+    assert record["plan"]["ranks"] == ranks
     assert record["options"]["rank_allocation"] == "energy"
     model = AutoModelForCausalLM.from_pretrained(shared).eval()
     ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(ids, use_cache=True)
-    for layer, rank in enumerate(cfg_s["kv_lora_rank"]):
+    for layer, rank in enumerate(ranks):
         assert output_cache(out).layers[layer].keys.shape[-1] == rank  # the latent cache has the layer's rank
 
 

@@ -11,6 +11,7 @@ from mla_convert.convert import ConvertOptions, make_plan
 from mla_convert.evaluate import kv_cache_bytes_per_token
 from mla_convert.families import family_for
 from mla_convert.modeling.compat import cache_kwargs, output_cache
+from mla_convert.modeling.configuration_mla import layer_ranks
 
 
 def test_cache_tensors_are_latent_and_rope_key(sources, convert_tiny):
@@ -19,7 +20,7 @@ def test_cache_tensors_are_latent_and_rope_key(sources, convert_tiny):
     ids = torch.randint(3, 300, (3, 11))
     with torch.no_grad():
         cache = output_cache(model(ids, use_cache=True))
-    ranks = model.config.kv_lora_rank  # the default energy allocation shares 10 dims a layer among the layers
+    ranks = model.config.kv_lora_ranks  # the default energy allocation shares 10 dims a layer among the layers
     assert len(cache.layers) == model.config.num_hidden_layers == len(ranks) and sum(ranks) == 10 * len(ranks)
     for layer, rank in zip(cache.layers, ranks):
         assert tuple(layer.keys.shape) == (3, 1, 11, rank)  # latent c: one "head"
@@ -53,8 +54,9 @@ def test_output_folder_contents(sources, convert_tiny):
     assert record["kind"] == "convert" and record["options"]["rank"] == 16 and record["seed"] == 0
     assert record["kv_cache"]["elements_per_token_per_layer_after"] == 24
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "mla" and len(config["kv_lora_rank"]) == 2 and sum(config["kv_lora_rank"]) == 32
-    assert record["options"]["rank_allocation"] == "energy" and record["plan"]["ranks"] == config["kv_lora_rank"]
+    ranks = layer_ranks(config)
+    assert config["model_type"] == "mla" and len(ranks) == 2 and sum(ranks) == 32
+    assert record["options"]["rank_allocation"] == "energy" and record["plan"]["ranks"] == ranks
 
 
 def test_sharded_writer_splits_and_indexes(tmp_path):
@@ -114,7 +116,7 @@ def test_static_cache_holds_latent_and_rope_key_and_decodes_as_the_dynamic_one()
         want, _ = _decode(model, DynamicCache(config=model.config), ids, mask)
         got, cache = _decode(model, StaticCache(config=model.config, max_cache_len=32), ids, mask)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for layer, d_c in zip(cache.layers, model.config.kv_lora_rank):
+    for layer, d_c in zip(cache.layers, model.config.kv_lora_ranks):
         assert tuple(layer.keys.shape) == (3, 1, 32, d_c)  # latent c
         assert tuple(layer.values.shape) == (3, 1, 32, model.config.qk_rope_head_dim)  # rotated rope key
         assert int(layer.cumulative_length) == 9 + 4

@@ -10,6 +10,7 @@ from conftest import assert_user_error
 from typer.testing import CliRunner
 
 from mla_convert.cli import app
+from mla_convert.modeling.configuration_mla import layer_ranks
 
 runner = CliRunner()
 
@@ -162,7 +163,7 @@ def test_output_inside_input_and_existing_output(sources, tmp_path, calib):
     (ours / "notes.txt").unlink()
     code, output = run("llama", src, "--rank", 4, "-o", ours, "--overwrite", *calib)
     assert code == 0, output
-    assert json.loads((ours / "config.json").read_text())["kv_lora_rank"][0] == 4
+    assert layer_ranks(json.loads((ours / "config.json").read_text()))[0] == 4
     assert not list(tmp_path.glob(".ours.*"))  # no staging or replaced folder left beside it
 
 

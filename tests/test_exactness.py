@@ -140,7 +140,7 @@ def test_latent_prefill_equals_expanded(sources, convert_tiny):
     q_nope, q_rope = (torch.randn(2, attn.num_heads, 14, d, generator=generator) for d in (d_n, d_r))
     latent, k_rope = torch.randn(2, 1, 24, d_c, generator=generator), torch.randn(2, 1, 24, d_r, generator=generator)
     with torch.no_grad():
-        reference = attn._absorbed(q_nope, q_rope, latent, k_rope, None)
+        reference, _ = attn._absorbed(q_nope, q_rope, latent, k_rope, None)
         assert rel_err(reference, attn._latent_prefill(q_nope, q_rope, latent, k_rope, None)) < REL_TOL
 
 

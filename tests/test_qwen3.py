@@ -89,7 +89,7 @@ def test_cache_holds_latent_and_rope_key_only(sources, source, exact):
     ids = tokens(batch=3, length=11)
     with torch.no_grad():
         cache = output_cache(exact(ids, use_cache=True))
-    d_c, d_r = config.kv_lora_rank[0], config.qk_rope_head_dim
+    d_c, d_r = config.kv_lora_ranks[0], config.qk_rope_head_dim
     for layer in cache.layers:
         assert tuple(layer.keys.shape) == (3, 1, 11, d_c) and tuple(layer.values.shape) == (3, 1, 11, d_r)
     plan = make_plan(open_source(str(sources["qwen3"])), family_for(source.config),
@@ -118,7 +118,7 @@ def test_half_cache_conversion_loads_and_runs(sources, convert_tiny, source, mod
     model = AutoModelForCausalLM.from_pretrained(out).eval()  # the registered classes, after `import mla_convert`
     assert type(model).__name__ == "MLAForCausalLM" and model.config.qk_norm == mode
     groups, head_dim = source.config.num_key_value_heads, source.config.head_dim
-    assert sum(model.config.kv_lora_rank) / len(model.config.kv_lora_rank) + model.config.qk_rope_head_dim == (
+    assert sum(model.config.kv_lora_ranks) / len(model.config.kv_lora_ranks) + model.config.qk_rope_head_dim == (
         groups * head_dim
     )  # half of K and V
     ids = tokens(batch=1, length=8)

@@ -60,7 +60,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
 
     layer_biases = []
     for i in range(layers):
-        d_c = config.kv_lora_rank[i]
+        d_c = config.kv_lora_ranks[i]
         kv_a, kv_b = bias(i, "kv_a_proj"), bias(i, "kv_b_proj")
         v_part = kv_b.view(config.num_key_value_heads, -1)[:, config.qk_nope_head_dim :] if kv_b is not None else None
         o_parts = [x for x in (bias(i, "o_proj"), v_part, kv_a[:d_c] if kv_a is not None else None) if x is not None]

@@ -180,7 +180,7 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
                 "nearest geometric frequencies with the logit error measured"
             )
         approximations.append(message)
-    kv_lora_rank = list(config.kv_lora_rank)
+    kv_lora_rank = config.kv_lora_ranks
     kv_lora_rank_out, rope_dims_out = _pad_layout(options, max(kv_lora_rank), rope_dims)
     stride = rope_dims_out // rope_dims
     has = {key: any(_nonzero(b.get(key)) for b in layer_biases) for key in ("q", "k_rope", "o")}

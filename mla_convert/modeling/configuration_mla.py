@@ -1,8 +1,15 @@
 """Configuration of the native MLA model (`model_type: "mla"`).
 
 It is a Llama configuration (embeddings, MLP, norms, RoPE frequencies of the *source* head dim) plus the shape of the
-latent attention. Per layer and token the KV cache holds `kv_lora_rank[layer]` latent values plus `qk_rope_head_dim`
-values of the shared, already-rotated RoPE key; nothing per head.
+latent attention. Per layer and token the KV cache holds `kv_lora_rank` latent values plus `qk_rope_head_dim` values of
+the shared, already-rotated RoPE key; nothing per head.
+
+Latent ranks differ per layer. They are stored the way transformers 5.x stores per-layer values
+(`PreTrainedConfig.per_layer_config`): `kv_lora_rank` is one number, the largest rank, and `per_layer_config` maps each
+layer whose rank is smaller to `{"kv_lora_rank": rank}`. Per layer read `config.per_layer_config[layer].kv_lora_rank`,
+or all at once `config.kv_lora_ranks`; on a config whose ranks differ, transformers refuses `config.kv_lora_rank`
+(`AmbiguousGlobalPerLayerAttributeError`), while a reader of config.json gets a number that bounds every layer's
+rank. A list (`kv_lora_rank: [r_0, r_1, ...]`, the format before, or a caller's) is read as one rank per layer.
 
 RoPE of the shared key uses rotate_half layout inside the `qk_rope_head_dim` dims: dim `j` pairs with
 `j + qk_rope_head_dim/2`, and pair `j` of layer `l` rotates with the source frequency index `rope_pairs[l][j]`
@@ -21,11 +28,30 @@ from huggingface_hub.dataclasses import strict
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 
+# Tensor parallelism (`tp_plan="auto"`): each rank keeps a slice of the query heads (q_proj, and q_head_proj with
+# qk_norm) and of the kv groups they read (kv_b_proj: per group nope key and value), and o_proj sums the ranks'
+# outputs; the latent projection (kv_a_proj) and so the cache are whole on every rank. MLP as Llama's. With gradients,
+# attention takes the expanded form under tensor parallelism (MLAAttention.sharded_for_training).
+MLP_TP_PLAN = {
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+ATTENTION_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    # whole on each rank; the rope key's gradient (from this rank's heads only) is summed over the ranks
+    "layers.*.self_attn.kv_a_proj": "mla_kv_a_proj",
+    "layers.*.self_attn.kv_b_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
+
+
 @strict
 class MLAConfig(LlamaConfig):
     model_type = "mla"
+    base_model_tp_plan = {**ATTENTION_TP_PLAN, **MLP_TP_PLAN}
 
-    kv_lora_rank: int | list[int] = 64
+    kv_lora_rank: int | list[int] = 64  # a list: one per layer, stored as per_layer_config (see above)
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int | None = None
     v_head_dim: int | None = None
@@ -41,6 +67,16 @@ class MLAConfig(LlamaConfig):
     qk_norm: str | None = None
 
     def __post_init__(self, **kwargs):
+        if isinstance(self.kv_lora_rank, (list, tuple)):  # one rank per layer -> the largest + per-layer overrides
+            ranks = [int(r) for r in self.kv_lora_rank]
+            layers = kwargs.get("num_hidden_layers", self.num_hidden_layers)
+            if len(ranks) != layers:
+                raise ValueError(f"kv_lora_rank needs one entry per layer ({layers}), got {len(ranks)}")
+            self.kv_lora_rank = max(ranks)
+            per_layer = {int(i): dict(v) for i, v in (kwargs.get("per_layer_config") or {}).items()}
+            for i, rank in enumerate(ranks):
+                per_layer.setdefault(i, {})["kv_lora_rank"] = rank
+            kwargs["per_layer_config"] = per_layer  # entries equal to the global value are dropped by transformers
         super().__post_init__(**kwargs)
         if self.qk_nope_head_dim is None:
             self.qk_nope_head_dim = self.head_dim
@@ -50,17 +86,57 @@ class MLAConfig(LlamaConfig):
             self.softmax_scale = self.head_dim**-0.5
         if self.o_proj_bias is None:
             self.o_proj_bias = self.attention_bias
-        if isinstance(self.kv_lora_rank, int):
-            self.kv_lora_rank = [self.kv_lora_rank] * self.num_hidden_layers
+        if self.qk_norm == "exact":
+            # the key norm rebuilds every group's key from the shared rope key (k_rope_up/k_rope_down span all
+            # groups): attention stays whole on each rank
+            self.base_model_tp_plan = dict(MLP_TP_PLAN)
+        elif self.qk_norm:
+            self.base_model_tp_plan = {
+                **ATTENTION_TP_PLAN,
+                "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",  # sees this rank's heads only
+                "layers.*.self_attn.q_head_proj": "colwise",
+                **MLP_TP_PLAN,
+            }
         if self.rope_pairs is None:
             self.rope_pairs = [list(range(self.qk_rope_head_dim // 2)) for _ in range(self.num_hidden_layers)]
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        # transformers sets most kwargs after construction, checking each with hasattr first, which a per-layer
+        # attribute refuses on a heterogeneous config: kv_lora_rank is given to the constructor instead, and a number
+        # means that rank in every layer
+        if "kv_lora_rank" in kwargs:
+            rank = kwargs.pop("kv_lora_rank")
+            if not isinstance(rank, (list, tuple)):
+                layers = kwargs.get("num_hidden_layers", config_dict.get("num_hidden_layers"))
+                rank = [rank] * int(layers if layers is not None else cls().num_hidden_layers)
+            config_dict = {**config_dict, "kv_lora_rank": list(rank)}
+        return super().from_dict(config_dict, **kwargs)
+
+    def __setattr__(self, key, value):
+        if key == "kv_lora_rank" and isinstance(value, (list, tuple)) and self.__dict__.get("_post_init_done"):
+            # one rank per layer set on a built config (`config.kv_lora_rank = [r_0, r_1, ...]`)
+            ranks = [int(r) for r in value]
+            if len(ranks) != self.num_hidden_layers:
+                raise ValueError(f"kv_lora_rank needs one entry per layer ({self.num_hidden_layers}), got {len(ranks)}")
+            overrides = self._heterogeneity_spec.per_layer_overrides if self.is_heterogeneous else {}
+            per_layer = {i: dict(overrides.get(i, {})) for i in range(self.num_hidden_layers)}
+            for i, rank in enumerate(ranks):
+                per_layer[i]["kv_lora_rank"] = rank
+            super().__setattr__("per_layer_config", None)
+            super().__setattr__("kv_lora_rank", max(ranks))
+            super().__setattr__("per_layer_config", per_layer)
+            return
+        super().__setattr__(key, value)
 
     def validate_architecture(self):
         super().validate_architecture()
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
-        if len(self.kv_lora_rank) != self.num_hidden_layers or len(self.rope_pairs) != self.num_hidden_layers:
-            raise ValueError("kv_lora_rank and rope_pairs need one entry per layer")
+        if len(self.rope_pairs) != self.num_hidden_layers:
+            raise ValueError("rope_pairs needs one entry per layer")
+        if any(rank < 1 for rank in self.kv_lora_ranks):
+            raise ValueError(f"kv_lora_rank must be positive in every layer, got {self.kv_lora_ranks}")
         for pairs in self.rope_pairs:
             if len(pairs) != self.qk_rope_head_dim // 2 or any(not 0 <= p < self.head_dim // 2 for p in pairs):
                 raise ValueError("each rope_pairs entry needs qk_rope_head_dim/2 source frequency indices")
@@ -73,9 +149,27 @@ class MLAConfig(LlamaConfig):
         if self.mla_decode_kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"mla_decode_kernel must be auto, torch or triton, got {self.mla_decode_kernel}")
 
+    @property
+    def kv_lora_ranks(self) -> list[int]:
+        """The latent rank of each layer."""
+        return [layer.kv_lora_rank for layer in self.per_layer_config]
+
     def kv_cache_elements_per_token(self) -> int:
         """Cached values per token summed over layers (latent + rope key)."""
-        return sum(r + self.qk_rope_head_dim for r in self.kv_lora_rank)
+        return sum(r + self.qk_rope_head_dim for r in self.kv_lora_ranks)
 
 
-__all__ = ["MLAConfig"]
+def layer_ranks(config: dict) -> list[int]:
+    """Each layer's latent rank from a config.json dict, in either format: a list (one per layer) or a number with
+    per-layer overrides in `per_layer_config`. [] when the dict has no kv_lora_rank."""
+    rank = config.get("kv_lora_rank")
+    if rank is None:
+        return []
+    if isinstance(rank, list):
+        return [int(r) for r in rank]
+    overrides = {int(i): v for i, v in (config.get("per_layer_config") or {}).items()}
+    layers = int(config.get("num_hidden_layers") or 0) or max(overrides, default=0) + 1
+    return [int(overrides.get(i, {}).get("kv_lora_rank", rank)) for i in range(layers)]
+
+
+__all__ = ["MLAConfig", "layer_ranks"]

@@ -23,8 +23,6 @@ layer `keys = c [B, 1, S, d_c]` and `values = k_r [B, 1, S, d_r]`. Over a static
 length on the host (the Triton kernel takes the cache's counter on the device), so it can be captured in a CUDA graph.
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
@@ -33,6 +31,10 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -41,8 +43,21 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from mla_convert.modeling.compat import cache_kwargs, output_cache, take_cache
+from mla_convert.modeling.compat import cache_kwargs, output_cache, renamed_cache_kwarg, take_cache
 from mla_convert.modeling.configuration_mla import MLAConfig
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch without distributed support: no tensor parallelism, no DTensor weights
+
+    class DTensor:  # noqa: D101
+        pass
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight read directly (not through its module's forward): under tensor parallelism (`tp_plan`) a DTensor,
+    of which this rank's shard is what its heads use."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,7 +74,7 @@ class MLAAttention(nn.Module):
         self.groups = config.num_key_value_heads  # G
         self.per_group = self.num_heads // self.groups  # H/G query heads per kv group
         self.num_key_value_groups = self.per_group  # alias only: transformers' sdpa/eager attention reads this name
-        self.kv_lora_rank = config.kv_lora_rank[layer_idx]
+        self.kv_lora_rank = config.per_layer_config[layer_idx].kv_lora_rank
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.v_head_dim = config.v_head_dim
@@ -91,6 +106,12 @@ class MLAAttention(nn.Module):
         self.rope_pairs = list(config.rope_pairs[layer_idx])
         self._rope_index: dict[torch.device, torch.Tensor] = {}
 
+    def sharded_for_training(self) -> bool:
+        """Tensor parallel with gradients: the expanded form, whose kv_b_proj (colwise) sums the latent's gradient
+        over the ranks; the latent forms read its weight directly, so each rank's latent gradient would cover only
+        its own heads."""
+        return isinstance(self.kv_b_proj.weight, DTensor) and torch.is_grad_enabled()
+
     def _rope_cos_sin(self, position_embeddings):
         cos, sin = position_embeddings  # [B, T, d_h] in rotate_half layout: frequency i at dims i and i + d_h/2
         index = self._rope_index.get(cos.device)
@@ -107,6 +128,8 @@ class MLAAttention(nn.Module):
         mode = self.config.mla_attention_mode
         if self.qk_norm == "exact":
             return False  # the per-token key norm needs each group's key: expanded form only
+        if self.sharded_for_training():
+            return False
         if mode == "auto":
             return q_len == 1 and cache is not None
         return mode == "absorbed"
@@ -118,7 +141,10 @@ class MLAAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (output [B, T, D], attention weights [B, H, T, S] where the attention function gives them (eager), else
+        None). Head and group counts are read from the weights' shapes, so a tensor-parallel shard (a slice of the
+        heads and their kv groups) runs the same code."""
         cache = take_cache(cache, kwargs)
         bsz, q_len, _ = hidden_states.shape
         d_n, d_r, d_c = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
@@ -129,11 +155,11 @@ class MLAAttention(nn.Module):
         if key_position_embeddings is None and cache is None:
             key_position_embeddings = position_embeddings
         if self.qk_norm:
-            q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, -1)).transpose(1, 2)
-            head_map = self.q_head_proj.weight.view(self.num_heads, d_n + d_r, -1)  # [H, d_n+d_r, d_h]
+            q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.config.head_dim)).transpose(1, 2)
+            head_map = local(self.q_head_proj.weight).view(-1, d_n + d_r, self.config.head_dim)  # [H, d_n+d_r, d_h]
             q = torch.einsum("bhtd,hed->bhte", q, head_map)  # [B, H, T, d_n+d_r]
         else:
-            q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, d_n + d_r).transpose(1, 2)
+            q = self.q_proj(hidden_states).view(bsz, q_len, -1, d_n + d_r).transpose(1, 2)
         q_nope, q_rope = q.split([d_n, d_r], dim=-1)  # [B, H, T, d_n], [B, H, T, d_r]
         latent, k_rope = self.kv_a_proj(hidden_states).split([d_c, d_r], dim=-1)  # [B, T, d_c], [B, T, d_r]
         latent = latent.unsqueeze(1)  # [B, 1, T, d_c]
@@ -160,25 +186,28 @@ class MLAAttention(nn.Module):
                         if absorbed and attention_mask.dtype == torch.bool and bool(attention_mask.all()):
                             attention_mask = None  # no padding: the unmasked fast path (a CPU check, no wait)
 
+        weights = None
         if absorbed:
-            out = self._absorbed(q_nope, q_rope, latent, k_rope, attention_mask, filled)
+            out, weights = self._absorbed(q_nope, q_rope, latent, k_rope, attention_mask, filled)
         elif self.use_latent_prefill(q_len, latent.shape[2], attention_mask):
             out = self._latent_prefill(q_nope, q_rope, latent, k_rope, attention_mask)
         else:
-            out = self._expanded(q_nope, q_rope, latent, k_rope, attention_mask, key_position_embeddings, **kwargs)
-        out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.v_head_dim)
-        return self.o_proj(out), None
+            out, weights = self._expanded(
+                q_nope, q_rope, latent, k_rope, attention_mask, key_position_embeddings, **kwargs
+            )
+        out = out.transpose(1, 2).reshape(bsz, q_len, -1)
+        return self.o_proj(out), weights
 
     def _expanded(self, q_nope, q_rope, latent, k_rope, attention_mask, key_position_embeddings=None, **kwargs):
         bsz, _, kv_len, _ = latent.shape
         d_n, d_r = self.qk_nope_head_dim, self.qk_rope_head_dim
-        kv = self.kv_b_proj(latent[:, 0]).view(bsz, kv_len, self.groups, d_n + self.v_head_dim)
+        kv = self.kv_b_proj(latent[:, 0]).view(bsz, kv_len, -1, d_n + self.v_head_dim)
         k_nope, value = kv.transpose(1, 2).split([d_n, self.v_head_dim], dim=-1)  # [B, G, S, d_n], [B, G, S, d_v]
         if self.qk_norm == "exact":
             if key_position_embeddings is None:
                 raise ValueError("qk_norm exact needs the key positions' rotary embeddings (MLAModel passes them)")
             k_nope, k_rope = self._normalized_keys(k_nope, k_rope, key_position_embeddings)
-        key = torch.cat((k_nope, k_rope.expand(-1, self.groups, -1, -1)), dim=-1)  # [B, G, S, d_n+d_r]
+        key = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [B, G, S, d_n+d_r]
         query = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, d_n+d_r]
         implementation = self.config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -193,7 +222,7 @@ class MLAAttention(nn.Module):
                 query, key = nn.functional.pad(query, (0, d_v - d_qk)), nn.functional.pad(key, (0, d_v - d_qk))
             else:
                 value = nn.functional.pad(value, (0, d_qk - d_v))  # [B, G, S, d_n+d_r]
-        out, _ = attention(
+        out, weights = attention(
             self,
             query,
             key,
@@ -202,8 +231,8 @@ class MLAAttention(nn.Module):
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
             **kwargs,
-        )  # [B, T, H, d_v] (or padded width)
-        return out[..., :d_v].transpose(1, 2)
+        )  # [B, T, H, d_v] (or padded width); weights [B, H, T, S] or None
+        return out[..., :d_v].transpose(1, 2), weights
 
     def use_latent_prefill(self, q_len: int, kv_len: int, attention_mask: torch.Tensor | None) -> bool:
         """"auto", several query tokens: attention over the latent (`_latent_prefill`) where it takes fewer
@@ -214,6 +243,8 @@ class MLAAttention(nn.Module):
         products at width d_c+d_r. At full rank (d_c = G (d_n+d_v)) the expanded form always wins: the exactness
         anchor keeps its path."""
         if self.config.mla_attention_mode != "auto" or self.qk_norm == "exact" or q_len == 1:
+            return False
+        if self.sharded_for_training():
             return False
         if self.config._attn_implementation != "sdpa":
             return False
@@ -233,7 +264,7 @@ class MLAAttention(nn.Module):
         latent columns are kept and mapped by W_uv. Exact like `_absorbed` (same products, regrouped)."""
         q_len, kv_len = q_nope.shape[2], latent.shape[2]
         query = torch.cat((self._query_latent(q_nope), q_rope), dim=-1)  # [B, H, T, d_c+d_r]
-        key = torch.cat((latent, k_rope), dim=-1).expand(-1, self.num_heads, -1, -1)  # [B, H, S, d_c+d_r], a view
+        key = torch.cat((latent, k_rope), dim=-1).expand(-1, query.shape[1], -1, -1)  # [B, H, S, d_c+d_r], a view
         causal = attention_mask is None
         if causal and q_len != kv_len:  # queries at the last positions: sdpa's is_causal aligns to the first
             attention_mask, causal = offset_causal_mask(q_len, kv_len, latent.device), False
@@ -258,13 +289,17 @@ class MLAAttention(nn.Module):
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`W_uk` [G, d_n, d_c] and `W_uv` [G, d_v, d_c], views of `kv_b_proj.weight`."""
-        w = self.kv_b_proj.weight.view(self.groups, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = local(self.kv_b_proj.weight).view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
     def _absorbed(self, q_nope, q_rope, latent, k_rope, attention_mask, filled=None):
+        """-> (output [B, H, T, d_v], attention weights [B, H, T, S] with eager attention, else None)."""
         bsz, _, q_len, _ = q_nope.shape
         q_latent = self._query_latent(q_nope)  # [B, H, T, d_c]
-        if self._use_kernel(q_len, attention_mask):
+        weights = None
+        if self.config._attn_implementation == "eager":  # the weights are asked for (output_attentions needs eager)
+            out_latent, weights = latent_attention_eager(q_latent, q_rope, latent, k_rope, attention_mask, self.scaling)
+        elif self._use_kernel(q_len, attention_mask):
             from mla_convert.kernels import mla_decode
 
             if filled is None:
@@ -282,25 +317,25 @@ class MLAAttention(nn.Module):
             ).unsqueeze(2)  # [B, H, 1, d_c]
         else:
             out_latent = latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, self.scaling)
-        return self._from_latent(out_latent)
+        return self._from_latent(out_latent), weights
 
     def _query_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
         """Each head's nope query [B, H, T, d_n] mapped into the latent through its group's W_uk: [B, H, T, d_c].
         The nope key bias adds a per-query constant to every score, which softmax cancels: it is left out."""
-        bsz, _, q_len, _ = q_nope.shape
+        bsz, heads, q_len, _ = q_nope.shape
         w_uk, _ = self.absorbed_weights()
-        q_latent = torch.einsum("bgrtn,gnc->bgrtc", q_nope.view(bsz, self.groups, self.per_group, q_len, -1), w_uk)
-        return q_latent.reshape(bsz, self.num_heads, q_len, self.kv_lora_rank)
+        q_latent = torch.einsum("bgrtn,gnc->bgrtc", q_nope.view(bsz, -1, self.per_group, q_len, q_nope.shape[-1]), w_uk)
+        return q_latent.reshape(bsz, heads, q_len, self.kv_lora_rank)
 
     def _from_latent(self, out_latent: torch.Tensor) -> torch.Tensor:
         """Attention output in the latent [B, H, T, d_c] -> each head's value space through W_uv [B, H, T, d_v]."""
-        bsz, _, q_len, _ = out_latent.shape
-        groups, per_group = self.groups, self.per_group
+        bsz, heads, q_len, _ = out_latent.shape
+        per_group = self.per_group
         _, w_uv = self.absorbed_weights()
-        out = torch.einsum("bgrtc,gvc->bgrtv", out_latent.reshape(bsz, groups, per_group, q_len, -1), w_uv)
-        out = out.reshape(bsz, self.num_heads, q_len, self.v_head_dim)
+        out = torch.einsum("bgrtc,gvc->bgrtv", out_latent.reshape(bsz, -1, per_group, q_len, self.kv_lora_rank), w_uv)
+        out = out.reshape(bsz, heads, q_len, self.v_head_dim)
         if self.kv_b_proj.bias is not None:  # softmax weights sum to one: the value bias passes through unchanged
-            v_bias = self.kv_b_proj.bias.view(groups, -1)[:, self.qk_nope_head_dim :]  # [G, d_v]
+            v_bias = local(self.kv_b_proj.bias).view(-1, self.qk_nope_head_dim + self.v_head_dim)[:, self.qk_nope_head_dim :]
             out = out + v_bias.repeat_interleave(per_group, dim=0)[None, :, None, :]
         return out  # [B, H, T, d_v]
 
@@ -359,6 +394,29 @@ def latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
     return out.view(bsz, heads, q_len, d_c)
 
 
+def latent_attention_eager(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
+    """`latent_attention` with its scores materialised: -> (output [B, H, T, d_c], softmax weights [B, H, T, S]).
+
+    The same products (nope scores against the latent, rope scores against the rope key, weighted sum of the latent),
+    so the same result; used under eager attention, whose callers read the weights (`output_attentions`).
+    """
+    q_len, kv_len = q_latent.shape[2], latent.shape[2]
+    scores = torch.matmul(q_latent, latent.transpose(-1, -2))  # [B, H, T, S]
+    if q_rope.shape[-1]:
+        scores = scores + torch.matmul(q_rope, k_rope.transpose(-1, -2))
+    scores = scores * scaling
+    if attention_mask is None and q_len > 1:
+        attention_mask = offset_causal_mask(q_len, kv_len, latent.device)
+    if attention_mask is not None:
+        mask = attention_mask[..., :kv_len]
+        if mask.dtype == torch.bool:  # as eager attention masks: the dtype's minimum, so a fully masked row stays finite
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask.to(scores.dtype)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
+    return torch.matmul(weights, latent), weights
+
+
 class MLADecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: MLAConfig, layer_idx: int):
         super().__init__()
@@ -367,6 +425,7 @@ class MLADecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    @renamed_cache_kwarg
     def forward(self, hidden_states, attention_mask=None, cache=None, position_embeddings=None, **kwargs):
         cache = take_cache(cache, kwargs)
         residual = hidden_states
@@ -391,7 +450,10 @@ class MLAPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False  # nope+rope and value head dims differ
     _supports_flex_attn = False
-    _supports_attention_backend = False
+    _can_compile_fullgraph = True
+    # the expanded form calls the attention function registered under config._attn_implementation
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": MLADecoderLayer, "attentions": MLAAttention}
 
 
 class MLAModel(MLAPreTrainedModel):
@@ -404,6 +466,9 @@ class MLAModel(MLAPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @renamed_cache_kwarg
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids=None,
@@ -412,7 +477,7 @@ class MLAModel(MLAPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds=None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         cache = take_cache(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
@@ -457,6 +522,9 @@ def key_positions(position_ids: torch.Tensor, cache: Cache | None) -> torch.Tens
 
 class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # the head sharded over the vocabulary, as the embedding it may be tied to (`embedding_rowwise`)
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: MLAConfig):
         super().__init__(config)
@@ -465,6 +533,8 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @renamed_cache_kwarg
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -475,7 +545,7 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         labels=None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         cache = take_cache(cache, kwargs)
         outputs = self.model(
@@ -493,7 +563,13 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_kwargs(output_cache(outputs)))
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            **cache_kwargs(output_cache(outputs)),
+        )
 
 
 AutoConfig.register("mla", MLAConfig, exist_ok=True)

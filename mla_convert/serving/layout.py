@@ -115,7 +115,7 @@ def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: S
     """
     heads, groups = config.num_attention_heads, config.num_key_value_heads
     d_n, d_v, d_r = config.qk_nope_head_dim, config.v_head_dim, config.qk_rope_head_dim
-    d_c = config.kv_lora_rank[layer]
+    d_c = config.kv_lora_ranks[layer]
     d_c_out, d_r_out = layout.kv_lora_rank, layout.rope_dims
     per_group = heads // groups
     t = {k: v.float() for k, v in tensors.items()}

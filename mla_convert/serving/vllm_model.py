@@ -94,7 +94,7 @@ class MLAServedAttention(nn.Module):
         if heads % tp:
             raise ValueError(f"{heads} attention heads do not split over tensor parallel size {tp}")
         d_n, d_r, d_v = served.qk_nope_head_dim, served.qk_rope_head_dim, served.v_head_dim
-        d_c = served.kv_lora_rank[layer]
+        d_c = served.kv_lora_ranks[layer]
         hidden = config.hidden_size
         quant = vllm_config.quant_config
         if getattr(served, "qk_norm", None):  # "calibrated" (check_servable refuses "exact")

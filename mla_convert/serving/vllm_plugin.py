@@ -31,7 +31,7 @@ def layout_for(config):
     from mla_convert.serving.layout import check_servable, served_layout
 
     check_servable(config, "vLLM's MLA kernels", query_norm=True)
-    return served_layout(list(config.kv_lora_rank), config.qk_rope_head_dim, platform_layouts())
+    return served_layout(config.kv_lora_ranks, config.qk_rope_head_dim, platform_layouts())
 
 
 def cpu_attention_backend(config, dtype: str) -> str | None:
