@@ -396,7 +396,8 @@ def _make_convert_command(family: Optional[str], help_text: str):
         format: str = typer.Option(
             "native", "--format", help="native: write the MLA checkpoint to OUT. deepseek: implies --target deepseek; "
             "write the native checkpoint to OUT-native and its verified DeepSeek-V3 export (for vLLM/SGLang, "
-            "docs/serving.md) to OUT."
+            "docs/serving.md) to OUT. gguf: implies --target deepseek; OUT is NAME.gguf (f32, for llama.cpp), the "
+            "native checkpoint goes to NAME-native."
         ),
         qk_norm: str = typer.Option(
             "exact", "--qk-norm", help="Sources with per-head q/k RMS norms (Qwen3): exact (the key is normalized per "

@@ -238,3 +238,26 @@ def test_eval_engine_llamacpp(tmp_path):
     assert "as llama.cpp allocates it" in result.output
     result = CliRunner().invoke(app, ["eval", str(native), "--data", str(text), "--engine", "llamacpp"])
     assert_user_error(result.exit_code, result.output, "needs a .gguf file")
+
+
+def test_convert_format_gguf(tmp_path):
+    """`--format gguf` at conversion: OUT.gguf plus the native checkpoint beside it; refusals before any work."""
+    from typer.testing import CliRunner
+    from tiny import tiny_source
+
+    from mla_convert.cli import app
+
+    src = tiny_source("llama-gqa", tmp_path / "src")
+    common = ["--rank", "24", "--rope-dims", "8", "--method", "weight", "--force", "-q"]
+    result = CliRunner().invoke(app, ["llama", str(src), *common, "--format", "gguf", "-o", str(tmp_path / "m.gguf")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "m.gguf").is_file() and (tmp_path / "m-native" / "config.json").is_file()
+    assert fields(tmp_path / "m.gguf")[0]["general.architecture"] == "deepseek2"
+    result = CliRunner().invoke(app, ["llama", str(src), *common, "--format", "gguf", "-o", str(tmp_path / "m")])
+    assert_user_error(result.exit_code, result.output, "must end in .gguf")
+    result = CliRunner().invoke(app, ["llama", str(src), *common, "--format", "gguf", "-o", str(tmp_path / "m.gguf")])
+    assert_user_error(result.exit_code, result.output, "already exists")
+    qwen = tiny_source("qwen2", tmp_path / "qwen")
+    result = CliRunner().invoke(app, ["qwen", str(qwen), *common, "--format", "gguf", "-o", str(tmp_path / "q.gguf")])
+    assert_user_error(result.exit_code, result.output, "biases")
+    assert not (tmp_path / "q.gguf").exists() and not (tmp_path / "q-native").exists()

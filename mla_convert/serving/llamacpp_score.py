@@ -8,8 +8,9 @@ mla_convert (that environment has no torch). REQUEST is JSON:
     threads     CPU threads (0: llama.cpp's default)
     windows     token-id lists: each is evaluated from an empty cache, every position's logits kept
     prompts     token-id lists: greedy continuations of `new_tokens` tokens each (argmax of llama.cpp's logits)
-    decode      optional {"contexts": [n, ...], "tokens": m}: for each n, fill the cache with n tokens (the ids of
-                `decode_ids`, repeated), then time m single-token decode steps; tokens/s of those steps
+    decode      optional {"contexts": [n, ...], "tokens": m, "ids": [...]}: one sequence, grown through the context
+                lengths in increasing order: filled up to n tokens (`ids`, repeated), then m single-token decode
+                steps timed (those m tokens stay in the context); tokens/s of those steps
 
 RESULT is JSON: logprobs (per window, the log-probability of tokens 1..n-1, float64 log-softmax of llama.cpp's
 float32 logits), greedy (per prompt), decode ([{"context", "tokens", "seconds", "tokens_per_s"}]) and
@@ -65,9 +66,9 @@ def main(request_path: str, result_path: str) -> None:
     if decode:
         ids = decode.get("ids") or [1]
         steps = int(decode.get("tokens", 32))
-        for n in decode["contexts"]:
-            llm.reset()
-            fill = (ids * (n // len(ids) + 1))[:n]
+        llm.reset()
+        for n in sorted(decode["contexts"]):  # one sequence grown from one context length to the next
+            fill = (ids * (n // len(ids) + 1))[llm.n_tokens : n]
             llm.eval(fill)
             start = time.perf_counter()
             for i in range(steps):
