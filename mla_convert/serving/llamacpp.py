@@ -25,8 +25,11 @@ KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\
 def llamacpp_python() -> Path | None:
     """The Python of an environment with llama-cpp-python, or None."""
     env = os.environ.get("MLA_CONVERT_LLAMACPP_PYTHON")
-    candidate = Path(env) if env else REPO / ".venv-llamacpp" / "bin" / "python"
-    return candidate if candidate.exists() else None
+    if env:
+        return Path(env) if Path(env).exists() else None
+    venv = REPO / ".venv-llamacpp"
+    installed = any(venv.glob("lib/python*/site-packages/llama_cpp/__init__.py"))  # not a venv whose build stopped
+    return venv / "bin" / "python" if installed and (venv / "bin" / "python").exists() else None
 
 
 def kv_cache_from_log(text: str) -> dict | None:
@@ -47,7 +50,7 @@ def kv_cache_from_log(text: str) -> dict | None:
 
 
 def run_llamacpp(model: str | os.PathLike, windows=(), prompts=(), new_tokens: int = 16, n_ctx: int = 2048,
-                 threads: int = 0, decode: dict | None = None, timeout: float = 3600) -> dict:
+                 threads: int = 0, decode: dict | None = None, cache_type: str = "f16", timeout: float = 3600) -> dict:
     """llamacpp_score's RESULT for the GGUF `model`, plus "log" and "kv_cache"; RuntimeError with llama.cpp's last
     lines on failure."""
     python = llamacpp_python()
@@ -59,7 +62,7 @@ def run_llamacpp(model: str | os.PathLike, windows=(), prompts=(), new_tokens: i
         req.write_text(json.dumps({
             "model": str(Path(model).resolve()), "n_ctx": n_ctx, "threads": threads,
             "windows": [list(map(int, w)) for w in windows], "prompts": [list(map(int, p)) for p in prompts],
-            "new_tokens": new_tokens, "decode": decode,
+            "new_tokens": new_tokens, "decode": decode, "cache_type": cache_type,
         }))  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         with open(log, "w") as log_file:

@@ -6,6 +6,7 @@ mla_convert (that environment has no torch). REQUEST is JSON:
     model       the .gguf path
     n_ctx       context length to allocate (the KV cache llama.cpp logs is for this many cells)
     threads     CPU threads (0: llama.cpp's default)
+    cache_type  "f16" (llama.cpp's default) or "f32" (exactness checks)
     windows     token-id lists: each is evaluated from an empty cache, every position's logits kept
     prompts     token-id lists: greedy continuations of `new_tokens` tokens each (argmax of llama.cpp's logits)
     decode      optional {"contexts": [n, ...], "tokens": m, "ids": [...]}: one sequence, grown through the context
@@ -45,6 +46,8 @@ def main(request_path: str, result_path: str) -> None:
     decode = req.get("decode")
     kwargs = dict(model_path=req["model"], n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
                   logits_all=bool(windows), verbose=True)  # fmt: skip
+    if req.get("cache_type") == "f32":  # llama.cpp's default cache is f16
+        kwargs.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
     if req.get("threads"):
         kwargs.update(n_threads=int(req["threads"]), n_threads_batch=int(req["threads"]))
     llm = llama_cpp.Llama(**kwargs)
