@@ -247,7 +247,7 @@ def test_eval_engine_llamacpp(tmp_path):
     assert_user_error(result.exit_code, result.output, "needs a .gguf file")
 
 
-def test_convert_format_gguf(tmp_path):
+def test_convert_format_gguf(tmp_path, calib_text):
     """`--format gguf` at conversion: OUT.gguf plus the native checkpoint beside it; refusals before any work."""
     from typer.testing import CliRunner
     from tiny import tiny_source
@@ -255,7 +255,8 @@ def test_convert_format_gguf(tmp_path):
     from mla_convert.cli import app
 
     src = tiny_source("llama-gqa", tmp_path / "src")
-    common = ["--rank", "24", "--rope-dims", "8", "--method", "weight", "--force", "-q"]
+    common = ["--rank", "24", "--rope-dims", "8", "--calib-data", str(calib_text), "--calib-samples", "2",
+              "--calib-seq-len", "16", "--force", "-q"]
     result = CliRunner().invoke(app, ["llama", str(src), *common, "--format", "gguf", "-o", str(tmp_path / "m.gguf")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "m.gguf").is_file() and (tmp_path / "m-native" / "config.json").is_file()

@@ -381,9 +381,4 @@ def report_gguf(record: dict, output: Path, say) -> None:
         f"{record['kv_lora_rank']} + rope {record['qk_rope_head_dim']}, {q}, rope_theta {record['rope_theta']:.6g}, "
         f"tokenizer pre {record['tokenizer_pre']}; llama.cpp caches {record['kv_cache_elements_per_token']} values "
         "per token (f16 cache: x2 bytes)")
-    m = record.get("measurements")
-    if m:
-        say(f"llama.cpp vs transformers (native): max |log-prob difference| {m['max_logprob_difference']:.3g}, "
-            "greedy tokens " + ("match" if m["greedy_tokens_match"] else "DIFFER"))
-    elif m is None:
-        say("not run in llama.cpp (no .venv-llamacpp: scripts/install-llamacpp.sh)")
+    say(f"run it: mla-convert eval {output} --engine llamacpp --data TEXT (llama.cpp from scripts/install-llamacpp.sh)")

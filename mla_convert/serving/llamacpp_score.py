@@ -33,6 +33,22 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
+def no_extra_buffers(llama_cpp) -> None:
+    """Load weights without llama.cpp's extra CPU buffer types (weight repacking; llama-cli --no-repack): its AMX
+    path, compiled in where the CPU reports AMX, dies with SIGILL on Q8_0 weights in this machine's VM. llama-cpp-python
+    has no option for it, so its default model parameters are wrapped."""
+    import llama_cpp.llama_cpp as api
+
+    default = api.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    api.llama_model_default_params = params
+
+
 def last_logits(llm, llama_cpp) -> np.ndarray:
     """The logits llama.cpp computed for the last evaluated position (with or without logits_all)."""
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
@@ -50,6 +66,7 @@ def main(request_path: str, result_path: str) -> None:
         kwargs.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
     if req.get("threads"):
         kwargs.update(n_threads=int(req["threads"]), n_threads_batch=int(req["threads"]))
+    no_extra_buffers(llama_cpp)
     llm = llama_cpp.Llama(**kwargs)
     out = {"logprobs": [], "greedy": [], "decode": [], "llama_cpp_version": llama_cpp.__version__}
     for w in windows:
