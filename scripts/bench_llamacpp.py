@@ -89,11 +89,15 @@ def main() -> None:
         name = f"smol-{int(budget * 1000)}"
         native = args.work / name
         seconds = None
+        log = args.work / f"{name}.log"  # a conversion started beside this run (same options) logs there: wait for it
+        while not (native / "config.json").is_file() and log.exists() and time.time() - log.stat().st_mtime < 300:
+            time.sleep(20)
         if not (native / "config.json").is_file():
             seconds = sh([*cli, "llama", "--kv-budget", budget, "--target", "deepseek", *args.convert_args.split(),
                           "--calib-data", DATA / "wiki.valid.tokens", "--dtype", "float32", "-o", native, "-q"], env=env)
         gguf = args.work / f"{name}.gguf"
-        sh([*cli, "export", native, "--format", "gguf", "-o", gguf, "--overwrite"], env=env)
+        if not gguf.exists() or gguf.stat().st_mtime < (native / "config.json").stat().st_mtime:
+            sh([*cli, "export", native, "--format", "gguf", "-o", gguf, "--overwrite"], env=env)
         tokenizer = llamacpp.gguf_tokenizer(gguf)
         ids = evaluate.tokenize(tokenizer, text)
         with torch.inference_mode():
@@ -121,8 +125,11 @@ def main() -> None:
             "plan_kv_elements_per_token": per_layer * layers, "plan_kv_bytes_per_token_f16": 2 * per_layer * layers,
             "llamacpp_kv_log": cpp["kv_cache_log"],
         }  # fmt: skip
-        print(json.dumps({k: v for k, v in row.items() if not k.startswith("greedy_")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("greedy_transformers", "greedy_llamacpp")}),
+              flush=True)
         rows.append(row)
+        results["budgets"] = rows
+        (OUT / "results.json").write_text(json.dumps(results, indent=2) + "\n")  # kept if a later step stops
     results["budgets"] = rows
     # the source, for reference: its f32 GGUF in llama.cpp against the embedded model in transformers
     ids = evaluate.tokenize(llamacpp.gguf_tokenizer(src), text)
