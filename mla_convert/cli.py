@@ -219,7 +219,11 @@ def _convert(
         from mla_convert.checkpoint import check_output
 
         inputs = tuple(p for p in (Path(model).expanduser(),) if p.exists()) if model is not None else ()
-        for out in dict.fromkeys((output, native_out)):
+        if format == "gguf":  # OUT is one .gguf file, the native checkpoint a folder beside it
+            from mla_convert.export.gguf import check_gguf_output
+
+            check_gguf_output(output, overwrite, inputs)
+        for out in dict.fromkeys((output, native_out) if format != "gguf" else (native_out,)):
             check_output(out, overwrite, inputs)
     source = open_source(model, revision)
     from mla_convert.families import family_for

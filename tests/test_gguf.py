@@ -256,7 +256,7 @@ def test_convert_format_gguf(tmp_path, calib_text):
 
     src = tiny_source("llama-gqa", tmp_path / "src")
     common = ["--rank", "24", "--rope-dims", "8", "--calib-data", str(calib_text), "--calib-samples", "2",
-              "--calib-seq-len", "16", "--force", "-q"]
+              "--calib-seq-len", "16", "--refine-steps", "0", "--refine-model-steps", "0", "--force", "-q"]
     result = CliRunner().invoke(app, ["llama", str(src), *common, "--format", "gguf", "-o", str(tmp_path / "m.gguf")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "m.gguf").is_file() and (tmp_path / "m-native" / "config.json").is_file()
