@@ -235,7 +235,11 @@ def _convert(
         from mla_convert.checkpoint import check_output
 
         inputs = tuple(p for p in (Path(model).expanduser(),) if p.exists()) if model is not None else ()
-        for out in dict.fromkeys((output, native_out)):
+        if format == "gguf":  # OUT is one .gguf file, the native checkpoint a folder beside it
+            from mla_convert.export.gguf import check_gguf_output
+
+            check_gguf_output(output, overwrite, inputs)
+        for out in dict.fromkeys((output, native_out) if format != "gguf" else (native_out,)):
             check_output(out, overwrite, inputs)
     source = open_source(model, revision)
     from mla_convert.families import family_for
@@ -414,7 +418,8 @@ def _make_convert_command(family: Optional[str], help_text: str):
         format: str = typer.Option(
             "native", "--format", help="native: write the MLA checkpoint to OUT. deepseek: implies --target deepseek; "
             "write the native checkpoint to OUT-native and its verified DeepSeek-V3 export (for vLLM/SGLang, "
-            "docs/serving.md) to OUT."
+            "docs/serving.md) to OUT. gguf: implies --target deepseek; OUT is NAME.gguf (f32, for llama.cpp), the "
+            "native checkpoint goes to NAME-native."
         ),
         qk_norm: str = typer.Option(
             "exact", "--qk-norm", help="Sources with per-head q/k RMS norms (Qwen3): exact (the key is normalized per "
@@ -461,8 +466,9 @@ def eval_command(
         False, "--record", help="Add the perplexity to the model folder's provenance.json and card."
     ),
     engine: str = typer.Option(
-        "transformers", "--engine", help="transformers (default) or vllm: score the folder in vLLM, as it is served "
-        "(needs scripts/install-vllm.sh); the KV-cache bytes are then what vLLM allocates."
+        "transformers", "--engine", help="transformers (default), vllm: score the folder in vLLM, as it is served "
+        "(needs scripts/install-vllm.sh), or llamacpp: score a .gguf in llama.cpp (needs scripts/install-llamacpp.sh), "
+        "from the same token ids; the KV-cache bytes are then what the engine allocates."
     ),
     verbose: int = VerboseOpt,
     quiet: bool = QuietOpt,
@@ -508,19 +514,30 @@ def eval_command(
                             "tokenizer files") from None
         result = vllm_perplexity(model, evaluate.tokenize(tokenizer, text), seq_len, windows, dtype)
         label = str(model)
+    elif engine == "llamacpp":
+        from mla_convert.serving.llamacpp import gguf_tokenizer, llamacpp_perplexity
+
+        if model is None or Path(model).suffix != ".gguf" or not Path(model).is_file():
+            raise UserError("--engine llamacpp needs a .gguf file (mla-convert export OUT --format gguf -o NAME.gguf)")
+        if device != "cpu" or dtype != "float32":
+            raise UserError("--device and --dtype apply to --engine transformers; llama.cpp runs the GGUF's own "
+                            "tensor types on the CPU (drop them)")
+        result = llamacpp_perplexity(model, evaluate.tokenize(gguf_tokenizer(model), text), seq_len, windows)
+        label = str(model)
     elif engine == "transformers":
         with torch.inference_mode():
             net, tokenizer, label = evaluate.load_model(model, dtype, device)
             result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
             result["kv_cache_bytes_per_token"] = evaluate.kv_cache_bytes_per_token(net)
     else:
-        raise UserError(f"--engine must be transformers or vllm, got {engine}")
+        raise UserError(f"--engine must be transformers, vllm or llamacpp, got {engine}")
     result.update(model=label, data=data, dtype=dtype)
     typer.echo(
         f"{label}: perplexity {result['perplexity']:.3f} over {result['windows']} x {seq_len} tokens ({data}); "
         f"KV cache {format(kv, 'g') if (kv := result['kv_cache_bytes_per_token']) is not None else 'unknown'} "
         f"bytes/token ({dtype}"
-        + (f", as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else ")")
+        + (f", as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else
+           ", as llama.cpp allocates it)" if engine == "llamacpp" else ")")
     )
     if json_out is not None:
         evaluate.write_results_file(json_out, result, overwrite)
@@ -659,7 +676,12 @@ def export_command(
     model: Path = typer.Argument(..., help="A native MLA checkpoint folder (the output of `mla-convert llama`)."),
     output: Path = typer.Option(..., "-o", "--output", help="Folder to write the exported checkpoint to."),
     format: str = typer.Option(
-        "deepseek", "--format", help="Target format: deepseek (stock DeepseekV3ForCausalLM in transformers, vLLM, SGLang)."
+        "deepseek", "--format", help="Target format: deepseek (stock DeepseekV3ForCausalLM in transformers, vLLM, "
+        "SGLang; -o is a folder) or gguf (llama.cpp's deepseek2; -o is one .gguf file, see --gguf-type)."
+    ),
+    gguf_type: str = typer.Option(
+        "f32", "--gguf-type", help="With --format gguf: f32, f16, bf16 or q8_0 (the identity-norm inputs stay f32 "
+        "in f16 and q8_0 files; docs/serving.md)."
     ),
     dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32 or bfloat16; float16 is refused."),
     allow_approx: bool = typer.Option(
@@ -688,6 +710,17 @@ def export_command(
     """Export a native MLA checkpoint to the stock DeepSeek-V3 format (see docs/serving.md for vLLM / SGLang)."""
     _setup_logging(verbose, quiet)
     from mla_convert.export import ExportOptions, export, report_export
+
+    if format == "gguf":
+        from mla_convert.export.gguf import export_gguf, report_gguf
+
+        given = {"--dtype": dtype != "auto", "--allow-approx": allow_approx, "--drop-biases": drop_biases,
+                 "--keep-biases": keep_biases, "--pad-latent": pad_latent != "none"}
+        if any(given.values()):
+            raise UserError(f"{', '.join(k for k, v in given.items() if v)} apply to --format deepseek; the GGUF "
+                            "export is exact or refused (types: --gguf-type)")
+        report_gguf(export_gguf(model, output, gguf_type, overwrite=overwrite), output, typer.echo)
+        return
 
     options = ExportOptions(
         format=format, dtype=dtype, allow_approx=allow_approx, drop_biases=drop_biases, keep_biases=keep_biases, pad_latent=pad_latent,

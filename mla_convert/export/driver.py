@@ -161,13 +161,17 @@ def resolve_target(target: str | None, format: str, output: Path | None) -> tupl
     With --format deepseek, OUT is the DeepSeek-V3 export (what engines serve) and the native checkpoint goes beside
     it, to OUT-native.
     """
-    if format not in ("native", "deepseek"):
-        raise UserError(f"--format must be native or deepseek, got {format}")
-    target = target or format
+    if format not in ("native", "deepseek", "gguf"):
+        raise UserError(f"--format must be native, deepseek or gguf, got {format}")
+    target = target or ("deepseek" if format == "gguf" else format)
     if target not in ("native", "deepseek"):
         raise UserError(f"--target must be native or deepseek, got {target}")
-    if format == "deepseek" and target != "deepseek":
-        raise UserError("--format deepseek needs DeepSeek-exportable options: drop --target native")
+    if format in ("deepseek", "gguf") and target != "deepseek":
+        raise UserError(f"--format {format} needs DeepSeek-exportable options: drop --target native")
+    if format == "gguf" and output is not None:
+        if output.suffix != ".gguf":
+            raise UserError(f"--format gguf writes one file: -o must end in .gguf (got {output})")
+        return target, output.with_name(output.stem + "-native")
     native_out = output.with_name(output.name + "-native") if format == "deepseek" and output is not None else output
     return target, native_out
 
@@ -194,12 +198,19 @@ def convert_to_target(source, output: Path | None, native_out: Path | None, opti
     """
     from mla_convert.convert import convert
 
+    if format == "gguf" and output is not None and not dry_run:  # a GGUF path that cannot be written is named first
+        from mla_convert.export.gguf import check_gguf_output
+
+        check_gguf_output(output, overwrite, ())
     if target == "deepseek":  # resolve and check exportable options before any heavy work
         from mla_convert.export.plan import deepseek_layout_notes
         from mla_convert.export.rope_fit import deepseek_convert_options
         from mla_convert.families import family_for
 
         options, notes = deepseek_convert_options(source.config, options, explicit)
+        if format == "gguf" and any(family_for(source.config, family).attention_biases(source.config)):
+            raise UserError("this model has attention biases, which llama.cpp's deepseek2 attention has no place for: "
+                            "serve the native checkpoint through the vLLM plugin or transformers (docs/serving.md)")
         if format == "deepseek" and any(family_for(source.config, family).attention_biases(source.config)):
             raise UserError("this model has attention biases, which vLLM's and SGLang's DeepSeek classes drop "
                             "silently: serve the native checkpoint through the vLLM plugin instead (convert without "
@@ -222,12 +233,17 @@ def convert_to_target(source, output: Path | None, native_out: Path | None, opti
     plan = convert(source, native_out, options, family, overwrite=overwrite, dry_run=dry_run, progress=progress)
     say(plan.describe())
     if dry_run:
-        where = f" (native MLA to {native_out}, DeepSeek-V3 export to {output})" if format == "deepseek" else ""
+        where = (f" (native MLA to {native_out}, DeepSeek-V3 export to {output})" if format == "deepseek" else
+                 f" (native MLA to {native_out}, GGUF to {output})" if format == "gguf" else "")
         say(f"dry run: nothing written{where}")
         return
     say(f"wrote {native_out}  (load: import mla_convert; AutoModelForCausalLM.from_pretrained('{native_out}'))")
     if format == "deepseek":
         report_export(export(native_out, output, ExportOptions(), overwrite=overwrite), output, say)
+    elif format == "gguf":
+        from mla_convert.export.gguf import export_gguf, report_gguf
+
+        report_gguf(export_gguf(native_out, output, "f32", overwrite=overwrite), output, say)
     elif target == "deepseek":
         from mla_convert.export.rope_fit import check_exportable
 

@@ -1,0 +1,103 @@
+"""Run a GGUF file in llama.cpp (llama-cpp-python) on given token ids: python llamacpp_score.py REQUEST RESULT.
+
+Runs in llama.cpp's own environment (scripts/install-llamacpp.sh makes .venv-llamacpp), so it imports nothing from
+mla_convert (that environment has no torch). REQUEST is JSON:
+
+    model       the .gguf path
+    n_ctx       context length to allocate (the KV cache llama.cpp logs is for this many cells)
+    threads     CPU threads (0: llama.cpp's default)
+    cache_type  "f16" (llama.cpp's default) or "f32" (exactness checks)
+    windows     token-id lists: each is evaluated from an empty cache, every position's logits kept
+    prompts     token-id lists: greedy continuations of `new_tokens` tokens each (argmax of llama.cpp's logits)
+    decode      optional {"contexts": [n, ...], "tokens": m, "ids": [...]}: one sequence, grown through the context
+                lengths in increasing order: filled up to n tokens (`ids`, repeated), then m single-token decode
+                steps timed (those m tokens stay in the context); tokens/s of those steps
+
+RESULT is JSON: logprobs (per window, the log-probability of tokens 1..n-1, float64 log-softmax of llama.cpp's
+float32 logits), greedy (per prompt), decode ([{"context", "tokens", "seconds", "tokens_per_s"}]) and
+llama_cpp_version. llama.cpp's own log (KV-cache size lines included) goes to stderr, which the caller keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def no_extra_buffers(llama_cpp) -> None:
+    """Load weights without llama.cpp's extra CPU buffer types (weight repacking; llama-cli --no-repack): its AMX
+    path, compiled in where the CPU reports AMX, dies with SIGILL on Q8_0 weights in this machine's VM. llama-cpp-python
+    has no option for it, so its default model parameters are wrapped."""
+    import llama_cpp.llama_cpp as api
+
+    default = api.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    api.llama_model_default_params = params
+
+
+def last_logits(llm, llama_cpp) -> np.ndarray:
+    """The logits llama.cpp computed for the last evaluated position (with or without logits_all)."""
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+
+
+def main(request_path: str, result_path: str) -> None:
+    import llama_cpp
+
+    req = json.loads(open(request_path).read())
+    windows, prompts = req.get("windows") or [], req.get("prompts") or []
+    decode = req.get("decode")
+    kwargs = dict(model_path=req["model"], n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
+                  logits_all=bool(windows), verbose=True)  # fmt: skip
+    if req.get("cache_type") == "f32":  # llama.cpp's default cache is f16
+        kwargs.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    if req.get("threads"):
+        kwargs.update(n_threads=int(req["threads"]), n_threads_batch=int(req["threads"]))
+    no_extra_buffers(llama_cpp)
+    llm = llama_cpp.Llama(**kwargs)
+    out = {"logprobs": [], "greedy": [], "decode": [], "llama_cpp_version": llama_cpp.__version__}
+    for w in windows:
+        llm.reset()
+        llm.eval(w)
+        logp = log_softmax(np.asarray(llm.scores[: len(w) - 1]))
+        out["logprobs"].append(logp[np.arange(len(w) - 1), np.asarray(w[1:])].tolist())
+    for p in prompts:
+        llm.reset()
+        llm.eval(p)
+        gen = []
+        for _ in range(int(req.get("new_tokens", 16))):
+            nxt = int(np.argmax(last_logits(llm, llama_cpp)))
+            gen.append(nxt)
+            llm.eval([nxt])
+        out["greedy"].append(gen)
+    if decode:
+        ids = decode.get("ids") or [1]
+        steps = int(decode.get("tokens", 32))
+        llm.reset()
+        for n in sorted(decode["contexts"]):  # one sequence grown from one context length to the next
+            fill = (ids * (n // len(ids) + 1))[llm.n_tokens : n]
+            llm.eval(fill)
+            start = time.perf_counter()
+            for i in range(steps):
+                llm.eval([ids[i % len(ids)]])
+            seconds = time.perf_counter() - start
+            out["decode"].append({"context": n, "tokens": steps, "seconds": seconds, "tokens_per_s": steps / seconds})
+    with open(result_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
