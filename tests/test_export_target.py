@@ -113,7 +113,8 @@ def test_cli_target_dry_run_resolves_and_warns(sources, tmp_path, calib):
         (["--target", "deepseek", "--no-rope-merge", "--rope-dims", 8], "drop --no-rope-merge"),
         (["--format", "deepseek", "--target", "native"], "drop --target native"),
         (["--format", "deepseek", "--dtype", "float16"], "--dtype bfloat16"),
-        (["--format", "gguf"], "--format must be native or deepseek"),
+        (["--format", "onnx"], "--format must be"),
+        (["--format", "gguf"], "-o must end in .gguf"),
         (["--target", "vllm"], "--target must be native or deepseek"),
     ],
 )
