@@ -72,6 +72,9 @@ def register() -> None:
         def get_total_num_kv_heads(self) -> int:
             return 1
 
+        def get_per_layer_hf_configs(self):
+            return None  # per-layer ranks are served padded to one layout: vLLM sees one cache row for every layer
+
     convertors.MODEL_ARCH_CONFIG_CONVERTORS[MODEL_TYPE] = MLAArchConfigConvertor
     _fix_cpu_rotary_3d()
 
