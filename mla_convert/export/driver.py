@@ -24,27 +24,34 @@ log = logging.getLogger(__name__)
 LAYER_ATTENTION = ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
 
 
-def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOptions, overwrite: bool = False) -> dict:
-    """Export the native MLA checkpoint folder `model` to a DeepSeek-V3 folder `out`; returns the export record
-    (what provenance.json holds under "export", plus "measurements")."""
-    from mla_convert import provenance
-    from mla_convert.card import write_model_card
-    from mla_convert.checkpoint import SafetensorsSource, ShardedWriter, check_output, staged_output
+def native_config(folder: Path, what: str = "export"):
+    """The MLAConfig of the native checkpoint folder `folder`; a UserError (naming `what` needs it) for a config.json
+    that cannot be read or is not a native MLA model's."""
     from mla_convert.modeling import MLAConfig
 
-    folder = Path(model).expanduser()
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{folder} has no config.json: pass a native MLA checkpoint folder (mla-convert llama -o DIR)")
-    check_output(Path(out), overwrite, (folder,))  # before any planning: a bad -o is named first
     try:
         model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError) as e:  # ValueError: not JSON or not UTF-8; AttributeError: not an object
         raise UserError(f"cannot read {folder / 'config.json'} ({type(e).__name__}): pass a native MLA checkpoint "
                         "folder whose config.json is intact") from None
     if model_type != "mla":
-        raise UserError(f"export needs a native MLA checkpoint (model_type mla, made by `mla-convert llama ... -o "
+        raise UserError(f"{what} needs a native MLA checkpoint (model_type mla, made by `mla-convert llama ... -o "
                         f"DIR`), got model_type {model_type}")
-    config = MLAConfig.from_pretrained(folder)
+    return MLAConfig.from_pretrained(folder)
+
+
+def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOptions, overwrite: bool = False) -> dict:
+    """Export the native MLA checkpoint folder `model` to a DeepSeek-V3 folder `out`; returns the export record
+    (what provenance.json holds under "export", plus "measurements")."""
+    from mla_convert import provenance
+    from mla_convert.card import write_model_card
+    from mla_convert.checkpoint import SafetensorsSource, ShardedWriter, check_output, staged_output
+
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder} has no config.json: pass a native MLA checkpoint folder (mla-convert llama -o DIR)")
+    check_output(Path(out), overwrite, (folder,))  # before any planning: a bad -o is named first
+    config = native_config(folder)
     dtype = out_dtype(options, config)
     source = SafetensorsSource(config, str(folder), folder)
     from mla_convert.convert import check_room

@@ -205,7 +205,7 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     from mla_convert.checkpoint import SafetensorsSource
     from mla_convert.export.layer import _round_to, export_layer, identity_norm_scale
     from mla_convert.export.plan import EXPORT_EPS, ExportOptions, make_plan
-    from mla_convert.modeling import MLAConfig
+    from mla_convert.export.driver import native_config
     from mla_convert.serving.layout import check_servable
 
     if gguf_type not in GGUF_TYPES:
@@ -214,15 +214,7 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder} has no config.json: pass a native MLA checkpoint folder (mla-convert llama -o DIR)")
     out = check_gguf_output(Path(out).expanduser(), overwrite, (folder,))
-    try:
-        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"cannot read {folder / 'config.json'} ({type(e).__name__}): pass a native MLA checkpoint "
-                        "folder whose config.json is intact") from None
-    if model_type != "mla":
-        raise UserError(f"the GGUF export needs a native MLA checkpoint (model_type mla, made by `mla-convert llama "
-                        f"... -o DIR`), got model_type {model_type}")
-    config = MLAConfig.from_pretrained(folder)
+    config = native_config(folder, "the GGUF export")
     check_servable(config, "llama.cpp's deepseek2 attention")
     if getattr(config, "mlp_bias", False):
         raise UserError("the MLP has biases, which llama.cpp's deepseek2 dense blocks cannot hold: not exportable to GGUF")

@@ -34,28 +34,38 @@ def score_in_vllm(folder: str | os.PathLike, windows: list[list[int]] = (), prom
     python = vllm_python()
     if python is None:
         raise RuntimeError("no vLLM environment: run scripts/install-vllm.sh (or set MLA_CONVERT_VLLM_PYTHON)")
-    with tempfile.TemporaryDirectory(prefix="mla-vllm-") as tmp:
-        req, res, log = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "vllm.log"
-        req.write_text(json.dumps({
-            "model": str(Path(folder).resolve()), "dtype": dtype, "max_model_len": max_model_len,
-            "windows": [list(map(int, w)) for w in windows], "prompts": [list(map(int, p)) for p in prompts],
-            "new_tokens": new_tokens, "decode": decode, "attention_backend": attention_backend,
-        }))  # fmt: skip
+    request = {
+        "model": str(Path(folder).resolve()), "dtype": dtype, "max_model_len": max_model_len,
+        "windows": [list(map(int, w)) for w in windows], "prompts": [list(map(int, p)) for p in prompts],
+        "new_tokens": new_tokens, "decode": decode, "attention_backend": attention_backend,
+    }  # fmt: skip
+    out = run_worker([str(python), "-m", "mla_convert.serving.vllm_score"], request, f"vLLM failed on {folder}",
+                     timeout, env)
+    # vLLM's own line, e.g. "CPU KV cache size: 31,056 tokens": the tokens its allocated blocks hold
+    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", out["log"])
+    if sizes:
+        out["kv_cache"]["log_tokens"] = int(sizes[-1].replace(",", ""))
+    return out
+
+
+def run_worker(argv: list[str], request: dict, failure: str, timeout: float, env: dict | None = None) -> dict:
+    """Run an engine's worker in its own environment: `argv` + [request.json, result.json] in a temporary folder,
+    without this process's PYTHONPATH / VIRTUAL_ENV (plus `env`). -> the result with the worker's output as "log";
+    RuntimeError(`failure` and the output's last lines) when it fails or writes no result."""
+    with tempfile.TemporaryDirectory(prefix="mla-engine-") as tmp:
+        req, res, log = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "worker.log"
+        req.write_text(json.dumps(request))
         run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         run_env.update(env or {})
         with open(log, "w") as log_file:
-            proc = subprocess.run([str(python), "-m", "mla_convert.serving.vllm_score", str(req), str(res)],
-                                  cwd=tmp, env=run_env, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout)
-        text = log.read_text()
+            proc = subprocess.run([*argv, str(req), str(res)], cwd=tmp, env=run_env, stdout=log_file,
+                                  stderr=subprocess.STDOUT, timeout=timeout)
+        text = log.read_text(errors="replace")
         if proc.returncode != 0 or not res.exists():
-            raise RuntimeError(f"vLLM failed on {folder} (exit {proc.returncode}):\n" + "\n".join(text.splitlines()[-25:]))
+            raise RuntimeError(f"{failure} (exit {proc.returncode}):\n" + "\n".join(text.splitlines()[-25:]))
         out = json.loads(res.read_text())
-        out["log"] = text
-        # vLLM's own line, e.g. "CPU KV cache size: 31,056 tokens": the tokens its allocated blocks hold
-        sizes = re.findall(r"KV cache size: ([\d,]+) tokens", text)
-        if sizes:
-            out["kv_cache"]["log_tokens"] = int(sizes[-1].replace(",", ""))
-        return out
+    out["log"] = text
+    return out
 
 
 def score_in_transformers(folder: str | os.PathLike, windows: list[list[int]] = (), prompts: list[list[int]] = (),

@@ -13,7 +13,6 @@ import math
 import os
 import re
 import subprocess
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,24 +56,15 @@ def run_llamacpp(model: str | os.PathLike, windows=(), prompts=(), new_tokens: i
     if python is None:
         raise RuntimeError("no llama.cpp environment: run scripts/install-llamacpp.sh (or set "
                            "MLA_CONVERT_LLAMACPP_PYTHON)")
-    with tempfile.TemporaryDirectory(prefix="mla-llamacpp-") as tmp:
-        req, res, log = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "llamacpp.log"
-        req.write_text(json.dumps({
-            "model": str(Path(model).resolve()), "n_ctx": n_ctx, "threads": threads,
-            "windows": [list(map(int, w)) for w in windows], "prompts": [list(map(int, p)) for p in prompts],
-            "new_tokens": new_tokens, "decode": decode, "cache_type": cache_type,
-        }))  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        with open(log, "w") as log_file:
-            proc = subprocess.run([str(python), str(WORKER), str(req), str(res)], cwd=tmp, env=env,
-                                  stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout)
-        text = log.read_text(errors="replace")
-        if proc.returncode != 0 or not res.exists():
-            raise RuntimeError(f"llama.cpp failed on {model} (exit {proc.returncode}):\n"
-                               + "\n".join(text.splitlines()[-25:]))
-        out = json.loads(res.read_text())
-    out["log"] = text
-    out["kv_cache"] = kv_cache_from_log(text)
+    from mla_convert.serving.engine import run_worker
+
+    request = {
+        "model": str(Path(model).resolve()), "n_ctx": n_ctx, "threads": threads,
+        "windows": [list(map(int, w)) for w in windows], "prompts": [list(map(int, p)) for p in prompts],
+        "new_tokens": new_tokens, "decode": decode, "cache_type": cache_type,
+    }  # fmt: skip
+    out = run_worker([str(python), str(WORKER)], request, f"llama.cpp failed on {model}", timeout)
+    out["kv_cache"] = kv_cache_from_log(out["log"])
     return out
 
 
