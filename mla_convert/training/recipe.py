@@ -44,6 +44,8 @@ class FinetuneConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     max_steps: int | None = None  # optimizer steps; else derived from max_tokens; else one epoch
     max_tokens: int | None = None  # training-token budget over all processes (rounded down to whole steps)
+    max_seconds: float | None = None  # training-time budget (the steps, not setup or evaluation): the run stops once
+    # it is spent, and the schedule follows whichever of the step and time budgets is nearer its end
     lr: float = 1e-4
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
     warmup: float = 0.05  # warmup steps: a fraction of max_steps when < 1, else a step count
@@ -101,6 +103,8 @@ class FinetuneConfig:
             raise UserError(f"max_steps must be at least 1, got {self.max_steps}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UserError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_seconds is not None and not (math.isfinite(self.max_seconds) and self.max_seconds > 0):
+            raise UserError(f"max_seconds must be a positive number of seconds, got {self.max_seconds}")
         cores = os.cpu_count() or 1
         if self.threads is not None and not 1 <= self.threads <= cores:
             raise UserError(f"threads must lie between 1 and this machine's {cores} cores, got {self.threads}")
