@@ -98,6 +98,8 @@ class ConvertOptions:
     refine_model_steps: int | None = None
     refine_model_lr: float = refine.MODEL_LR
     refine_model_scope: str = refine.MODEL_SCOPE  # attention | layer: what the model stage trains (refine.MODEL_SCOPES)
+    # what both stages' training steps compute in (refine.PRECISIONS); auto resolved in `convert` (refine.resolve_precision)
+    refine_precision: str = "auto"
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
@@ -151,6 +153,7 @@ class Plan:
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
     refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
     refine_seconds: float = 0.0
+    refine_precision: str = "float32"  # what the refinement steps compute in, as resolved
     refine_scope: str = refine.DEFAULT_SCOPE
     refine_record: list = field(default_factory=list)  # per layer: held-out error before/after, kept
     refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate and its record
@@ -294,7 +297,8 @@ class Plan:
             f"refinement: {self.refine_steps} steps per layer" + (
                 f" (about {self.refine_seconds / 60:.0f} min on a 2-core CPU)" if self.refine_steps else "")
             + f"; model stage: {self.refine_model_steps} steps" + (
-                f" (about {self.refine_model_seconds / 60:.0f} min)" if self.refine_model_steps else ""),
+                f" (about {self.refine_model_seconds / 60:.0f} min)" if self.refine_model_steps else "")
+            + (f"; training steps in {self.refine_precision}" if self.refine_steps or self.refine_model_steps else ""),
             f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.2f} GiB"
             f" (x{MEMORY_SAFETY} of: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in self.memory_parts().items() if v)
             + ")",
@@ -421,6 +425,9 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"--refine-lr must be positive, got {options.refine_lr}")
     if options.refine_scope not in refine.SCOPES:
         raise UserError(f"--refine-scope must be one of {', '.join(refine.SCOPES)}, got {options.refine_scope}")
+    if options.refine_precision not in refine.PRECISIONS:
+        raise UserError(f"--refine-precision must be one of {', '.join(refine.PRECISIONS)}, got "
+                        f"{options.refine_precision}")
     if not options.refine_mlp_lr_scale >= 0:
         raise UserError(f"--refine-mlp-lr-scale must be 0 or more, got {options.refine_mlp_lr_scale}")
     if options.refine_seq_len < 16:
@@ -894,16 +901,18 @@ def convert(
         options = dataclasses.replace(options, calib_temperature=selftext.calib_temperature(plan.ratio))
     options = dataclasses.replace(options, calib_samples=plan.memory["samples"])  # the default by the cache kept
     window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
-    steps = refine.resolve_steps(options.refine_steps, plan, options.device, window) if options.calib_data else 0
-    options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window)
-    plan.refine_steps = steps
-    plan.refine_seconds = refine.estimate_seconds(plan, steps, window)
-    model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window)
+    precision = refine.resolve_precision(options.refine_precision, options.device)
+    rate = refine.cpu_rate(precision)
+    steps = refine.resolve_steps(options.refine_steps, plan, options.device, window, rate) if options.calib_data else 0
+    options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window, refine_precision=precision)
+    plan.refine_steps, plan.refine_precision = steps, precision
+    plan.refine_seconds = refine.estimate_seconds(plan, steps, window, rate)
+    model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window, rate)
                    if options.calib_data and options.calib_propagate == "source" and options.needs_statistics() else 0)
     options = dataclasses.replace(options, refine_model_steps=model_steps)
     plan.refine_model_steps = model_steps
     plan.refine_model_scope = options.refine_model_scope
-    plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window)
+    plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window, rate)
     if dry_run:
         return plan
     check_source_finite(source, family)  # before any work: a NaN or inf weight would convert into a broken output
@@ -1293,7 +1302,8 @@ def _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, ta
         module, forward, slow = layer.self_attn, refine.attention_output, ()
     record = refine.refine_module(module, *targets, position_embeddings, options.refine_steps, options.refine_lr,
                                      seq_len=options.refine_seq_len, seed=options.seed + i, forward=forward,
-                                     slow=slow, slow_lr=options.refine_lr * options.refine_mlp_lr_scale)
+                                     slow=slow, slow_lr=options.refine_lr * options.refine_mlp_lr_scale,
+                                     precision=options.refine_precision)
     log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],
              "kept" if record["kept"] else "not kept")
     plan.refine_record.append({"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}})
@@ -1344,7 +1354,7 @@ def _model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs,
         teacher = model.model.norm(runner.hidden)  # the source's final norm is the converted model's (not converted)
     record = refine.refine_model(model, runner.tokens.to(device), teacher, options.refine_model_steps,
                                  options.refine_model_lr, seq_len=options.refine_seq_len, seed=options.seed,
-                                 scope=options.refine_model_scope)
+                                 scope=options.refine_model_scope, precision=options.refine_precision)
     del teacher
     record = {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}
     record["curve"] = [[step, round(kl, 6)] for step, kl in record["curve"]]

@@ -41,6 +41,7 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores sustain, rounded down
 # (docs/decisions.md#refinement-on-the-cpu-when-auto-refines).
 CPU_FLOPS = 1.5e11
+CPU_BF16_FLOPS = 3.0e11  # the same cores computing the steps in bfloat16 (AMX / AVX512-BF16)
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
 # back what the attention lost. MLP_LR_SCALE (`--refine-mlp-lr-scale`): the MLP's and norms' learning rate / the
@@ -49,6 +50,29 @@ SCOPES = ("attention", "layer")
 DEFAULT_SCOPE = "layer"
 MLP_LR_SCALE = 1.0
 AUTO_CPU_SECONDS = 5400
+# `--refine-precision`: what the training steps of both stages compute in (the weights, the targets and the held-out
+# checks stay float32). auto: bfloat16 (autocast) on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX),
+# float32 elsewhere (docs/decisions.md#refinement-precision).
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+def resolve_precision(requested: str, device: str) -> str:
+    """`requested` (PRECISIONS), with auto resolved for `device`."""
+    if requested != "auto":
+        return requested
+    if device.startswith("cpu") and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return "bfloat16"
+    return "float32"
+
+
+def cpu_rate(precision: str) -> float:
+    """The flop/s the estimates assume on the CPU for steps computed in `precision` (float32 | bfloat16)."""
+    return CPU_BF16_FLOPS if precision == "bfloat16" else CPU_FLOPS
+
+
+def _compute(x: torch.Tensor, precision: str):
+    """The context the training forwards run in: bfloat16 autocast on x's device, or nothing for float32."""
+    return torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16")
 
 
 def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH, whole: bool | None = None) -> float:
@@ -79,7 +103,7 @@ def default_steps(kept: float) -> int:
     return DEFAULT_STEPS if kept < WIDE_FROM else WIDE_STEPS
 
 
-def resolve_steps(requested: int | None, plan, device: str, seq_len: int) -> int:
+def resolve_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS) -> int:
     """The refinement steps per layer: `requested`, or (None, auto) `default_steps` of the cache kept on a GPU or
     where the CPU estimate is at most AUTO_CPU_SECONDS, else 0 (with a warning that says what refining would cost)."""
     if requested is not None:
@@ -87,7 +111,7 @@ def resolve_steps(requested: int | None, plan, device: str, seq_len: int) -> int
     steps = default_steps(plan.ratio)
     if not device.startswith("cpu"):
         return steps
-    seconds = estimate_seconds(plan, steps, seq_len)
+    seconds = estimate_seconds(plan, steps, seq_len, rate)
     if seconds <= AUTO_CPU_SECONDS:
         return steps
     log.warning("not refining the converted layers: on this CPU it would take about %.1f h (estimate); pass "
@@ -149,12 +173,14 @@ def refine_module(
     forward=attention_output,
     slow: tuple[torch.nn.Parameter, ...] = (),
     slow_lr: float = 0.0,
+    precision: str = "float32",
 ) -> dict:
     """Train `module` (float32, in place) so that forward(module, x) matches y (default: an MLAAttention's output), on
     the first `seq_len` tokens of `batch` (default: `batch_for(seq_len)`) random sequences of the first N-1 a step;
     the last sequence is held out (scored over its whole length). Adam with a cosine schedule on the relative squared
     error; the parameters in `slow` (e.g. a whole layer's MLP, whose source weights need only a correction) train at
-    `slow_lr` and the others at `lr`. Returns {"before", "after", "kept"}: the held-out relative errors, and whether
+    `slow_lr` and the others at `lr`; the steps compute in `precision` (float32 | bfloat16 autocast). Returns
+    {"before", "after", "kept"}: the held-out relative errors, and whether
     the trained weights were kept (else `module` is restored)."""
     n, total, _ = x.shape
     held = slice(n - 1, n)  # with one sequence it is also the training sequence
@@ -184,7 +210,9 @@ def refine_module(
     for _ in range(steps):
         rows = torch.randint(0, xt.shape[0], (batch,), generator=gen)
         xb, yb = xt[rows, :seq_len], yt[rows, :seq_len]
-        loss = (forward(module, xb, pe) - yb).pow(2).mean() / scale
+        with _compute(xb, precision):
+            out = forward(module, xb, pe)
+        loss = (out.float() - yb).pow(2).mean() / scale
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -234,7 +262,7 @@ def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float
     return (steps + (MODEL_CHECKS + 1) / 3) * model_step_flops(plan, seq_len) / rate
 
 
-def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int) -> int:
+def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS) -> int:
     """The model stage's steps: `requested`, or (None, auto) MODEL_STEPS on a GPU or where the CPU estimate is at most
     AUTO_MODEL_CPU_SECONDS and the model stage's memory (`model_stage_bytes`) at most half the machine's, else 0
     (with a warning that says why)."""
@@ -242,7 +270,7 @@ def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int) 
         return requested
     if not device.startswith("cpu"):
         return MODEL_STEPS
-    seconds = estimate_model_seconds(plan, MODEL_STEPS, seq_len)
+    seconds = estimate_model_seconds(plan, MODEL_STEPS, seq_len, rate)
     needed, total = model_stage_bytes(plan, seq_len), _machine_bytes()
     if seconds <= AUTO_MODEL_CPU_SECONDS and (total is None or needed <= total / 2):
         return MODEL_STEPS
@@ -272,7 +300,7 @@ def _machine_bytes() -> int | None:
         return None
 
 
-def _kl_chunks(model, hidden, teacher, backward: bool) -> float:
+def _kl_chunks(model, hidden, teacher, backward: bool, precision: str = "float32") -> float:
     """Sum over positions of KL(softmax(lm_head(teacher)) || softmax(lm_head(hidden))), hidden and teacher
     [T, D] (after the final norm); the logits of LOGIT_CHUNK positions at a time. With `backward`, the gradient of
     the mean is accumulated into hidden.grad (a leaf) chunk by chunk."""
@@ -283,7 +311,7 @@ def _kl_chunks(model, hidden, teacher, backward: bool) -> float:
         h, t = hidden[start : start + LOGIT_CHUNK], teacher[start : start + LOGIT_CHUNK]
         with torch.no_grad():
             target = torch.log_softmax(head(t).float(), dim=-1)
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), _compute(h, precision):
             logp = torch.log_softmax(head(h).float(), dim=-1)
             kl = torch.nn.functional.kl_div(logp, target, log_target=True, reduction="sum")
             if backward:
@@ -313,12 +341,13 @@ def model_parameter_names(model, scope: str = MODEL_SCOPE) -> list[str]:
 
 
 def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int, lr: float = MODEL_LR,
-                 seq_len: int = SEQ_LEN, seed: int = 0, scope: str = MODEL_SCOPE) -> dict:
+                 seq_len: int = SEQ_LEN, seed: int = 0, scope: str = MODEL_SCOPE, precision: str = "float32") -> dict:
     """Train `model`'s attention (`scope` layer: its whole decoder layers; float32, in place) end to end so that its
     next-token distributions match the source's: `teacher` [N, T, D] holds the source's final hidden states after its
     final norm on the calibration windows `tokens` [N, T] (its logits are the model's own head applied to them: the head
     is not trained). Adam, a linear warmup then cosine; one window's first `seq_len` tokens a step, drawn from all but
-    the last window, which is held out. The held-out KL is measured about MODEL_CHECKS times during training (every
+    the last window, which is held out; the steps compute in `precision`, the checks in float32. The held-out KL
+    is measured about MODEL_CHECKS times during training (every
     steps // MODEL_CHECKS steps and after the final one); the best weights seen are what the model keeps: the converted
     weights themselves where no check improved on them.
 
@@ -356,11 +385,12 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         model.train()
         row = int(torch.randint(0, xt.shape[0], (1,), generator=gen))
         ids, target = xt[row, :seq_len], tt[row, :seq_len]
-        hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-        leaf = hidden.detach().requires_grad_(True)
-        loss = _kl_chunks(model, leaf, target, backward=True) / ids.numel()
+        with _compute(ids, precision):
+            hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+        leaf = hidden.detach().float().requires_grad_(True)
+        loss = _kl_chunks(model, leaf, target, backward=True, precision=precision) / ids.numel()
         optimizer.zero_grad(set_to_none=True)
-        hidden.backward(leaf.grad)
+        hidden.backward(leaf.grad.to(hidden.dtype))
         optimizer.step()
         schedule.step()
         log.info("refine model: step %d/%d KL %.4f", step, steps, loss)

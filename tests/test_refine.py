@@ -132,6 +132,26 @@ def test_refine_fits_and_keeps_what_helps():
     assert record["kept"] and record["after"] < 0.05 * record["before"]
 
 
+def test_bfloat16_steps_fit_float32_weights(monkeypatch):
+    """--refine-precision bfloat16: the steps run under bfloat16 autocast (the module sees bfloat16 activations),
+    the trained weights stay float32 and still fit; auto is bfloat16 only on CPUs with native bfloat16 arithmetic."""
+    x, y, pe, target = _inputs()
+    attn = _Scaled(target + 0.3 * torch.randn(target.shape, generator=torch.Generator().manual_seed(1)))
+    seen = []
+    original = attn.forward
+    attn.forward = lambda xb, **kw: seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                                                 else None) or original(xb, **kw)
+    record = refine.refine_module(attn, x, y, pe, steps=200, lr=3e-2, seq_len=16, batch=2, precision="bfloat16")
+    assert record["kept"] and record["after"] < 0.05 * record["before"] and attn.w.dtype == torch.float32
+    assert torch.bfloat16 in seen and None in seen  # the steps autocast, the held-out checks do not
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert refine.resolve_precision("auto", "cpu") == "float32"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert refine.resolve_precision("auto", "cpu") == "bfloat16" and refine.resolve_precision("auto", "cuda") == "float32"
+    assert refine.resolve_precision("float32", "cpu") == "float32"
+
+
 def test_refine_restores_the_weights_when_the_held_out_error_does_not_drop():
     x, y, pe, target = _inputs()
     start = target + 0.3 * torch.randn(target.shape, generator=torch.Generator().manual_seed(1))
@@ -196,6 +216,7 @@ def test_cli_prints_the_auto_warnings_once(sources, calib_text, monkeypatch):
     (["--refine-model-steps", "4", "--calib-data", "none"], "--refine-model-steps trains on calibration text"),
     (["--refine-model-steps", "4", "--calib-propagate", "converted"], "--calib-propagate source"),
     (["--refine-model-scope", "model"], "--refine-model-scope must be one of attention, layer"),
+    (["--refine-precision", "fp8"], "--refine-precision must be one of auto, float32, bfloat16"),
 ])
 def test_bad_refine_steps_is_one_clear_line(sources, tmp_path, args, needle):
     result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "-o", str(tmp_path / "out"),
@@ -233,7 +254,7 @@ def test_cli_defaults_are_the_library_defaults():
             checked.add(option.name)
     assert {"calib_seq_len", "calib_sample_tokens", "refine_lr",
             "refine_seq_len", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr",
-            "refine_model_scope"} <= checked
+            "refine_model_scope", "refine_precision"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
     assert library.refine_model_lr == refine.MODEL_LR and library.refine_model_scope == refine.MODEL_SCOPE
     assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE
