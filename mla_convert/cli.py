@@ -170,7 +170,7 @@ def _convert(
     qk_norm: str = "exact",
     nope_dims: Optional[int] = None,
     refine_model_scope: str = "attention",
-    refine_precision: str = "auto",
+    refine_precision: str = "float32",
 ) -> None:
     _setup_logging(verbose, quiet)
     if output is None and not dry_run:
@@ -399,10 +399,10 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "attention", "--refine-model-scope", help="What --refine-model-steps trains: attention (default: every "
             "converted attention) or layer (every decoder layer whole: attention, MLP and norms)."),
         refine_precision: str = typer.Option(  # refine.PRECISIONS, written out
-            "auto", "--refine-precision", help="What the training steps of --refine-steps and --refine-model-steps "
-            "compute in: auto (default: bfloat16 on CPUs with native bfloat16 arithmetic, AVX512-BF16 or AMX; "
-            "float32 elsewhere), float32 or bfloat16. Weights, targets and held-out checks stay float32 "
-            "(docs/decisions.md#refinement-precision)."),
+            "float32", "--refine-precision", help="What the training steps of --refine-steps and --refine-model-steps "
+            "compute in: float32 (default), bfloat16 (autocast; about twice as fast on CPUs with AVX512-BF16 or "
+            "AMX), or auto (bfloat16 on such CPUs, float32 elsewhere). Weights, targets and held-out checks stay "
+            "float32 (docs/decisions.md#refinement-precision)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),
         device: str = typer.Option(
             "cpu", "--device", help="Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto "

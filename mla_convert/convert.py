@@ -99,7 +99,7 @@ class ConvertOptions:
     refine_model_lr: float = refine.MODEL_LR
     refine_model_scope: str = refine.MODEL_SCOPE  # attention | layer: what the model stage trains (refine.MODEL_SCOPES)
     # what both stages' training steps compute in (refine.PRECISIONS); auto resolved in `convert` (refine.resolve_precision)
-    refine_precision: str = "auto"
+    refine_precision: str = refine.DEFAULT_PRECISION
     seed: int = 0
     device: str = "cpu"
     dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)

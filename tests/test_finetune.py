@@ -400,3 +400,34 @@ def test_time_budget_stops_the_run_and_drives_the_schedule(tiny_run, tmp_path):
     assert factor(20) == pytest.approx(0.1)  # time spent: the floor (min_lr_ratio), whatever the step
     with pytest.raises(UserError, match="max_seconds"):
         finetune.load_config(tiny_run["recipe"], ["max_seconds=0"])
+
+
+def test_keep_best_holds_the_best_evaluated_weights(tiny_run, tmp_path, monkeypatch):
+    """keep_best: final/ holds the weights of the evaluation with the lowest held-out perplexity (here step 3 of 6, its
+    scores set by the test, the weights checked against the step_3 checkpoint), and provenance says which step."""
+    from accelerate.state import AcceleratorState
+    from safetensors.torch import load_file
+
+    from mla_convert.training import loop
+
+    real, scores = loop.Trainer.evaluate, iter([10.0, 5.0, 8.0])  # steps 0, 3 and 6; then the real score
+
+    def scripted(self):
+        result = real(self)
+        return {**result, "perplexity": next(scores, result["perplexity"])}
+
+    monkeypatch.setattr(loop.Trainer, "evaluate", scripted)
+    out = tmp_path / "run"
+    cfg = finetune.load_config(tiny_run["recipe"], [f"output={out}", "max_steps=6", "save_every=3", "keep_last_n=0",
+                                                    "keep_best=true"])  # fmt: skip
+    try:
+        final = finetune.run(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    m = provenance.load(final)["measurements"]["finetune"]
+    assert m["kept_step"] == 3 and m["steps"] == 6
+    at3, kept = load_file(out / "step_3" / "model.safetensors"), load_file(final / "model.safetensors")
+    start = load_file(tiny_run["student"] / "model.safetensors")
+    attention = [k for k in kept if ".self_attn." in k]
+    assert attention and all(torch.equal(at3[k], kept[k]) for k in attention)
+    assert not all(torch.equal(start[k], kept[k]) for k in attention)  # it trained: step 3 is not the start

@@ -285,8 +285,10 @@ class Trainer:
     def train(self) -> Path:
         """The run after `setup`: step-0 eval (or its record on a resume), the steps, then `finish`. -> OUT/final."""
         cfg = self.cfg
+        self.best = None  # keep_best: (held-out perplexity, step, copies of the trained parameters)
         if self.resume_step == 0:
             self.before = self.evaluate()
+            self._remember(0, self.before)
             self.metrics.write(event="eval", step=0, tokens=0, **self.before)
             log.info("step 0: held-out perplexity %.3f%s", self.before["perplexity"], _reported(self.before))
         else:
@@ -312,6 +314,7 @@ class Trainer:
                 r = self.evaluate()
                 self.metrics.write(event="eval", step=done, tokens=done * self.tokens_per_step, **r)
                 log.info("step %d: held-out perplexity %.3f%s", done, r["perplexity"], _reported(r))
+                self._remember(done, r)
             if cfg.save_every and done % cfg.save_every == 0 and done != self.total_steps:
                 self.save(done)
             if crash_after and done == crash_after:
@@ -321,6 +324,25 @@ class Trainer:
             if out_of_time:
                 break
         return self.finish()
+
+    def _remember(self, step: int, result: dict) -> None:
+        """keep_best: copy the trained parameters (each process its own, FSDP shards included) when `result` is the
+        best held-out perplexity so far."""
+        if self.cfg.keep_best and (self.best is None or result["perplexity"] < self.best[0]):
+            with torch.no_grad():
+                self.best = (result["perplexity"], step, [p.detach().clone() for p in self.params])
+
+    def _restore_best(self, last: dict) -> int:
+        """keep_best: put back the best evaluation's parameters when it beat the last one (`last`). -> the step
+        whose weights final/ holds."""
+        if self.best is None or self.best[0] >= last["perplexity"]:
+            return self.total_steps
+        with torch.no_grad():
+            for p, b in zip(self.params, self.best[2]):
+                p.copy_(b)
+        log.info("keep_best: final/ holds the weights of step %d (held-out perplexity %.3f, last %.3f)",
+                 self.best[1], self.best[0], last["perplexity"])
+        return self.best[1]
 
     def _spend_time(self) -> bool:
         """With max_seconds: the share of it spent (the slowest process's, so that all agree) into self.time_share,
@@ -349,6 +371,9 @@ class Trainer:
         after = self.evaluate()
         self.metrics.write(event="eval", step=self.total_steps, tokens=self.total_steps * self.tokens_per_step, **after)
         log.info("final held-out perplexity %.3f%s", after["perplexity"], _reported(after))
+        self.kept_step = self._restore_best(after)
+        if self.kept_step != self.total_steps:
+            after = self.evaluate()  # what final/ holds, scored again
 
         # Both ranks must hold the same weights: compare a checksum of the trained parameters.
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.params]  # FSDP2: gather the shards
@@ -404,6 +429,7 @@ class Trainer:
             "mixed_precision": self.mp,
             "seconds": round(self.elapsed, 1),
             "stopped_for_time": self.stopped_for_time,
+            "kept_step": self.kept_step,  # the step whose weights final/ holds (keep_best), else the last
             "teacher_forward_seconds_per_process": [round(float(t), 1) for t in timing[:, 0]] if teacher else None,
             "student_seconds_per_process": [round(float(t), 1) for t in timing[:, 1]],
             "peak_memory_bytes_per_process": peak,

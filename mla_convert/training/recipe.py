@@ -62,6 +62,7 @@ class FinetuneConfig:
     eval_every: int = 50  # optimizer steps between held-out evaluations (0: only before and after)
     eval_windows: int = 8
     eval_seq_len: int | None = None  # defaults to seq_len
+    keep_best: bool = False  # final/ holds the weights of the best held-out evaluation seen since the run (re)started
     save_every: int = 100  # optimizer steps between step_N checkpoints (0: none)
     keep_last_n: int = 2  # step_N folders kept (older ones deleted once a newer one is complete); 0 keeps all
     log_every: int = 1
