@@ -143,6 +143,29 @@ def test_generate_returns_hidden_states_and_attentions():
     assert out.attentions[0][0].shape == (2, 4, 5, 5) and out.attentions[2][0].shape == (2, 4, 1, 7)
 
 
+def test_attention_weights_over_a_static_cache_span_its_rows():
+    """With a static cache the weights span every row of the cache, as transformers' attention over the whole buffer
+    returns them (GenerationTesterMixin.test_generate_compilation_all_outputs): the written rows' weights are the
+    dynamic cache's, the unwritten rows' are 0."""
+    model = tiny_model()
+    model.set_attn_implementation("eager")
+    x = ids(length=5)
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_attentions=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        dynamic = model.generate(x, **kwargs)
+        static = model.generate(x, cache_implementation="static", **kwargs)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    rows = output_cache(static).get_max_length(0)
+    assert rows >= 7  # the prompt and the new tokens but the last, which is never fed back
+    for step, (got_layers, want_layers) in enumerate(zip(static.attentions, dynamic.attentions)):
+        for got, want in zip(got_layers, want_layers):
+            written = 5 + step
+            assert got.shape == (2, 4, 5 if step == 0 else 1, rows) and want.shape[-1] == written
+            torch.testing.assert_close(got[..., :written], want, atol=1e-5, rtol=1e-5)
+            assert torch.all(got[..., written:] == 0)
+
+
 def test_assisted_decoding_with_output_flags():
     """Assisted decoding reads the hidden states and attentions of its verification steps (it crashed on None)."""
     model = tiny_model()

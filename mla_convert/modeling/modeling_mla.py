@@ -170,6 +170,7 @@ class MLAAttention(nn.Module):
             if self.qk_norm != "exact":  # exact qk norm: cached before norm and rotation (see _normalized_keys)
                 k_rope = rotate(k_rope, cos, sin)
         filled = None  # a static cache's count of written rows (0-d tensor on the cache's device), else None
+        capacity = None  # a static cache's row count where only its written rows are attended to
         if cache is not None:
             latent, k_rope = cache.update(latent, k_rope, self.layer_idx)  # [B, 1, S, d_c], [B, 1, S, d_r]
             layers = getattr(cache, "layers", None)  # None: a duck-typed cache (benchmarks)
@@ -179,7 +180,7 @@ class MLAAttention(nn.Module):
                 # count costs no wait (CPU), or in prefill (not captured), attend to the written rows only.
                 filled = layer.cumulative_length
                 if not torch.compiler.is_compiling() and (not absorbed or filled.device.type == "cpu"):
-                    rows = int(filled)
+                    rows, capacity = int(filled), latent.shape[2]
                     latent, k_rope, filled = latent[:, :, :rows], k_rope[:, :, :rows], None
                     if attention_mask is not None:
                         attention_mask = attention_mask[..., :rows]
@@ -195,6 +196,10 @@ class MLAAttention(nn.Module):
             out, weights = self._expanded(
                 q_nope, q_rope, latent, k_rope, attention_mask, key_position_embeddings, **kwargs
             )
+        if weights is not None and capacity is not None and weights.shape[-1] < capacity:
+            # transformers' convention: with a static cache the weights span its every row, the unwritten ones
+            # (masked) with weight 0, as attention over the whole buffer gives them
+            weights = nn.functional.pad(weights, (0, capacity - weights.shape[-1]))
         out = out.transpose(1, 2).reshape(bsz, q_len, -1)
         return self.o_proj(out), weights
 
