@@ -203,6 +203,7 @@ def decode(args, results: dict, src: Path, text: str) -> None:
             best = max(steps, key=lambda s: s["tokens_per_s"])
             fill = [f for f in out["fills"] if f["model"] == name and f["context"] == n]
             per[str(n)] = {"best_tokens_per_s": best["tokens_per_s"], "rounds": [s["tokens_per_s"] for s in steps],
+                           "cpu_seconds_per_token": [s["cpu_seconds"] / s["tokens"] for s in steps if "cpu_seconds" in s],
                            "load": [[s["load_before"], s["load_after"]] for s in steps],
                            "fill_seconds": fill[0]["seconds"] if fill else None}  # fmt: skip
         summary[name] = {"kv_log": kv.get(name), "contexts": per, "gguf_mib": Path(models[name]).stat().st_size / 2**20,
@@ -328,15 +329,11 @@ def decode_section(tag: str, d: dict) -> list[str]:
     contexts, models = d["contexts"], d["models"]
     limited = ", ".join(f"{k} up to {v:,}" for k, v in (d.get("max_context") or {}).items())
     lines = [
-        "", f"## Decode speed: run `{tag}`", "", f"`{d.get('command', '')}`" + (f" ({limited} only)" if limited else "")
+        "", f"### Run `{tag}`", "", f"`{d.get('command', '')}`" + (f" ({limited} only)" if limited else "")
         + (", llama.cpp flash attention on" if d.get("flash_attn") else ", llama.cpp flash attention off "
            "(llama-cpp-python's default)") + ".", "",
-        f"`scripts/llamacpp_decode.py` (run by the bench): every model loaded in one llama.cpp process, each with "
-        f"its own f16 KV cache of {d['n_ctx']:,} cells; each sequence grown (WikiText-2 test tokens) to each "
-        f"context length in turn, then {d['tokens']} single-token decode steps timed per model, {d['rounds']} "
-        "rounds, the model order reversed every other round; the table gives the best round (tokens/s) and, in "
-        "brackets, the ratio to the source GGUF at that context. Same type (f32 weights, f16 cache), same "
-        f"threads ({d['threads']}), same process.",
+        f"{d['tokens']} steps x {d['rounds']} rounds per model and context, KV cache {d['n_ctx']:,} cells. Best "
+        "round in tokens/s (wall clock), in brackets the ratio to the source GGUF at that context:",
         "",
         "| model | GGUF MiB | KV bytes/token | " + " | ".join(f"{c:,} ctx" for c in contexts) + " |",
         "| --- | --- | --- | " + " | ".join("---" for _ in contexts) + " |",
@@ -347,7 +344,7 @@ def decode_section(tag: str, d: dict) -> list[str]:
         for c in contexts:
             x = m["contexts"].get(str(c))
             if x is None:
-                cells.append("(not run)")
+                cells.append("(not reached)")
                 continue
             ref = src.get(str(c))
             ratio = f" ({x['best_tokens_per_s'] / ref['best_tokens_per_s']:.2f}x)" if ref and name != "source" else ""
@@ -359,11 +356,13 @@ def decode_section(tag: str, d: dict) -> list[str]:
         for c, x in m["contexts"].items():
             rounds = ", ".join(f"{t:.2f} ({a:.2f}->{b2:.2f})" for t, (a, b2) in zip(x["rounds"], x["load"]))
             fill = f"; fill {x['fill_seconds']:.0f} s" if x.get("fill_seconds") is not None else ""
-            lines.append(f"- {name} at {int(c):,}: {rounds}{fill}")
-    lines += ["", "Where a decode step's time goes: MiB it has to read at least (its f32 weights once, the "
-              "embedding table only where it is the tied output layer, + the cached K/V of the context), and a "
-              "least-squares fit of the best rounds' seconds per token = a + b x context (a: the cost that does "
-              "not grow with the context; b: the cost per cached token, attention):", "",
+            cpu = x.get("cpu_seconds_per_token")
+            cpu = f"; least CPU time {1e3 * min(cpu):.1f} ms per token" if cpu else ""
+            lines.append(f"- {name} at {int(c):,}: {rounds}{fill}{cpu}")
+    lines += ["", "MiB a decode step has to read at least (its f32 weights once, the embedding table only where it "
+              "is the tied output layer, + the cached K/V of the context), and a least-squares fit of the best "
+              "rounds' wall-clock seconds per token = a + b x context (under the shared load: compare rows, not "
+              "machines):", "",
               "| model | weights read MiB | " + " | ".join(f"MiB read at {c:,}" for c in contexts)
               + " | a (ms) | b (us per cached token) |",
               "| --- | --- | " + " | ".join("---" for _ in contexts) + " | --- | --- |"]
@@ -382,7 +381,7 @@ def profile_section(tag: str, p: dict) -> list[str]:
     models = p["models"]
     contexts = sorted({int(c) for m in models.values() for c in m})
     lo, hi = contexts[0], contexts[-1]
-    lines = ["", f"## CPU time per decode step: run `{tag}`", "", f"`{p['command']}`, llama.cpp flash attention "
+    lines = ["", f"## CPU time per decode step, flash attention {'on' if p['flash_attn'] else 'off'} (run `{tag}`)", "", f"`{p['command']}`, llama.cpp flash attention "
              f"{'on' if p['flash_attn'] else 'off'}, 1 thread. `scripts/llamacpp_profile.py`: the CPU time of the "
              "thread llama.cpp computes on (CLOCK_THREAD_CPUTIME_ID, so other processes on the machine do not enter "
              f"it), per decode step ({p['tokens']} steps after growing the sequence to each context), and per graph "
@@ -464,13 +463,23 @@ def write_readme(r: dict) -> None:
         lines += ["", f"llama.cpp's greedy continuation at {label(b['budget'])} of \"{PROMPTS[0]}\": "
                   f"{json.dumps(b['greedy_text_llamacpp'][0])} (token for token what transformers gives on the native "
                   "checkpoint)."]
-    for tag, d in runs.items():
-        lines += decode_section(tag, d)
+    if runs:
+        lines += ["", "## Decode speed", "",
+                  "`scripts/llamacpp_decode.py` (run by the bench): every model of a run loaded in one llama.cpp "
+                  "process, each with its own f16 KV cache; each sequence grown (WikiText-2 test tokens) to each "
+                  "context length in turn, then single-token decode steps timed per model in rounds, the model "
+                  "order reversed every other round, the 1-minute load average read before and after every timing. "
+                  "Same type (f32 weights, f16 cache), same threads (1), same process. Runs in the order of their "
+                  "weight for issue 48: the 25% GGUF against the source at 8K first."]
+    order = ["fa", "no-fa-8k", "no-fa", "fa-50-12.5"]
+    for tag in sorted(runs, key=lambda t: order.index(t) if t in order else len(order)):
+        lines += decode_section(tag, runs[tag])
     for tag, p in (r.get("profile") or {}).items():
         lines += profile_section(tag, p)
-    notes = OUT / "NOTES.md"
-    if notes.exists():
-        lines += ["", notes.read_text().strip()]
+    marker = "<!-- written by hand from here on: bench_llamacpp.py keeps it -->"
+    old = (OUT / "README.md").read_text() if (OUT / "README.md").exists() else ""
+    if marker in old:
+        lines += ["", marker + old.split(marker, 1)[1].rstrip()]
     (OUT / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -480,7 +489,7 @@ def plot(r: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.2))
     labels = [label(x["budget"]) for x in r["budgets"]]
     xs = range(len(labels))
     a.bar([x - 0.2 for x in xs], [x["ppl_transformers"] for x in r["budgets"]], 0.4, label="transformers")
@@ -500,7 +509,21 @@ def plot(r: dict) -> None:
     b.set_xlabel("context (tokens)")
     b.set_ylabel("decode tokens/s (best of rounds)")
     b.set_title(f"llama.cpp decode, f32, {r.get('threads')} thread(s), shared machine")
-    b.legend()
+    b.legend(fontsize=7)
+    for tag, p in (r.get("profile") or {}).items():
+        style = "-" if p["flash_attn"] else ":"
+        for name, m in p["models"].items():
+            pts = sorted((int(k), 1e3 * x["cpu_step_seconds"]) for k, x in m.items())
+            (line,) = c.plot([q[0] for q in pts], [q[1] for q in pts], marker="o", linestyle="none")
+            (lo, t_lo), (hi, t_hi) = pts[0], pts[-1]
+            slope = (t_hi - t_lo) / (hi - lo)
+            xs = [lo, 16384]
+            c.plot(xs, [t_lo + slope * (x - lo) for x in xs], linestyle=style, color=line.get_color(),
+                   label=f"{name}, flash attention {'on' if p['flash_attn'] else 'off'}")
+    c.set_xlabel("context (tokens)")
+    c.set_ylabel("CPU ms per decode step (1 thread)")
+    c.set_title("CPU time per step: measured (dots), a + b x context (lines)")
+    c.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(OUT / "decode.png", dpi=110)
 

@@ -9,7 +9,8 @@ after context n, where growing every model to the longest context would not fit 
 turn (the fill is timed too), then the models are timed in rounds, the order reversed every other round, so a load
 that comes and goes on a shared machine falls on all of them alike; the 1-minute load average is read before and
 after every timing. The RESULT (rewritten after every context, so a run cut short keeps what it measured) is
-{"steps": [{"context", "model", "round", "tokens", "seconds", "tokens_per_s", "load_before", "load_after"}],
+{"steps": [{"context", "model", "round", "tokens", "seconds", "tokens_per_s", "cpu_seconds" (this thread's CPU time:
+with threads 1 llama.cpp computes on it, and other processes do not enter it), "load_before", "load_after"}],
 "fills": [{"context", "model", "tokens", "seconds"}], "order": [labels]}. llama.cpp's log goes to stderr: one KV-cache
 line per model, in load order.
 """
@@ -55,12 +56,12 @@ def main(request_path: str, result_path: str) -> None:
             for label in order:
                 llm = timed[label]
                 load_before = os.getloadavg()[0]
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 for _ in range(steps):
                     llm.eval([ids[llm.n_tokens % len(ids)]])
-                seconds = time.perf_counter() - start
+                seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
                 out["steps"].append({"context": n, "model": label, "round": r, "tokens": steps, "seconds": seconds,
-                                     "tokens_per_s": steps / seconds, "load_before": load_before,
+                                     "tokens_per_s": steps / seconds, "cpu_seconds": cpu, "load_before": load_before,
                                      "load_after": os.getloadavg()[0]})  # fmt: skip
                 print(f"{n} {label} round {r}: {steps / seconds:.2f} tok/s (load {load_before:.2f} -> "
                       f"{out['steps'][-1]['load_after']:.2f})", file=sys.stderr, flush=True)

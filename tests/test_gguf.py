@@ -295,7 +295,7 @@ def test_benchmark_decode_and_profile_workers(tmp_path):
                                              "max_context": {"b": 16}})  # fmt: skip
     assert [(s["context"], s["model"], s["round"]) for s in out["steps"]] == [
         (16, "a", 0), (16, "b", 0), (16, "b", 1), (16, "a", 1), (40, "a", 0), (40, "a", 1)]
-    assert all(s["tokens_per_s"] > 0 and len(s) == 8 for s in out["steps"])
+    assert all(s["tokens_per_s"] > 0 and 0 < s["cpu_seconds"] and len(s) == 9 for s in out["steps"])
     # a grows from 16 + 2 x 2 decoded tokens to 40: 20 more
     assert [(f["context"], f["model"], f["tokens"]) for f in out["fills"]] == [(16, "a", 16), (16, "b", 16), (40, "a", 20)]
     assert log.count("llama_kv_cache: size") == 2
