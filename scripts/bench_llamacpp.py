@@ -498,12 +498,13 @@ def plot(r: dict) -> None:
     a.set_ylabel("WikiText-2 test perplexity")
     a.set_title("same conversion, same token ids")
     a.legend()
+    colors = {"source": "black", "50%": "tab:blue", "25%": "tab:orange", "12.5%": "tab:green"}
     runs = r.get("decode") or {}
     markers = "os^vD"
     for i, (tag, d) in enumerate(runs.items()):
         for name, m in d["models"].items():
             pts = sorted((int(c), x["best_tokens_per_s"]) for c, x in m["contexts"].items())
-            b.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)],
+            b.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], color=colors.get(name),
                    linestyle="-" if i == 0 else "--", label=f"{name} ({tag})" if len(runs) > 1 else name)
     b.set_xscale("log", base=2)
     b.set_xlabel("context (tokens)")
@@ -514,7 +515,8 @@ def plot(r: dict) -> None:
         style = "-" if p["flash_attn"] else ":"
         for name, m in p["models"].items():
             pts = sorted((int(k), 1e3 * x["cpu_step_seconds"]) for k, x in m.items())
-            (line,) = c.plot([q[0] for q in pts], [q[1] for q in pts], marker="o", linestyle="none")
+            (line,) = c.plot([q[0] for q in pts], [q[1] for q in pts], marker="o", linestyle="none",
+                             color=colors.get(name))
             (lo, t_lo), (hi, t_hi) = pts[0], pts[-1]
             slope = (t_hi - t_lo) / (hi - lo)
             xs = [lo, 16384]
