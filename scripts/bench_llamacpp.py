@@ -330,6 +330,7 @@ def decode_section(tag: str, d: dict) -> list[str]:
     limited = ", ".join(f"{k} up to {v:,}" for k, v in (d.get("max_context") or {}).items())
     lines = [
         "", f"### Run `{tag}`", "", f"`{d.get('command', '')}`" + (f" ({limited} only)" if limited else "")
+        + (f" ({d['note']})" if d.get("note") else "")
         + (", llama.cpp flash attention on" if d.get("flash_attn") else ", llama.cpp flash attention off "
            "(llama-cpp-python's default)") + ".", "",
         f"{d['tokens']} steps x {d['rounds']} rounds per model and context, KV cache {d['n_ctx']:,} cells. Best "
@@ -416,9 +417,11 @@ def write_readme(r: dict) -> None:
     lines = [
         "# llama.cpp: the GGUF export against transformers, and decode speed against the source GGUF",
         "",
-        f"Run with `{'`, `'.join(dict.fromkeys(r.get('commands', [])))}` ({r['machine']}, llama.cpp through "
-        "llama-cpp-python from scripts/install-llamacpp.sh, " + f"{r['threads']} thread{'s' * (r['threads'] > 1)}). "
-        f"SmolLM2-135M converted with `mla-convert llama --kv-budget B --target deepseek {r['convert_args']}` (closed "
+        "Commands run, in this order:", "",
+        *[f"- `{c}`" for c in dict.fromkeys(r.get("commands", []))],
+        "",
+        f"{r['machine']}, llama.cpp through llama-cpp-python from scripts/install-llamacpp.sh, "
+        f"{r['threads']} thread{'s' * (r['threads'] > 1)}. SmolLM2-135M converted with `mla-convert llama --kv-budget B --target deepseek {r['convert_args']}` (closed "
         "form: engine parity is measured here, not conversion quality), calibrated on WikiText-2 validation, exported "
         "with `mla-convert export OUT --format gguf` (f32). The source GGUF is the embedded SmolLM2-135M-Instruct Q4_1 "
         "file re-typed to f32 by llama.cpp's own quantizer (the weights transformers de-quantizes).",
