@@ -269,3 +269,41 @@ def test_convert_format_gguf(tmp_path, calib_text):
     result = CliRunner().invoke(app, ["qwen", str(qwen), *common, "--format", "gguf", "-o", str(tmp_path / "q.gguf")])
     assert_user_error(result.exit_code, result.output, "biases")
     assert not (tmp_path / "q.gguf").exists() and not (tmp_path / "q-native").exists()
+
+
+@needs_llamacpp
+def test_benchmark_decode_and_profile_workers(tmp_path):
+    """scripts/llamacpp_decode.py times every model at every context it reaches, in rounds whose order reverses;
+    scripts/llamacpp_profile.py gives CPU time per step and per graph node, with and without flash attention."""
+    import json
+    import subprocess
+
+    _, native = convert_tiny("llama-gqa", tmp_path)
+    export_gguf(native, tmp_path / "m.gguf", "f32")
+    model, scripts = str(tmp_path / "m.gguf"), Path(__file__).parents[1] / "scripts"
+    ids = list(range(3, 40))
+
+    def worker(name, request):
+        (tmp_path / "req.json").write_text(json.dumps(request))
+        proc = subprocess.run([str(llamacpp_python()), str(scripts / name), str(tmp_path / "req.json"),
+                               str(tmp_path / "res.json")], capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads((tmp_path / "res.json").read_text()), proc.stderr
+
+    out, log = worker("llamacpp_decode.py", {"models": {"a": model, "b": model}, "n_ctx": 128, "threads": 1,
+                                             "contexts": [16, 40], "tokens": 2, "rounds": 2, "ids": ids,
+                                             "max_context": {"b": 16}})  # fmt: skip
+    assert [(s["context"], s["model"], s["round"]) for s in out["steps"]] == [
+        (16, "a", 0), (16, "b", 0), (16, "b", 1), (16, "a", 1), (40, "a", 0), (40, "a", 1)]
+    assert all(s["tokens_per_s"] > 0 and 0 < s["cpu_seconds"] and len(s) == 9 for s in out["steps"])
+    # a grows from 16 + 2 x 2 decoded tokens to 40: 20 more
+    assert [(f["context"], f["model"], f["tokens"]) for f in out["fills"]] == [(16, "a", 16), (16, "b", 16), (40, "a", 20)]
+    assert log.count("llama_kv_cache: size") == 2
+    for flash, attention in ((True, "FLASH_ATTN_EXT"), (False, "SOFT_MAX")):
+        out, _ = worker("llamacpp_profile.py", {"models": {"m": model}, "n_ctx": 128, "threads": 1, "contexts": [16, 32],
+                                                "tokens": 2, "ids": ids, "flash_attn": flash})  # fmt: skip
+        for context in ("16", "32"):
+            r = out["m"][context]
+            ops = {n["op"] for n in r["nodes"]}
+            assert r["cpu_step_seconds"] > 0 and "MUL_MAT" in ops and attention in ops, (flash, ops)
+            assert sum(n["count_per_step"] for n in r["nodes"] if n["op"] == "MUL_MAT") >= 2 * 5  # 2 layers
