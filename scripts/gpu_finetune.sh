@@ -25,7 +25,7 @@ tmp=${TMPDIR:-/tmp}
 work=${WORK:-$tmp/mla-gpu}
 site=${SITE:-$tmp/site}
 tokens=(${TOKENS:-41943040 41943040})  # training-token cap per budget, in the order of BUDGETS
-seconds=(${SECONDS_FT:-210 150})  # training-time budget per budget (max_seconds)
+seconds=(${SECONDS_FT:-150 150})  # training-time budget per budget (max_seconds)
 recipe=${RECIPE:-recipes/smollm2-135m-gpu.yaml}
 mkdir -p "$out" "$work" "$site"
 out=$(cd "$out" && pwd)
