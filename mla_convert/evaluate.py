@@ -202,7 +202,16 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
                                                   **({"gguf_file": kwargs["gguf_file"]} if gguf else {}))
     except Exception as e:
         raise _cannot_load(path, e, gguf) from None
+    check_weights_finite(model, str(path))
     return model.to(device).eval(), tokenizer, str(path)
+
+
+def check_weights_finite(model, where: str) -> None:
+    """Refuse a loaded model with a NaN or infinite weight: its logits would be NaN and its perplexity print as nan."""
+    from mla_convert.validate import check_finite_tensors
+
+    check_finite_tensors(model.state_dict().items(), where, "the checkpoint is damaged; convert (or fine-tune) it "
+                         "again, or use a healthy copy")
 
 
 def eval_windows(ids: torch.Tensor, seq_len: int, windows: int) -> torch.Tensor:
@@ -240,6 +249,9 @@ def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, windows: int = 16,
         total += torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
         count += seq_len - 1
     nll = total / count
+    if not math.isfinite(nll):  # the weights are finite (load_model checks them): the activations overflowed
+        raise UserError("the model's logits are NaN or infinite on this text, although its weights are finite: the "
+                        "activations overflow in this dtype; evaluate with --dtype float32")
     return {"perplexity": math.exp(nll), "nll": nll, "tokens": count, "windows": windows, "seq_len": seq_len}
 
 
