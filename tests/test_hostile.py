@@ -967,3 +967,37 @@ def test_two_finetunes_into_one_output_at_once(ws, student, tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "train"] == [1, 2]
     assert sorted(p.name for p in out.iterdir()) == ["final", "loss.png", "metrics.jsonl"]
+
+
+# ------------------------------------------------------------------------- FIFOs and devices inside the folders read
+
+
+@pytest.mark.parametrize("planted", ["a FIFO", "a link to /dev/zero"])
+def test_overwrite_never_reads_a_planted_provenance_that_does_not_end(ws, tmp_path, planted):
+    """`--overwrite` reads OUT/provenance.json to tell whether OUT is ours: a FIFO there (which would block the read)
+    or a link to /dev/zero (which never ends) is not ours, refused in one line, and left as it was."""
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    if planted == "a FIFO":
+        os.mkfifo(out / "provenance.json")
+    else:
+        (out / "provenance.json").symlink_to("/dev/zero")
+    before = snapshot(tmp_path) if planted != "a FIFO" else sorted(os.listdir(out))
+    code, output = run(*convert_args(ws, ws / "src", out, "--overwrite"))
+    assert_user_error(code, output, "not a folder mla-convert wrote")
+    assert (snapshot(tmp_path) if planted != "a FIFO" else sorted(os.listdir(out))) == before
+
+
+def test_a_fifo_planted_as_the_resume_fingerprint_is_not_read(ws, tmp_path):
+    """A FIFO in place of the staging folder's fingerprint: nothing kept is trusted, the run starts over and
+    finishes (a blocking read would hang it)."""
+    import os
+
+    keep = tmp_path / ".out.incomplete" / ".resume"
+    keep.mkdir(parents=True)
+    os.mkfifo(keep / "fingerprint.json")
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert code == 0, output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
