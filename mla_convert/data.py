@@ -101,9 +101,18 @@ def _read_pipe(path: Path) -> bytes:
         os.close(fd)
 
 
+def _binary(head: bytes) -> bool:
+    """Whether the first bytes of a text look like binary data (weights, an archive) rather than UTF-8 text."""
+    return b"\0" in head or head.decode("utf-8", errors="replace").count("\ufffd") > 0.01 * len(head)
+
+
 def _read_bytes(path: Path) -> bytes:
     if not is_pipe(path):
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            head = f.read(65536)
+            if _binary(head):  # refused before the rest is read: a 16 GB weights file passed as text costs nothing
+                raise UserError(f"{path} is not UTF-8 text (binary data?): pass a plain text or .jsonl file")
+            return head + f.read()
     key = str(path)
     if key not in _PIPED:
         _PIPED[key] = _read_pipe(path)
@@ -144,8 +153,9 @@ def load_text(spec: str) -> str:
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise UserError(f"{path}:{n} is not a JSON object with a \"text\" field: fix that line") from None
             return "\n\n".join(docs)
-        # a binary file (weights, an archive) read as text would calibrate on noise: refuse it
-        if b"\0" in raw[:65536] or raw[:65536].decode("utf-8", errors="replace").count("\ufffd") > 0.01 * min(len(raw), 65536):
+        # a binary file (weights, an archive) read as text would calibrate on noise: refuse it (a file's head was
+        # checked before the rest was read; a pipe's is checked here)
+        if _binary(raw[:65536]):
             raise UserError(f"{path} is not UTF-8 text (binary data?): pass a plain text or .jsonl file")
         text = raw.decode("utf-8", errors="replace")
         if raw and not text.strip():

@@ -1001,3 +1001,50 @@ def test_a_fifo_planted_as_the_resume_fingerprint_is_not_read(ws, tmp_path):
     code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
     assert code == 0, output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_gguf_export_write_error_leaves_nothing(exportable, tmp_path, monkeypatch):
+    """A full disk while the GGUF's tensors are written: one line naming the fix, no NAME.gguf and no partial file."""
+    import gguf
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os_strerror(errno.ENOSPC), str(tmp_path / "out.gguf"))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full)
+    code, output = run("export", exportable, "--format", "gguf", "-o", tmp_path / "out.gguf")
+    assert_user_error(code, output, "disk is full")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_finetune_write_error_on_the_metrics_is_one_line(ws, student, tmp_path, monkeypatch):
+    """The disk fills while a metrics line is appended mid-run: one line, and no final/."""
+    from mla_convert.training.metrics import Metrics
+
+    def full(self, **fields):
+        raise OSError(errno.ENOSPC, os_strerror(errno.ENOSPC), str(self.path))
+
+    monkeypatch.setattr(Metrics, "write", full)
+    out = tmp_path / "run"
+    code, output = run(*finetune_args(ws, student, out))
+    assert_user_error(code, output, "disk is full", "metrics.jsonl")
+    assert not (out / "final").exists()
+
+
+def test_a_large_binary_file_given_as_text_is_refused_before_it_is_read(tmp_path):
+    """A weights file passed as text (here 256 MiB of zeros, sparse): refused from its head, never read whole."""
+    import tracemalloc
+
+    from mla_convert.data import load_text
+    from mla_convert.errors import UserError
+
+    big = tmp_path / "weights.txt"
+    with open(big, "wb") as f:
+        f.truncate(256 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match="not UTF-8 text"):
+            load_text(str(big))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
