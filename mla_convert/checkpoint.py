@@ -208,6 +208,17 @@ def read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def safetensors_files(folder: Path) -> list[Path]:
+    """The *.safetensors files of `folder`, each a regular file (through links, as the Hub's cache keeps them): a FIFO
+    would block the read and a device never end, so either is refused in one line."""
+    files = sorted(folder.glob("*.safetensors"))
+    odd = [f for f in files if not f.is_file()]
+    if odd:
+        raise UserError(f"{odd[0]} is not a regular file (a pipe, a device or a folder): a checkpoint's weights are "
+                        "files; re-download it")
+    return files
+
+
 class SafetensorsSource(Source):
     def __init__(self, config, origin: str, folder: Path, revision: str | None = None):
         super().__init__(config, origin, folder, revision)
@@ -215,7 +226,7 @@ class SafetensorsSource(Source):
         if index.is_file():
             weight_map = read_weight_map(index)
         else:
-            files = sorted(folder.glob("*.safetensors"))
+            files = safetensors_files(folder)
             if not files:
                 pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
                 hint = f" (found {pickles[0]}: pickle files are not loaded, they can run code; save as safetensors)" if pickles else ""

@@ -150,7 +150,7 @@ def load_text(spec: str) -> str:
                     if not isinstance(doc, str):
                         raise TypeError
                     docs.append(doc)
-                except (json.JSONDecodeError, KeyError, TypeError):
+                except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
                     raise UserError(f"{path}:{n} is not a JSON object with a \"text\" field: fix that line") from None
             return "\n\n".join(docs)
         # a binary file (weights, an archive) read as text would calibrate on noise: refuse it (a file's head was

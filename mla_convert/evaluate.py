@@ -143,11 +143,15 @@ def check_loadable_folder(folder: Path) -> None:
     as pytorch_model.bin / *.pt, an index naming shards outside the folder, or a config asking for custom code."""
     import json
 
-    from mla_convert.checkpoint import INDEX_NAME, read_weight_map
+    from mla_convert.checkpoint import INDEX_NAME, read_weight_map, safetensors_files
 
     if (folder / INDEX_NAME).is_file():
-        read_weight_map(folder / INDEX_NAME)
-    elif not any(folder.glob("*.safetensors")):
+        shards = sorted(set(read_weight_map(folder / INDEX_NAME).values()))
+        odd = [name for name in shards if not (folder / name).is_file()]
+        if odd:
+            raise UserError(f"shard {odd[0]} named in {folder / INDEX_NAME} is missing or not a regular file (a pipe "
+                            "or a device?): re-download the checkpoint")
+    elif not safetensors_files(folder):
         pickles = sorted(p.name for p in (*folder.glob("*.bin"), *folder.glob("*.pt"), *folder.glob("*.pth")))
         hint = f" (found {pickles[0]}: pickle files are never loaded, they can run code)" if pickles else ""
         raise UserError(f"{folder} has no *.safetensors weights{hint}: convert the weights to safetensors")

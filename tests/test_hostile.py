@@ -1048,3 +1048,32 @@ def test_a_large_binary_file_given_as_text_is_refused_before_it_is_read(tmp_path
     finally:
         tracemalloc.stop()
     assert peak < 16 << 20
+
+
+@pytest.mark.parametrize("planted", ["a FIFO", "a link to /dev/zero"])
+@pytest.mark.parametrize("command", ["convert", "eval of the source", "eval of a converted model", "export"])
+def test_weights_that_are_not_a_file_are_refused_not_read(ws, student, tmp_path, planted, command):
+    """model.safetensors planted as a FIFO (a read blocks) or a link to a device (a read never ends): one line."""
+    import os
+
+    folder = tmp_path / "model"
+    shutil.copytree(student if command in ("eval of a converted model", "export") else ws / "src", folder)
+    (folder / "model.safetensors").unlink()
+    if planted == "a FIFO":
+        os.mkfifo(folder / "model.safetensors")
+    else:
+        (folder / "model.safetensors").symlink_to("/dev/zero")
+    data = ["--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1"]
+    args = {"convert": convert_args(ws, folder, tmp_path / "out"), "eval of the source": ["eval", folder, *data],
+            "eval of a converted model": ["eval", folder, *data],
+            "export": ["export", folder, "-o", tmp_path / "out", "--no-verify"]}[command]
+    code, output = run(*args)
+    assert_user_error(code, output, "model.safetensors")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_jsonl_line_nested_too_deep_is_one_line(ws, tmp_path):
+    (tmp_path / "deep.jsonl").write_text('{"text": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out")[:-len(CALIB) - 2], "--calib-data",
+                       tmp_path / "deep.jsonl", *CALIB)
+    assert_user_error(code, output, "deep.jsonl:1")
