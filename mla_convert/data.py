@@ -176,8 +176,8 @@ def load_text(spec: str) -> str:
     return "\n\n".join(ds["text"])
 
 
-# Characters per tokenizer call at most: a tokenizer's working memory grows with the text of one call (a 30 MB text
-# in one call took 8.9 GB), so every text is tokenized in pieces of at most this many characters.
+# Characters per tokenizer call at most: a tokenizer's working memory grows with the text of one call, so every text
+# is tokenized in pieces of at most this many characters (the measurements: docs/decisions.md).
 TOKENIZE_CHUNK_CHARS = 1 << 20
 
 # where a piece may end (see `_pieces`): after a newline that a line's first character follows; else before the
@@ -189,7 +189,7 @@ _BEFORE_SPACE = re.compile(r"(?s).*\S(?=\s)")
 def _pieces(text: str, max_chars: int, max_lines: int | None):
     """`text` cut into consecutive pieces of at most `max_chars` characters (and `max_lines` lines, given), each
     ending after a newline where one falls in the piece, else before a space, else (a text without whitespace)
-    anywhere. A cut there leaves the tokens of byte-level BPE tokenizers as one call gives them (tested on WikiText)."""
+    anywhere. A cut there leaves the tokens of byte-level BPE tokenizers as one call gives them."""
     start, n = 0, len(text)
     while start < n:
         end = min(start + max_chars, n)
