@@ -208,6 +208,17 @@ def read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def safetensors_files(folder: Path) -> list[Path]:
+    """The *.safetensors files of `folder`, each a regular file (through links, as the Hub's cache keeps them): a FIFO
+    would block the read and a device never end, so either is refused in one line."""
+    files = sorted(folder.glob("*.safetensors"))
+    odd = [f for f in files if not f.is_file()]
+    if odd:
+        raise UserError(f"{odd[0]} is not a regular file (a pipe, a device or a folder): a checkpoint's weights are "
+                        "files; re-download it")
+    return files
+
+
 class SafetensorsSource(Source):
     def __init__(self, config, origin: str, folder: Path, revision: str | None = None):
         super().__init__(config, origin, folder, revision)
@@ -215,7 +226,7 @@ class SafetensorsSource(Source):
         if index.is_file():
             weight_map = read_weight_map(index)
         else:
-            files = sorted(folder.glob("*.safetensors"))
+            files = safetensors_files(folder)
             if not files:
                 pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
                 hint = f" (found {pickles[0]}: pickle files are not loaded, they can run code; save as safetensors)" if pickles else ""
@@ -426,10 +437,27 @@ def _download(repo_id: str, revision: str | None) -> Path:
 # ---------------------------------------------------------------------------------------------------- writing
 
 
+def read_own_text(path: Path, limit: int = 64 << 20) -> str:
+    """The text of `path`, a small file mla-convert wrote: a regular file of at most `limit` bytes, not read through a
+    link. Anything else (a FIFO, which would block; a link to /dev/zero, which never ends) raises OSError."""
+    import errno
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            raise OSError(errno.EINVAL, "not a small regular file", str(path))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1).decode("utf-8")
+    finally:
+        os.close(fd)
+
+
 def written_by_us(folder: Path) -> bool:
     """True when `folder` holds a `provenance.json` that mla-convert wrote (its marker of an output folder)."""
     try:
-        record = json.loads((Path(folder) / "provenance.json").read_text())
+        record = json.loads(read_own_text(Path(folder) / "provenance.json"))
     except (OSError, ValueError):
         return False
     return isinstance(record, dict) and "mla_convert_version" in record and "kind" in record
@@ -536,7 +564,7 @@ def _claim_resumable_stage(out: Path, fingerprint: dict):
     state = keep / "fingerprint.json"
     wanted = json.loads(json.dumps(fingerprint))  # as it reads back from JSON (tuples become lists)
     try:
-        kept = json.loads(state.read_text())
+        kept = json.loads(read_own_text(state))
     except (OSError, ValueError):
         kept = None
     # Only the kept work in .resume/ may carry over: files a killed run was writing beside it go either way.

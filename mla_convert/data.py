@@ -57,13 +57,65 @@ def is_pipe(path: Path) -> bool:
 
 _PIPED: dict[str, bytes] = {}  # the text read from each pipe (it can be read only once), by its path
 
+# A pipe is read with bounds, since nothing says how much it holds or when it ends: at most PIPE_MAX_BYTES (a text
+# larger than that belongs in a file, whose size is known), and a pipe silent for PIPE_IDLE_SECONDS (no program writes
+# to it, or the one that does stalled) is refused instead of waited on forever.
+PIPE_MAX_BYTES = 1 << 30
+PIPE_IDLE_SECONDS = 120.0
+
+
+def _read_pipe(path: Path) -> bytes:
+    import os
+    import select
+
+    def refuse(why: str) -> UserError:
+        return UserError(f"{path} is a pipe that {why}: write the text to a file and pass that")
+
+    # non-blocking open: a FIFO nobody writes to would otherwise block the open itself
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        parts, size, opened = [], 0, False
+        while True:
+            events = poller.poll(PIPE_IDLE_SECONDS * 1000)
+            if not events:
+                raise refuse(f"gave nothing for {PIPE_IDLE_SECONDS:g} s (no program writes to it?)")
+            try:
+                chunk = os.read(fd, 1 << 20)
+            except BlockingIOError:
+                continue
+            if chunk:
+                opened = True
+                size += len(chunk)
+                if size > PIPE_MAX_BYTES:
+                    raise refuse(f"gives more than {PIPE_MAX_BYTES / 2**20:g} MiB")
+                parts.append(chunk)
+            elif opened or events[0][1] & select.POLLHUP:  # end of file: the writer closed it
+                return b"".join(parts)
+            else:  # no writer yet: an empty read before any writer opened it is not the end
+                import time
+
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
+
+
+def _binary(head: bytes) -> bool:
+    """Whether the first bytes of a text look like binary data (weights, an archive) rather than UTF-8 text."""
+    return b"\0" in head or head.decode("utf-8", errors="replace").count("\ufffd") > 0.01 * len(head)
+
 
 def _read_bytes(path: Path) -> bytes:
     if not is_pipe(path):
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            head = f.read(65536)
+            if _binary(head):  # refused before the rest is read: a 16 GB weights file passed as text costs nothing
+                raise UserError(f"{path} is not UTF-8 text (binary data?): pass a plain text or .jsonl file")
+            return head + f.read()
     key = str(path)
     if key not in _PIPED:
-        _PIPED[key] = path.read_bytes()
+        _PIPED[key] = _read_pipe(path)
     return _PIPED[key]
 
 
@@ -98,11 +150,12 @@ def load_text(spec: str) -> str:
                     if not isinstance(doc, str):
                         raise TypeError
                     docs.append(doc)
-                except (json.JSONDecodeError, KeyError, TypeError):
+                except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
                     raise UserError(f"{path}:{n} is not a JSON object with a \"text\" field: fix that line") from None
             return "\n\n".join(docs)
-        # a binary file (weights, an archive) read as text would calibrate on noise: refuse it
-        if b"\0" in raw[:65536] or raw[:65536].decode("utf-8", errors="replace").count("\ufffd") > 0.01 * min(len(raw), 65536):
+        # a binary file (weights, an archive) read as text would calibrate on noise: refuse it (a file's head was
+        # checked before the rest was read; a pipe's is checked here)
+        if _binary(raw[:65536]):
             raise UserError(f"{path} is not UTF-8 text (binary data?): pass a plain text or .jsonl file")
         text = raw.decode("utf-8", errors="replace")
         if raw and not text.strip():
@@ -123,20 +176,49 @@ def load_text(spec: str) -> str:
     return "\n\n".join(ds["text"])
 
 
+# Characters per tokenizer call at most: a tokenizer's working memory grows with the text of one call, so every text
+# is tokenized in pieces of at most this many characters (the measurements: docs/decisions.md).
+TOKENIZE_CHUNK_CHARS = 1 << 20
+
+# where a piece may end (see `_pieces`): after a newline that a line's first character follows; else before the
+# whitespace in front of a word. Greedy, so the match ends at the last such place in the piece.
+_AFTER_NEWLINE = re.compile(r"(?s).*\n(?=[^\r\n])")
+_BEFORE_SPACE = re.compile(r"(?s).*\S(?=\s)")
+
+
+def _pieces(text: str, max_chars: int, max_lines: int | None):
+    """`text` cut into consecutive pieces of at most `max_chars` characters (and `max_lines` lines, given), each
+    ending after a newline where one falls in the piece, else before a space, else (a text without whitespace)
+    anywhere. A cut there leaves the tokens of byte-level BPE tokenizers as one call gives them."""
+    start, n = 0, len(text)
+    while start < n:
+        end = min(start + max_chars, n)
+        if max_lines is not None:  # the end of the piece's first max_lines lines, where it comes first
+            pos = start
+            for _ in range(max_lines):
+                pos = text.find("\n", pos, end)
+                if pos < 0:
+                    break
+                pos += 1
+            else:
+                end = pos
+        if end < n and (max_lines is None or end == start + max_chars):
+            found = _AFTER_NEWLINE.match(text, start, end) or _BEFORE_SPACE.match(text, start, end)
+            if found is not None and found.end() > start:
+                end = found.end()
+        yield text[start:end]
+        start = end
+
+
 def tokenize(tokenizer, text: str, chunk_lines: int | None = None) -> torch.Tensor:
     """Token ids of `text` [N] (no special tokens): the one tokenizing step of calibration, training and evaluation.
 
-    chunk_lines=None tokenizes the text in one call (calibration windows, evaluation). A number tokenizes it in
-    chunks of that many whole lines, so a long training file never becomes one giant tokenizer call; a chunk
-    boundary always falls after a newline (fine-tuning uses TRAIN_CHUNK_LINES)."""
-    if chunk_lines is None:
-        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    lines = text.splitlines(keepends=True)
-    ids: list[int] = []
-    for start in range(0, len(lines), chunk_lines):
-        chunk = "".join(lines[start : start + chunk_lines])
-        ids.extend(tokenizer(chunk, add_special_tokens=False)["input_ids"])
-    return torch.tensor(ids, dtype=torch.long)
+    The text is tokenized in pieces of at most TOKENIZE_CHUNK_CHARS characters (whole lines where the text has lines,
+    see `_pieces`), so no text, not even one long line, becomes one giant tokenizer call; a text shorter than that is
+    one call. A number `chunk_lines` also ends a piece after that many lines (fine-tuning uses TRAIN_CHUNK_LINES)."""
+    parts = [torch.tensor(tokenizer(piece, add_special_tokens=False)["input_ids"], dtype=torch.int32)
+             for piece in _pieces(text, TOKENIZE_CHUNK_CHARS, chunk_lines)]
+    return torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long)
 
 
 def pack(token_ids: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -143,11 +143,15 @@ def check_loadable_folder(folder: Path) -> None:
     as pytorch_model.bin / *.pt, an index naming shards outside the folder, or a config asking for custom code."""
     import json
 
-    from mla_convert.checkpoint import INDEX_NAME, read_weight_map
+    from mla_convert.checkpoint import INDEX_NAME, read_weight_map, safetensors_files
 
     if (folder / INDEX_NAME).is_file():
-        read_weight_map(folder / INDEX_NAME)
-    elif not any(folder.glob("*.safetensors")):
+        shards = sorted(set(read_weight_map(folder / INDEX_NAME).values()))
+        odd = [name for name in shards if not (folder / name).is_file()]
+        if odd:
+            raise UserError(f"shard {odd[0]} named in {folder / INDEX_NAME} is missing or not a regular file (a pipe "
+                            "or a device?): re-download the checkpoint")
+    elif not safetensors_files(folder):
         pickles = sorted(p.name for p in (*folder.glob("*.bin"), *folder.glob("*.pt"), *folder.glob("*.pth")))
         hint = f" (found {pickles[0]}: pickle files are never loaded, they can run code)" if pickles else ""
         raise UserError(f"{folder} has no *.safetensors weights{hint}: convert the weights to safetensors")
@@ -202,7 +206,16 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
                                                   **({"gguf_file": kwargs["gguf_file"]} if gguf else {}))
     except Exception as e:
         raise _cannot_load(path, e, gguf) from None
+    check_weights_finite(model, str(path))
     return model.to(device).eval(), tokenizer, str(path)
+
+
+def check_weights_finite(model, where: str) -> None:
+    """Refuse a loaded model with a NaN or infinite weight: its logits would be NaN and its perplexity print as nan."""
+    from mla_convert.validate import check_finite_tensors
+
+    check_finite_tensors(model.state_dict().items(), where, "the checkpoint is damaged; convert (or fine-tune) it "
+                         "again, or use a healthy copy")
 
 
 def eval_windows(ids: torch.Tensor, seq_len: int, windows: int) -> torch.Tensor:
@@ -240,6 +253,9 @@ def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, windows: int = 16,
         total += torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
         count += seq_len - 1
     nll = total / count
+    if not math.isfinite(nll):  # the weights are finite (load_model checks them): the activations overflowed
+        raise UserError("the model's logits are NaN or infinite on this text, although its weights are finite: the "
+                        "activations overflow in this dtype; evaluate with --dtype float32")
     return {"perplexity": math.exp(nll), "nll": nll, "tokens": count, "windows": windows, "seq_len": seq_len}
 
 

@@ -62,9 +62,22 @@ def check_source_shapes(source, family) -> None:
 
 def check_source_finite(source, family) -> None:
     """Refuse a source with a NaN or infinite weight (read tensor by tensor, one in memory at a time)."""
-    for name in expected_shapes(source.config, family):
-        tensor = source.get_raw(name)
+    check_finite_tensors(((name, source.get_raw(name)) for name in expected_shapes(source.config, family)),
+                         source.origin, "the checkpoint is damaged; re-download it or convert a healthy one")
+
+
+def check_finite_tensors(tensors, where: str, fix: str) -> None:
+    """Refuse, in one line naming `fix`, when any floating tensor of `tensors` (an iterable of (name, tensor), read
+    one at a time) holds a NaN or infinite value."""
+    for name, tensor in tensors:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
-            raise UserError(f"tensor {name} of {source.origin} holds {bad} NaN or infinite values: the checkpoint is "
-                            "damaged; re-download it or convert a healthy one")
+            raise UserError(f"tensor {name} of {where} holds {bad} NaN or infinite values: {fix}")
+
+
+def check_checkpoint_finite(source, what: str) -> None:
+    """Refuse a native checkpoint (a SafetensorsSource) with a NaN or infinite weight before `what` writes anything:
+    every tensor it holds, one in memory at a time."""
+    check_finite_tensors(((name, source.get_raw(name)) for name in source.keys()), source.origin,
+                         f"the checkpoint is damaged, and {what} of it would be too; convert it again (or fine-tune "
+                         "it again from its last good step)")

@@ -760,3 +760,320 @@ def test_export_without_room_is_refused_before_any_work(exportable, tmp_path, mo
     code, output = run("export", exportable, "-o", tmp_path / "exp", "--no-verify")
     assert_user_error(code, output, "free", "the checkpoint")
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------- long lines, pipes and devices
+
+
+class _Spy:
+    """A tokenizer that records the length of every text it is called on."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def __call__(self, text, **kwargs):
+        self.calls.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+
+@pytest.mark.parametrize("shape", ["one long line", "no whitespace at all", "many short lines"])
+def test_a_text_is_tokenized_in_bounded_pieces(ws, monkeypatch, shape):
+    """No tokenizer call gets more than TOKENIZE_CHUNK_CHARS characters, whatever the text's lines (a 30 MB line in
+    one call took 8.9 GB), and the ids are those of one call where the cuts fall before spaces or after newlines."""
+    from mla_convert import data
+    from mla_convert.checkpoint import open_source
+
+    tokenizer = open_source(str(ws / "src")).tokenizer()
+    words = (ws / "calib.txt").read_text().split()
+    text = {"one long line": " ".join(words * 4), "no whitespace at all": "".join(words),
+            "many short lines": "\n".join(words * 4)}[shape]
+    monkeypatch.setattr(data, "TOKENIZE_CHUNK_CHARS", 1000)
+    for chunk_lines in (None, data.TRAIN_CHUNK_LINES):
+        spy = _Spy(tokenizer)
+        ids = data.tokenize(spy, text, chunk_lines)
+        assert len(spy.calls) > 1 and max(spy.calls) <= 1000 and sum(spy.calls) == len(text)
+        if shape != "no whitespace at all":
+            assert torch.equal(ids, torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
+
+
+def test_one_line_calibration_and_training_text_runs(ws, student, tmp_path, monkeypatch):
+    """A text on one line (no newline at all) calibrates a conversion and trains a fine-tune, tokenized in pieces."""
+    from mla_convert import data
+
+    monkeypatch.setattr(data, "TOKENIZE_CHUNK_CHARS", 2000)
+    line = tmp_path / "line.txt"
+    line.write_text(" ".join((ws / "calib.txt").read_text().split() * 5))
+    code, output = run("llama", ws / "src", "--rank", "8", "-o", tmp_path / "out", "--calib-data", line, *CALIB)
+    assert code == 0, output
+    args = [a if not a.startswith("data=") else f"data={line}" for a in finetune_args(ws, student, tmp_path / "run")]
+    code, output = run(*args)
+    assert code == 0, output
+    assert (tmp_path / "run" / "final" / "provenance.json").is_file()
+
+
+def test_a_pipe_nobody_writes_to_is_refused_not_waited_on(ws, tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr("mla_convert.data.PIPE_IDLE_SECONDS", 1.0)
+    os.mkfifo(tmp_path / "silent")
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out")[:-len(CALIB) - 2], "--calib-data",
+                       tmp_path / "silent", *CALIB)
+    assert_user_error(code, output, "silent is a pipe that gave nothing for 1 s", "write the text to a file")
+    code, output = run("eval", ws / "src", "--data", tmp_path / "silent", "--seq-len", "16", "--windows", "1")
+    assert_user_error(code, output, "gave nothing")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["silent"]
+
+
+def test_a_pipe_that_never_ends_is_read_to_a_bound(ws, tmp_path, monkeypatch):
+    """`--calib-data <(yes)`: read up to PIPE_MAX_BYTES, then refused in one line (memory stays bounded)."""
+    import os
+    import threading
+
+    monkeypatch.setattr("mla_convert.data.PIPE_MAX_BYTES", 1 << 16)
+    path = tmp_path / "endless"
+    os.mkfifo(path)
+
+    def feed():
+        try:
+            with open(path, "w") as f:
+                while True:
+                    f.write("y\n" * 4096)
+        except BrokenPipeError:  # the reader gave up: the bound held
+            pass
+
+    threading.Thread(target=feed, daemon=True).start()
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out")[:-len(CALIB) - 2], "--calib-data", path,
+                       *CALIB)
+    assert_user_error(code, output, "endless is a pipe that gives more than 0.0625 MiB")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["convert", "eval", "finetune"])
+def test_a_device_given_as_text_is_refused(ws, student, tmp_path, command):
+    """/dev/zero (endless) as a text: refused before it is read, in one line."""
+    args = {"convert": ["llama", ws / "src", "--rank", "8", "-o", tmp_path / "out", "--calib-data", "/dev/zero",
+                        *CALIB],
+            "eval": ["eval", student, "--data", "/dev/zero", "--seq-len", "16", "--windows", "1"],
+            "finetune": [a if not a.startswith("data=") else "data=/dev/zero"
+                         for a in finetune_args(ws, student, tmp_path / "out")]}[command]
+    code, output = run(*args)
+    assert_user_error(code, output, "/dev/zero is not a regular file")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------- NaN weights in a native checkpoint
+
+
+@pytest.fixture(scope="module")
+def damaged_native(exportable, tmp_path_factory) -> Path:
+    """A native checkpoint with one NaN and one infinite weight in its latent projections."""
+    folder = tmp_path_factory.mktemp("damaged") / "model"
+    shutil.copytree(exportable, folder)
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.1.self_attn.kv_b_proj.weight"][0, 0] = float("nan")
+    state["model.layers.1.self_attn.o_proj.weight"][1, 1] = float("inf")
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("command", ["export", "export gguf", "eval", "generate", "finetune"])
+def test_nan_weights_in_a_native_checkpoint_are_refused_before_writing(ws, damaged_native, tmp_path, command):
+    before = snapshot(damaged_native)
+    args = {"export": ["export", damaged_native, "-o", tmp_path / "out", "--no-verify"],
+            "export gguf": ["export", damaged_native, "--format", "gguf", "-o", tmp_path / "out.gguf"],
+            "eval": ["eval", damaged_native, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1"],
+            "generate": ["generate", damaged_native, "-p", "w1 w2", "-n", "2"],
+            "finetune": finetune_args(ws, damaged_native, tmp_path / "out")}[command]
+    code, output = run(*args)
+    assert_user_error(code, output, "model.layers.1.self_attn.kv_b_proj.weight", "1 NaN or infinite values",
+                      "damaged")
+    assert "nan" not in output.replace("NaN", "")
+    assert list(tmp_path.iterdir()) == [] and snapshot(damaged_native) == before
+
+
+def test_a_diverging_finetune_stops_without_a_final(ws, student, tmp_path, monkeypatch):
+    """A loss that turns NaN: one line naming the step, no final/ that looks like a result."""
+    import mla_convert.training.loop as loop
+
+    real = loop.lm_loss
+    monkeypatch.setattr(loop, "lm_loss", lambda logits, ids: real(logits, ids) * float("nan"))
+    out = tmp_path / "run"
+    code, output = run(*finetune_args(ws, student, out))
+    assert_user_error(code, output, "NaN or infinite at step 1", "lower lr")
+    assert not (out / "final").exists() and not any(p.name.startswith(".final") for p in out.iterdir())
+
+
+def test_logits_that_overflow_are_one_line(ws, student, monkeypatch):
+    """Finite weights, NaN logits (an activation overflow): eval says so instead of printing nan."""
+    import torch.nn.functional as F
+
+    real = F.cross_entropy
+    monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: real(*a, **k) * float("nan"))
+    code, output = run("eval", student, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
+    assert_user_error(code, output, "NaN or infinite", "--dtype float32")
+
+
+# ------------------------------------------------------------------------------------- two fine-tunes at once
+
+FINETUNE_HOLDER = """
+import os, sys, time
+from pathlib import Path
+from mla_convert.training import loop
+marks = Path(os.environ["MARKS"])
+real = loop.lock_run_folder
+def holding(out):
+    fd = real(out)  # the lock is ours: say so, then hold it until the test lets this run go on
+    (marks / f"locked-{os.getpid()}").write_text("")
+    for _ in range(1200):
+        if (marks / "go").exists():
+            break
+        time.sleep(0.1)
+    return fd
+loop.lock_run_folder = holding
+from mla_convert.cli import app
+sys.argv[0] = "mla-convert"
+app()
+"""
+
+
+def test_two_finetunes_into_one_output_at_once(ws, student, tmp_path):
+    """Two real processes started together into one output: exactly one runs (exit 0, its metrics alone), the other
+    exits 2 with one line and touches nothing."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    out, marks = tmp_path / "run", tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MARKS": str(marks)}
+    args = [sys.executable, "-c", FINETUNE_HOLDER, *map(str, finetune_args(ws, student, out))]
+    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        while not any(p.poll() is not None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the loser ends while the winner holds the lock
+        losers = [p for p in procs if p.poll() is not None]
+        assert len(losers) == 1, "neither run ended while the other held the output"
+        loser_output = losers[0].communicate()[0]
+        assert_user_error(losers[0].returncode, loser_output, "another fine-tuning run is writing", str(out))
+        assert len(list(marks.iterdir())) == 1  # the winner holds the lock; the loser never got it
+    finally:
+        (marks / "go").write_text("")
+        winner = [p for p in procs if p.poll() is None or p.returncode != 2]
+        outputs = [p.communicate(timeout=600)[0] for p in procs if p.returncode is None]
+    assert len(winner) == 1 and winner[0].returncode == 0, outputs
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "train"] == [1, 2]
+    assert sorted(p.name for p in out.iterdir()) == ["final", "loss.png", "metrics.jsonl"]
+
+
+# ------------------------------------------------------------------------- FIFOs and devices inside the folders read
+
+
+@pytest.mark.parametrize("planted", ["a FIFO", "a link to /dev/zero"])
+def test_overwrite_never_reads_a_planted_provenance_that_does_not_end(ws, tmp_path, planted):
+    """`--overwrite` reads OUT/provenance.json to tell whether OUT is ours: a FIFO there (which would block the read)
+    or a link to /dev/zero (which never ends) is not ours, refused in one line, and left as it was."""
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    if planted == "a FIFO":
+        os.mkfifo(out / "provenance.json")
+    else:
+        (out / "provenance.json").symlink_to("/dev/zero")
+    before = snapshot(tmp_path) if planted != "a FIFO" else sorted(os.listdir(out))
+    code, output = run(*convert_args(ws, ws / "src", out, "--overwrite"))
+    assert_user_error(code, output, "not a folder mla-convert wrote")
+    assert (snapshot(tmp_path) if planted != "a FIFO" else sorted(os.listdir(out))) == before
+
+
+def test_a_fifo_planted_as_the_resume_fingerprint_is_not_read(ws, tmp_path):
+    """A FIFO in place of the staging folder's fingerprint: nothing kept is trusted, the run starts over and
+    finishes (a blocking read would hang it)."""
+    import os
+
+    keep = tmp_path / ".out.incomplete" / ".resume"
+    keep.mkdir(parents=True)
+    os.mkfifo(keep / "fingerprint.json")
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out"))
+    assert code == 0, output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_gguf_export_write_error_leaves_nothing(exportable, tmp_path, monkeypatch):
+    """A full disk while the GGUF's tensors are written: one line naming the fix, no NAME.gguf and no partial file."""
+    import gguf
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os_strerror(errno.ENOSPC), str(tmp_path / "out.gguf"))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full)
+    code, output = run("export", exportable, "--format", "gguf", "-o", tmp_path / "out.gguf")
+    assert_user_error(code, output, "disk is full")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_finetune_write_error_on_the_metrics_is_one_line(ws, student, tmp_path, monkeypatch):
+    """The disk fills while a metrics line is appended mid-run: one line, and no final/."""
+    from mla_convert.training.metrics import Metrics
+
+    def full(self, **fields):
+        raise OSError(errno.ENOSPC, os_strerror(errno.ENOSPC), str(self.path))
+
+    monkeypatch.setattr(Metrics, "write", full)
+    out = tmp_path / "run"
+    code, output = run(*finetune_args(ws, student, out))
+    assert_user_error(code, output, "disk is full", "metrics.jsonl")
+    assert not (out / "final").exists()
+
+
+def test_a_large_binary_file_given_as_text_is_refused_before_it_is_read(tmp_path):
+    """A weights file passed as text (here 256 MiB of zeros, sparse): refused from its head, never read whole."""
+    import tracemalloc
+
+    from mla_convert.data import load_text
+    from mla_convert.errors import UserError
+
+    big = tmp_path / "weights.txt"
+    with open(big, "wb") as f:
+        f.truncate(256 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match="not UTF-8 text"):
+            load_text(str(big))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
+@pytest.mark.parametrize("planted", ["a FIFO", "a link to /dev/zero"])
+@pytest.mark.parametrize("command", ["convert", "eval of the source", "eval of a converted model", "export"])
+def test_weights_that_are_not_a_file_are_refused_not_read(ws, student, tmp_path, planted, command):
+    """model.safetensors planted as a FIFO (a read blocks) or a link to a device (a read never ends): one line."""
+    import os
+
+    folder = tmp_path / "model"
+    shutil.copytree(student if command in ("eval of a converted model", "export") else ws / "src", folder)
+    (folder / "model.safetensors").unlink()
+    if planted == "a FIFO":
+        os.mkfifo(folder / "model.safetensors")
+    else:
+        (folder / "model.safetensors").symlink_to("/dev/zero")
+    data = ["--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1"]
+    args = {"convert": convert_args(ws, folder, tmp_path / "out"), "eval of the source": ["eval", folder, *data],
+            "eval of a converted model": ["eval", folder, *data],
+            "export": ["export", folder, "-o", tmp_path / "out", "--no-verify"]}[command]
+    code, output = run(*args)
+    assert_user_error(code, output, "model.safetensors")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_jsonl_line_nested_too_deep_is_one_line(ws, tmp_path):
+    (tmp_path / "deep.jsonl").write_text('{"text": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    code, output = run(*convert_args(ws, ws / "src", tmp_path / "out")[:-len(CALIB) - 2], "--calib-data",
+                       tmp_path / "deep.jsonl", *CALIB)
+    assert_user_error(code, output, "deep.jsonl:1")

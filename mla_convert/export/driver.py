@@ -55,6 +55,9 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     dtype = out_dtype(options, config)
     source = SafetensorsSource(config, str(folder), folder)
     from mla_convert.convert import check_room
+    from mla_convert.validate import check_checkpoint_finite
+
+    check_checkpoint_finite(source, "an export")  # before any work: NaN weights would export into a broken model
 
     elements = sum(math.prod(source.shape(name)) for name in source.keys())
     check_room(Path(out), elements * dtype.itemsize, copies=1)  # before any work: the export is one full copy

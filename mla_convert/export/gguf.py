@@ -224,6 +224,9 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
         raise UserError("qk_nope_head_dim is 0: llama.cpp's deepseek2 loader needs at least one non-rope key dim")
     source = SafetensorsSource(config, str(folder), folder)
     try:
+        from mla_convert.validate import check_checkpoint_finite
+
+        check_checkpoint_finite(source, "a GGUF export")  # before the file is begun
         biased = sorted({n for layer in _attention_biases(source, config) for n in layer})
         if biased:
             raise UserError(f"this model has attention biases ({', '.join(biased)}), which llama.cpp's deepseek2 "

@@ -80,6 +80,7 @@ class Trainer:
         cfg = self.cfg
         self.out = out = check_output(cfg)
         if self.is_main:
+            self._created_out = not out.exists()  # a run refused before it wrote anything leaves no folder of its own
             self._lock = lock_run_folder(out)  # held until the process ends: one run per output folder
             prepare_output(cfg, out, self.is_main)
         self.accelerator.wait_for_everyone()
@@ -304,6 +305,10 @@ class Trainer:
             per_rank, lr, grad_norm = self.train_step(step)
             self.elapsed += time.perf_counter() - t0
             done = step + 1
+            if not bool(torch.isfinite(per_rank).all()):  # every process holds every rank's losses: all stop here
+                self._log_step(done, per_rank, lr, grad_norm)
+                raise UserError(f"the loss is NaN or infinite at step {done}: the run diverged, and no final/ is "
+                                "written; lower lr (or use dtype=float32) and run again")
             out_of_time = self._spend_time()
             if out_of_time:
                 log.info("max_seconds=%g spent after %d of %d steps: finishing", cfg.max_seconds, done, self.total_steps)
@@ -475,6 +480,11 @@ def run(cfg: FinetuneConfig) -> Path:
     try:
         trainer.setup()
         return trainer.train()
+    except UserError:
+        if getattr(trainer, "_created_out", False) and trainer._lock is not None:
+            with contextlib.suppress(OSError):  # only while it is still empty (rmdir refuses otherwise)
+                trainer.out.rmdir()
+        raise
     finally:
         if getattr(trainer, "_lock", None) is not None:  # the run folder's lock (main process)
             os.close(trainer._lock)

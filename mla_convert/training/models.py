@@ -27,10 +27,14 @@ def load_student(path: str, dtype: torch.dtype):
     if Path(path).is_dir():
         check_loadable_folder(Path(path))  # no pickle, no custom code, no shard outside the folder
     try:  # use_safetensors: never torch.load
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, use_safetensors=True)
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"cannot load the student {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}): "
                         "pass a model folder (e.g. the output of mla-convert llama)") from None
+    from mla_convert.evaluate import check_weights_finite
+
+    check_weights_finite(model, path)  # before any step: a NaN weight makes every loss NaN
+    return model
 
 
 def teacher_spec(cfg: FinetuneConfig) -> str | None:
@@ -63,6 +67,7 @@ def load_teacher(spec: str, dtype: torch.dtype):
                                                          use_safetensors=True)
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load the teacher {spec} ({type(e).__name__}): pass a local folder or .gguf") from None
+        evaluate.check_weights_finite(model, spec)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
