@@ -118,6 +118,18 @@ def second_moment(x: torch.Tensor) -> torch.Tensor:
     return x.T @ x / x.shape[0]
 
 
+def window_mask(config, seq_len: int, device=None) -> torch.Tensor | None:
+    """The attention mask of a sliding-window source or native config over `seq_len` positions from 0: bool
+    [1, 1, T, T], True where query t sees key j (j <= t and t - j < window); None where every query sees its whole
+    past (no window, or one no shorter than the sequence), which the layers take as plain causal attention."""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is None or window >= seq_len:
+        return None
+    positions = torch.arange(seq_len, device=device)
+    back = positions[:, None] - positions[None, :]  # [T, T]: how far key j lies behind query t
+    return ((back >= 0) & (back < window))[None, None]
+
+
 class LayerRunner:
     """Runs calibration tokens through decoder layers one at a time.
 
@@ -134,6 +146,7 @@ class LayerRunner:
         rotary = LlamaRotaryEmbedding(config)
         positions = torch.arange(tokens.shape[1]).unsqueeze(0)
         self.position_embeddings = rotary(self.hidden[:1], positions)
+        self.window = config.sliding_window if window_mask(config, tokens.shape[1]) is not None else None
 
     def to(self, device) -> "LayerRunner":
         """Keep the hidden states (and the rotary tables) on `device`: layers moved there run where they are."""
@@ -196,6 +209,10 @@ class LayerRunner:
                 # query first+r sees key length-1-c iff c >= rows-1-r: only the first `rows` columns hold future keys
                 future = torch.ones(rows, rows, dtype=torch.bool).triu(1).flip(1)  # [R, R]: c < rows-1-r
                 scores[:, :, :rows].masked_fill_(future, float("-inf"))
+                if self.window is not None:  # query first+r sees key length-1-c only within the window
+                    at = torch.arange(length, device=scores.device)
+                    back = at[first:, None] - (length - 1 - at)[None, :]
+                    scores.masked_fill_(back >= self.window, float("-inf"))
                 probs = scores.softmax(-1)  # [H, R, L]
                 profile[:, :length] += by_distance(probs).double()
                 received[:length] += probs.sum(dim=(0, 1)).flip(0).double()  # column c is key length-1-c
@@ -221,7 +238,8 @@ class LayerRunner:
         for chunk in self.hidden.split(self.batch):
             cos, sin = self.position_embeddings
             pe = (cos.expand(chunk.shape[0], -1, -1), sin.expand(chunk.shape[0], -1, -1))
-            out = layer(chunk, attention_mask=None, position_embeddings=pe, position_ids=None)
+            mask = window_mask(layer.self_attn.config, chunk.shape[1], chunk.device)
+            out = layer(chunk, attention_mask=mask, position_embeddings=pe, position_ids=None)
             outs.append(out[0] if isinstance(out, tuple) else out)
         self.hidden = torch.cat(outs)
 

@@ -244,7 +244,15 @@ def _convert(
     source = open_source(model, revision)
     from mla_convert.families import family_for
 
-    if family_for(source.config, family).has_qk_norm(source.config) and (target == "deepseek" or qk_norm == "exact"):
+    found = family_for(source.config, family)
+    limits = found.engine_limits(source.config)
+    if limits and target == "deepseek":
+        raise UserError(f"this model has {' and '.join(limits)}, which DeepSeek-V3's MLA (and llama.cpp's) cannot hold: "
+                        "convert with --target native and run it in transformers (eval, generate)")
+    if limits and not dry_run:
+        typer.echo(f"note: this model has {' and '.join(limits)}: the converted checkpoint runs in transformers; "
+                   "vLLM and the DeepSeek-V3/GGUF exports refuse it", err=True)
+    if found.has_qk_norm(source.config) and (target == "deepseek" or qk_norm == "exact"):
         _refuse_qk_norm_serving(target, qk_norm)
     explicit = {k for k, v in (("rope_strategy", rope_strategy), ("rope_dims", rope_dims)) if v is not None}
     convert_to_target(source, output, native_out, options, family, target=target, format=format, explicit=explicit,

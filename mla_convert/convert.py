@@ -545,6 +545,7 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
         rope_pairs=rope_pairs,
         softmax_scale=plan.head_dim**-0.5,
         qk_norm=plan.qk_norm,
+        sliding_window=family.sliding_window(source_config),
     )
     config.architectures = ["MLAForCausalLM"]
     config.dtype = dtype

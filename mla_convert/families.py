@@ -22,6 +22,9 @@ class Family:
     # model types that RMS-normalize every query and key head over head_dim (with a learned [head_dim] weight) before
     # RoPE, and the tensors of those weights
     qk_norm_types: tuple[str, ...] = ()
+    # model types whose attention may look back over a sliding window only (`config.sliding_window`), which the native
+    # model keeps (mask and cache); no engine the checkpoint exports to or serves in holds one
+    sliding_window_types: tuple[str, ...] = ()
     q_norm: str = "self_attn.q_norm"
     k_norm: str = "self_attn.k_norm"
     layer_prefix: str = "model.layers.{i}."
@@ -41,6 +44,22 @@ class Family:
     def has_qk_norm(self, config) -> bool:
         """Whether a source config of this family normalizes each query and key head before RoPE."""
         return getattr(config, "model_type", None) in self.qk_norm_types
+
+    def sliding_window(self, config) -> int | None:
+        """The window (in tokens, the query's own included) a source config of this family attends within, or None
+        where every query sees its whole past (no window, or one no shorter than the context)."""
+        window = getattr(config, "sliding_window", None)
+        if window is None or not getattr(config, "use_sliding_window", True):
+            return None
+        if window >= getattr(config, "max_position_embeddings", 0):
+            return None
+        return window
+
+    def engine_limits(self, config) -> list[str]:
+        """What in a source config of this family no engine can run (vLLM's MLA kernels, the DeepSeek-V3 and GGUF
+        exports): the converted checkpoint runs in transformers only."""
+        window = self.sliding_window(config)
+        return [f"a sliding attention window ({window} tokens)"] if window is not None else []
 
     def tensor(self, layer: int, proj: str, kind: str = "weight") -> str:
         return f"{self.layer_prefix.format(i=layer)}{getattr(self, proj)}.{kind}"
@@ -62,6 +81,7 @@ FAMILIES = {
             "llama": "transformers.models.llama.modeling_llama:LlamaDecoderLayer",
             "mistral": "transformers.models.mistral.modeling_mistral:MistralDecoderLayer",
         },
+        sliding_window_types=("mistral",),
     ),
     "qwen": Family(
         name="qwen",
@@ -130,12 +150,15 @@ def check_config(config, family: Family) -> None:
         raise UserError(f"head_dim {head_dim} is odd; RoPE needs an even head dim")
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         raise UserError(f"hidden_act '{config.hidden_act}' is not supported (only silu MLPs)")
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", True) and window is not None
-    if uses_window and window < getattr(config, "max_position_embeddings", 0):
+    raw = getattr(config, "sliding_window", None)
+    if raw is not None and (not isinstance(raw, int) or isinstance(raw, bool) or raw < 1):
+        raise UserError(f"sliding_window in config.json must be a positive whole number or null, got {raw!r}: "
+                        "fix config.json")
+    window = family.sliding_window(config)
+    if window is not None and getattr(config, "model_type", None) not in family.sliding_window_types:
         raise UserError(
-            f"sliding-window attention (window {window}) is not supported; use a checkpoint without a sliding window "
-            "(e.g. Mistral-7B v0.2 or later)"
+            f"sliding-window attention (window {window}) is not supported for model_type "
+            f"'{getattr(config, 'model_type', None)}'; use a checkpoint without a sliding window"
         )
     rope = getattr(config, "rope_parameters", None) or {}
     if not isinstance(rope, dict):

@@ -38,6 +38,8 @@ KINDS = {
     "llama-gqa": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
     "llama-mha": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4),
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    # Mistral v0.1's sliding window, far shorter than the test sequences
+    "mistral-window": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6),
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
     # GQA, head_dim 24 != hidden/heads 16, per-head q/k norms (random weights, set in tiny_source)
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),

@@ -20,6 +20,9 @@ query is the source's (`q_proj` -> `q_norm` -> `q_head_proj`), the cache holds t
 norm and rotation, and attention rebuilds each group's key, normalizes it (`k_norm`) and rotates it, in its expanded
 form only; "calibrated": the query as in "exact", the key's per-token RMS replaced at conversion by a calibration
 statistic (folded into the weights), so the key side is plain MLA (absorbed decode).
+
+`sliding_window` (sources whose queries see a window of recent positions, e.g. Mistral v0.1): the causal mask is
+limited to the window in every form (expanded, latent prefill, absorbed decode), and the cache keeps the window's rows.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class MLAConfig(LlamaConfig):
     # "auto": the Triton kernel on CUDA when triton is importable, the torch reference elsewhere.
     mla_decode_kernel: str = "auto"
     qk_norm: str | None = None
+    # each query attends to the last `sliding_window` positions only, its own included (Mistral's window); None: its
+    # whole past. transformers' DynamicCache then keeps only the rows a later query can see.
+    sliding_window: int | None = None
 
     def __post_init__(self, **kwargs):
         if isinstance(self.kv_lora_rank, (list, tuple)):  # one rank per layer -> the largest + per-layer overrides
@@ -146,6 +152,10 @@ class MLAConfig(LlamaConfig):
             raise ValueError(f"qk_norm must be null, exact or calibrated, got {self.qk_norm}")
         if self.qk_norm and self.qk_nope_head_dim != self.head_dim:
             raise ValueError("qk_norm needs qk_nope_head_dim == head_dim (the nope key is the source head's)")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive number of positions or null, got {self.sliding_window}")
+        if self.sliding_window is not None and self.qk_norm == "exact":
+            raise ValueError("qk_norm exact rotates keys at their positions from the start of the cache: no sliding window")
         if self.mla_decode_kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"mla_decode_kernel must be auto, torch or triton, got {self.mla_decode_kernel}")
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticLayer
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -490,7 +490,8 @@ class MLAModel(MLAPreTrainedModel):
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
-        mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
+        make_mask = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
+        mask = make_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         if self.config.qk_norm == "exact":  # the keys are rotated at attention time: their positions, every step

@@ -1,0 +1,152 @@
+"""Families beyond Llama and Qwen: each converts exactly at full rank (full forward and cached decode, fp32 logits
+within 1e-4 of the source's), a 50% conversion loads and generates, and what no engine can hold is refused up front."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_user_error
+from test_exactness import REL_TOL, full_options, rel_err, tokens
+from tiny import tiny_source
+from transformers import AutoConfig, AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import mla_convert  # noqa: F401
+from mla_convert.cli import app
+from mla_convert.errors import UserError
+from mla_convert.families import family_for
+from mla_convert.modeling.compat import cache_kwargs, output_cache
+
+# each family's tiny source (tests/tiny.py KINDS) and its transformers class
+FAMILY_KINDS = {"mistral-window": "MistralForCausalLM"}
+
+
+def run(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result.exit_code, result.output
+
+
+@pytest.fixture(scope="module")
+def family_sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family-sources")
+    return {kind: tiny_source(kind, root / kind, seed=11 + i) for i, kind in enumerate(FAMILY_KINDS)}
+
+
+@pytest.fixture(scope="module")
+def pairs(family_sources, convert_tiny):
+    """(source, full-rank conversion) per kind, converted with calibration and refinement as by default (the
+    calibration windows, 32 tokens, are longer than any window a tiny source attends within)."""
+    out = {}
+    for kind, folder in family_sources.items():
+        src = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        assert type(src).__name__ == FAMILY_KINDS[kind]
+        dst = convert_tiny(folder, **full_options(src.config, merge=True))
+        out[kind] = (src, AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval())
+    return out
+
+
+def decode_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of `ids` from a prefill of `prefill` tokens, then one token at a time over the cache."""
+    with torch.no_grad():
+        out = model(ids[:, :prefill], use_cache=True)
+        steps, cache = [out.logits], output_cache(out)
+        for t in range(prefill, ids.shape[1]):
+            out = model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
+            cache = output_cache(out)
+            steps.append(out.logits)
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_full_rank_forward_is_exact(pairs, kind):
+    src, mla = pairs[kind]
+    ids = tokens()
+    with torch.no_grad():
+        assert rel_err(src(ids).logits, mla(ids).logits) < REL_TOL
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+@pytest.mark.parametrize("prefill", [3, 15])  # shorter and longer than the sliding window (6)
+def test_full_rank_cached_decode_is_exact(pairs, kind, prefill):
+    src, mla = pairs[kind]
+    ids = tokens()
+    with torch.no_grad():
+        reference = src(ids).logits
+    assert rel_err(reference, decode_logits(mla, ids, prefill)) < REL_TOL
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_greedy_generation_equal(pairs, kind):
+    src, mla = pairs[kind]
+    ids = tokens(batch=1, length=8)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(src.generate(ids, **kwargs), mla.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_half_cache_conversion_loads_and_generates(family_sources, convert_tiny, kind):
+    out = convert_tiny(family_sources[kind], kv_budget=0.5)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == "MLAForCausalLM"
+    ids = tokens(batch=1, length=8)
+    assert model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0).shape == (1, 14)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+# ---------------------------------------------------------------------------------------------- Mistral's window
+
+
+def test_window_is_kept_and_attended_within(pairs):
+    """The window is the source's, and it matters: the same weights attending to the whole past give other logits."""
+    src, mla = pairs["mistral-window"]
+    assert mla.config.sliding_window == src.config.sliding_window == 6
+    ids = tokens()
+    with torch.no_grad():
+        windowed = mla(ids).logits
+        mla.config.sliding_window = None
+        try:
+            whole = mla(ids).logits
+        finally:
+            mla.config.sliding_window = 6
+    assert rel_err(windowed[:, :6], whole[:, :6]) < REL_TOL  # the first 6 positions see their whole past anyway
+    assert rel_err(windowed, whole) > 1e-2
+
+
+def test_window_cache_keeps_the_window_only(pairs):
+    _, mla = pairs["mistral-window"]
+    with torch.no_grad():
+        cache = output_cache(mla(tokens(batch=1, length=20), use_cache=True))
+    assert all(layer.keys.shape[2] == 5 for layer in cache.layers)  # window - 1 rows: all the next query sees
+
+
+def test_window_refused_where_no_engine_holds_it(family_sources, convert_tiny, tmp_path, calib_text):
+    folder = family_sources["mistral-window"]
+    for flags in (["--target", "deepseek"], ["--format", "deepseek"], ["--format", "gguf"]):
+        target = tmp_path / ("o.gguf" if "gguf" in flags else "o")
+        code, output = run("llama", folder, "--kv-budget", 0.5, "-o", target, "--calib-data", calib_text, *flags)
+        assert_user_error(code, output, "sliding attention window (6 tokens)", "--target native")
+        assert not target.exists()
+    out = convert_tiny(folder, kv_budget=0.5)
+    code, output = run("export", out, "-o", tmp_path / "ds")
+    assert_user_error(code, output, "sliding window of 6", "transformers")
+    code, output = run("eval", out, "--engine", "vllm", "--data", calib_text)
+    assert_user_error(code, output, "sliding window of 6", "vLLM")
+    from mla_convert.serving.vllm_plugin import layout_for
+
+    with pytest.raises(UserError, match="sliding window"):
+        layout_for(AutoConfig.from_pretrained(out))
+
+
+def test_window_only_where_the_family_has_one(family_sources, sources):
+    config = AutoConfig.from_pretrained(family_sources["mistral-window"])
+    assert family_for(config).sliding_window(config) == 6
+    config.use_sliding_window = False  # Qwen2's switch, read for every family
+    assert family_for(config).sliding_window(config) is None
+    config = AutoConfig.from_pretrained(sources["llama-gqa"])
+    config.sliding_window = 6
+    with pytest.raises(UserError, match="sliding-window attention"):
+        family_for(config)
+    config.sliding_window = "6"
+    with pytest.raises(UserError, match="sliding_window in config.json"):
+        family_for(config)
