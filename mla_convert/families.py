@@ -25,6 +25,9 @@ class Family:
     # model types whose attention may look back over a sliding window only (`config.sliding_window`), which the native
     # model keeps (mask and cache); no engine the checkpoint exports to or serves in holds one
     sliding_window_types: tuple[str, ...] = ()
+    # model types that store q/k/v as one `qkv_proj` tensor and the MLP's gate and up as one `gate_up_proj` (Phi-3):
+    # the source is read as if they were apart (`fused_parts`), which is exact (row slices)
+    fused_types: tuple[str, ...] = ()
     q_norm: str = "self_attn.q_norm"
     k_norm: str = "self_attn.k_norm"
     layer_prefix: str = "model.layers.{i}."
@@ -61,6 +64,21 @@ class Family:
         window = self.sliding_window(config)
         return [f"a sliding attention window ({window} tokens)"] if window is not None else []
 
+    def fused_parts(self, config) -> dict[str, list[tuple[str, int, int]]]:
+        """{fused tensor (within a layer): [(the part's name, first row, end row), ...]} of a source config of this
+        family, {} where nothing is fused. Rows in the order the source's forward splits them: q, k, v; gate, up."""
+        if getattr(config, "model_type", None) not in self.fused_types:
+            return {}
+        heads = config.num_attention_heads
+        groups = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        q, kv, inter = heads * head_dim, groups * head_dim, config.intermediate_size
+        return {
+            "self_attn.qkv_proj.weight": [("self_attn.q_proj.weight", 0, q), ("self_attn.k_proj.weight", q, q + kv),
+                                          ("self_attn.v_proj.weight", q + kv, q + 2 * kv)],
+            "mlp.gate_up_proj.weight": [("mlp.gate_proj.weight", 0, inter), ("mlp.up_proj.weight", inter, 2 * inter)],
+        }
+
     def tensor(self, layer: int, proj: str, kind: str = "weight") -> str:
         return f"{self.layer_prefix.format(i=layer)}{getattr(self, proj)}.{kind}"
 
@@ -83,6 +101,16 @@ FAMILIES = {
         },
         sliding_window_types=("mistral",),
     ),
+    "phi3": Family(
+        name="phi3",
+        model_types=("phi3",),
+        qkv_bias=False,
+        o_bias=False,
+        # read apart (fused_parts), a Phi-3 layer is a Llama layer: calibration runs it as one
+        decoder_layers={"phi3": "mla_convert.families:llama_layer"},
+        sliding_window_types=("phi3",),
+        fused_types=("phi3",),
+    ),
     "qwen": Family(
         name="qwen",
         model_types=("qwen2", "qwen3"),
@@ -102,7 +130,6 @@ REFUSED = {
     "qwen3_moe": "Qwen3-MoE has per-head q/k norms before RoPE (and experts); not supported",
     "gemma": "Gemma scales embeddings and uses GeGLU/(1+w) norms; not supported yet",
     "gemma2": "Gemma-2 uses logit soft-capping and sliding windows; not supported",
-    "phi3": "Phi-3 fuses qkv into one tensor; not supported yet",
     "deepseek_v3": "this is already an MLA model",
     "deepseek_v2": "this is already an MLA model",
     "mla": "this is already an MLA model converted by mla-convert",
@@ -112,7 +139,8 @@ SUPPORTED_TYPES = sorted(t for f in FAMILIES.values() for t in f.model_types)
 
 
 def family_for(config, requested: str | None = None) -> Family:
-    """The family of a source config; `requested` is the CLI command used ("llama", "qwen" or None to detect)."""
+    """The family of a source config; `requested` is the CLI command used ("llama", "qwen", "phi3" or None to
+    detect)."""
     model_type = getattr(config, "model_type", None)
     if model_type in REFUSED:
         raise UserError(f"model_type '{model_type}' is refused: {REFUSED[model_type]}")
@@ -120,7 +148,7 @@ def family_for(config, requested: str | None = None) -> Family:
     if found is None:
         raise UserError(
             f"model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_TYPES)} "
-            "(Llama, SmolLM, Mistral, Qwen2/2.5, Qwen3)"
+            "(Llama, SmolLM, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4)"
         )
     if requested is not None and requested != found.name:
         raise UserError(
@@ -163,6 +191,10 @@ def check_config(config, family: Family) -> None:
     rope = getattr(config, "rope_parameters", None) or {}
     if not isinstance(rope, dict):
         raise UserError(f"rope_parameters in config.json must be an object, got {type(rope).__name__}: fix config.json")
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise UserError(f"partial_rotary_factor {partial}: RoPE on part of each head (e.g. Phi-4-mini) is not supported; "
+                        "convert a model whose RoPE spans the whole head")
     if rope.get("rope_type", "default") == "dynamic":
         raise UserError("dynamic NTK RoPE changes frequencies with the sequence length; not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -171,3 +203,24 @@ def check_config(config, family: Family) -> None:
     if rope.get("rope_type", "default") not in known:
         raise UserError(f"rope_type {rope.get('rope_type')!r} in config.json is not a RoPE type transformers knows "
                         f"({', '.join(known)}): fix config.json")
+
+
+def llama_layer(config, layer_idx: int):
+    """A transformers Llama decoder layer with `config`'s shapes: the source layer of a family whose layer, read with
+    its fused tensors apart, computes what Llama's does (Phi-3). Calibration loads the split tensors into it."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "num_hidden_layers")
+    llama = LlamaConfig(**{k: getattr(config, k) for k in keys if getattr(config, k, None) is not None},
+                        attention_bias=False, mlp_bias=False)
+    llama._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    llama.sliding_window = FAMILIES["phi3"].sliding_window(config)  # read by the calibration's window mask
+    return LlamaDecoderLayer(llama, layer_idx)
+
+
+def fused_parts(config) -> dict[str, list[tuple[str, int, int]]]:
+    """`Family.fused_parts` of the family a config's model type belongs to; {} for any other model type."""
+    found = next((f for f in FAMILIES.values() if getattr(config, "model_type", None) in f.model_types), None)
+    return found.fused_parts(config) if found is not None else {}

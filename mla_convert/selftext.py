@@ -188,7 +188,7 @@ def causal_lm(source, device: str = "cpu", dtype: torch.dtype = torch.float32):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
-    state = {name: source.get(name).to(device=device, dtype=dtype) for name in source.keys()}
+    state = {name: read().to(device=device, dtype=dtype) for name, read in source.stored().items()}
     missing, _ = model.load_state_dict(state, strict=False, assign=True)
     for parent in list(model.modules()):  # rotary embeddings hold computed buffers (inv_freq): build them for real
         for name, child in parent.named_children():

@@ -18,7 +18,7 @@ from mla_convert.families import family_for
 from mla_convert.modeling.compat import cache_kwargs, output_cache
 
 # each family's tiny source (tests/tiny.py KINDS) and its transformers class
-FAMILY_KINDS = {"mistral-window": "MistralForCausalLM"}
+FAMILY_KINDS = {"mistral-window": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def run(*args):
@@ -150,3 +150,54 @@ def test_window_only_where_the_family_has_one(family_sources, sources):
     config.sliding_window = "6"
     with pytest.raises(UserError, match="sliding_window in config.json"):
         family_for(config)
+
+
+# ---------------------------------------------------------------------------------------------- Phi-3's fused tensors
+
+
+def test_phi3_fused_tensors_read_apart(family_sources, pairs):
+    from safetensors import safe_open
+
+    from mla_convert.checkpoint import open_source
+
+    folder = family_sources["phi3"]
+    with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as f:
+        stored = set(f.keys())
+        qkv = f.get_tensor("model.layers.1.self_attn.qkv_proj.weight")
+        gate_up = f.get_tensor("model.layers.1.mlp.gate_up_proj.weight")
+    assert "model.layers.0.self_attn.qkv_proj.weight" in stored and "model.layers.0.self_attn.q_proj.weight" not in stored
+    source = open_source(str(folder))
+    keys = set(source.keys())
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in keys and "model.layers.0.mlp.gate_up_proj.weight" not in keys
+    q, k, v = (source.get(f"model.layers.1.self_attn.{p}_proj.weight") for p in "qkv")
+    assert q.shape == (64, 64) and k.shape == v.shape == (32, 64) and source.shape("model.layers.1.self_attn.v_proj.weight") == (32, 64)
+    assert torch.equal(torch.cat([q, k, v]), qkv)
+    gate, up = source.get("model.layers.1.mlp.gate_proj.weight"), source.get("model.layers.1.mlp.up_proj.weight")
+    assert torch.equal(torch.cat([gate, up]), gate_up)  # gate first: Phi3MLP chunks gate, then up
+    _, mla = pairs["phi3"]
+    assert torch.equal(mla.model.layers[1].mlp.gate_proj.weight, gate)  # the MLP passes through, apart
+
+
+def test_phi3_mismatched_fused_rows_and_partial_rope_refused(family_sources, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(family_sources["phi3"], bad)
+    shard = next(bad.glob("*.safetensors"))
+    state = load_file(shard)
+    state["model.layers.0.self_attn.qkv_proj.weight"] = state["model.layers.0.self_attn.qkv_proj.weight"][:-16].clone()
+    save_file(state, str(shard), metadata={"format": "pt"})
+    code, output = run("phi3", bad, "--kv-budget", 0.5, "-o", tmp_path / "o", "--calib-data", "none")
+    assert_user_error(code, output, "model.layers.0.self_attn.v_proj.weight", "[16, 64]")
+    partial = tmp_path / "partial"
+    shutil.copytree(family_sources["phi3"], partial)
+    config = json.loads((partial / "config.json").read_text())
+    config["rope_parameters"]["partial_rotary_factor"] = 0.75
+    (partial / "config.json").write_text(json.dumps(config))
+    code, output = run("phi3", partial, "--kv-budget", 0.5, "-o", tmp_path / "o2", "--calib-data", "none")
+    assert_user_error(code, output, "partial_rotary_factor 0.75")
+    code, output = run("llama", family_sources["phi3"], "--kv-budget", 0.5, "-o", tmp_path / "o3")
+    assert_user_error(code, output, "mla-convert phi3")
