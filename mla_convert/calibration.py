@@ -130,6 +130,13 @@ def window_mask(config, seq_len: int, device=None) -> torch.Tensor | None:
     return ((back >= 0) & (back < window))[None, None]
 
 
+def attention_input(layer, hidden: torch.Tensor) -> torch.Tensor:
+    """What a decoder layer's attention reads from the hidden states: after its input norm, or the hidden states
+    themselves in a block that normalizes outputs instead (no input_layernorm: OLMo 2)."""
+    norm = getattr(layer, "input_layernorm", None)
+    return hidden if norm is None else norm(hidden)
+
+
 class LayerRunner:
     """Runs calibration tokens through decoder layers one at a time.
 
@@ -156,7 +163,7 @@ class LayerRunner:
 
     @torch.no_grad()
     def attention_input(self, layer) -> torch.Tensor:
-        return layer.input_layernorm(self.hidden)  # [N, T, D]
+        return attention_input(layer, self.hidden)  # [N, T, D]
 
     @torch.no_grad()
     def attention_profile(self, layer, block: int = 128) -> torch.Tensor:
@@ -191,11 +198,14 @@ class LayerRunner:
         attended_rows = 0
         keyed = torch.zeros(dim + 1, dim + 1, dtype=torch.float64)
         for sample in self.hidden:
-            x = layer.input_layernorm(sample[None])
+            x = attention_input(layer, sample[None])
             received = torch.zeros(seq, dtype=torch.float64)  # attention each key receives, summed over queries/heads
-            q = attn.q_proj(x).view(1, seq, heads, head_dim)
-            k = attn.k_proj(x).view(1, seq, groups, head_dim)
-            if hasattr(attn, "q_norm"):  # per-head q/k norms before RoPE (Qwen3's attention has them)
+            q, k = attn.q_proj(x), attn.k_proj(x)
+            whole = hasattr(attn, "q_norm") and attn.q_norm.weight.numel() == q.shape[-1]
+            if whole:  # q/k norms over the whole projection (OLMo 2's)
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.view(1, seq, heads, head_dim), k.view(1, seq, groups, head_dim)
+            if hasattr(attn, "q_norm") and not whole:  # per-head q/k norms before RoPE (Qwen3's attention has them)
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, H, T, d_h], [1, G, T, d_h]
             q, k = apply_rotary_pos_emb(q, k, cos, sin)

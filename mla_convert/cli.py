@@ -445,11 +445,13 @@ def _make_convert_command(family: Optional[str], help_text: str):
     return friendly(command)
 
 
-app.command("convert")(_make_convert_command(None, "Convert a Llama, Mistral, Qwen2, Qwen3 or Phi-3 model (family "
-                                                   "detected)."))
+app.command("convert")(_make_convert_command(None, "Convert a Llama, Mistral, Qwen2, Qwen3, Phi-3 or OLMo 2 model "
+                                                   "(family detected)."))
 app.command("llama")(_make_convert_command("llama", "Convert a Llama-family model (Llama, SmolLM, Mistral)."))
 app.command("qwen")(_make_convert_command("qwen", "Convert a Qwen2 / Qwen2.5 / Qwen3 model (detected from config.json)."))
 app.command("phi3")(_make_convert_command("phi3", "Convert a Phi-3 / Phi-4 model (fused qkv and gate/up read apart)."))
+app.command("olmo2")(_make_convert_command("olmo2", "Convert an OLMo 2 model (q/k norms over the whole projection, "
+                                                    "post-norm blocks; transformers only)."))
 
 
 # ---------------------------------------------------------------------------------------------------------- eval

@@ -147,6 +147,7 @@ class Plan:
     shapes: dict = field(default_factory=dict)
     qkv_bias: bool = False
     qk_norm: str | None = None  # None: the source has no per-head q/k norms; else ConvertOptions.qk_norm
+    qk_norm_scope: str = "head"  # "head" or "projection" (Family.qk_norm_scope)
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
     refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
@@ -177,9 +178,10 @@ class Plan:
                 shapes["q_head_proj"] = (heads * (d_n + d_r), head_dim)
             after += sum(math.prod(s) for s in shapes.values())
             after += self.qkv_bias * (q_rows + rank + d_r + groups * (d_n + head_dim))
+            whole = self.qk_norm_scope == "projection"
             if self.qk_norm == "exact":  # k_norm, and the rope key's maps R and K
-                after += head_dim + 2 * groups * head_dim * d_r
-            after += head_dim if self.qk_norm else 0  # q_norm
+                after += head_dim * (groups if whole else 1) + 2 * groups * head_dim * d_r
+            after += head_dim * (heads if whole else 1) if self.qk_norm else 0  # q_norm
             if layer == 0:
                 self.shapes = shapes
         self.attn_params_after = after
@@ -502,6 +504,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     plan.attn_params_before = per_layer_before * layers
     plan.qkv_bias = bool(qkv_bias)
     plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
+    plan.qk_norm_scope = family.qk_norm_scope(config) or "head"
     plan.set_kv_lora_rank(ranks)
     plan.memory["samples"] = options.calib_samples or default_calib_samples(plan.ratio)  # by the cache kept
     if plan.memory["calibrated"]:
@@ -546,6 +549,8 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
         softmax_scale=plan.head_dim**-0.5,
         qk_norm=plan.qk_norm,
         sliding_window=family.sliding_window(source_config),
+        qk_norm_scope=plan.qk_norm_scope,
+        post_norm=family.post_norm(source_config),
     )
     config.architectures = ["MLAForCausalLM"]
     config.dtype = dtype
@@ -718,11 +723,14 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
         # Per-head norms: score = RoPE(w_q . q)·RoPE(w_k . k) / (rms(q) rms(k)). The pairs are chosen on the weighted
         # maps (1/rms is a per-token scale). "exact" caches the pre-norm key (the model normalizes it per token);
         # "calibrated" replaces rms(k) by its calibration value per kv group, a linear key cached like any other.
-        w_q = w_q * tensors["q_norm"].double().repeat(heads)[:, None]
-        w_k = w_k * tensors["k_norm"].double().repeat(groups)[:, None]
+        # A norm over the whole projection (OLMo 2) has one weight per row already, and one RMS per token.
+        whole = plan.qk_norm_scope == "projection"
+        w_q = w_q * tensors["q_norm"].double().repeat(1 if whole else heads)[:, None]
+        w_k = w_k * tensors["k_norm"].double().repeat(1 if whole else groups)[:, None]
         if plan.qk_norm == "calibrated":
-            w_k = w_k_cached = w_k / key_rms(w_k_cached, cov, groups, head_dim, plan.norm_eps).repeat_interleave(
-                head_dim)[:, None]
+            rms_groups, rms_dim = (1, groups * head_dim) if whole else (groups, head_dim)
+            w_k = w_k_cached = w_k / key_rms(w_k_cached, cov, rms_groups, rms_dim, plan.norm_eps).repeat_interleave(
+                rms_dim)[:, None]
     if cov is None:
         q_energy, k_cov = rope.pair_energies(w_q[:, :hidden], w_k[:, :hidden], None, heads, groups, head_dim)
     else:

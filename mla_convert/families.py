@@ -22,6 +22,12 @@ class Family:
     # model types that RMS-normalize every query and key head over head_dim (with a learned [head_dim] weight) before
     # RoPE, and the tensors of those weights
     qk_norm_types: tuple[str, ...] = ()
+    # of those, the model types whose q/k norm spans the whole projection (one RMS over H*d_h for the query and over
+    # G*d_h for the key, weights of that length: OLMo 2) instead of each head
+    projection_norm_types: tuple[str, ...] = ()
+    # model types whose blocks normalize the attention's and the MLP's outputs (post_attention_layernorm,
+    # post_feedforward_layernorm) and not their inputs (no input_layernorm): OLMo 2
+    post_norm_types: tuple[str, ...] = ()
     # model types whose attention may look back over a sliding window only (`config.sliding_window`), which the native
     # model keeps (mask and cache); no engine the checkpoint exports to or serves in holds one
     sliding_window_types: tuple[str, ...] = ()
@@ -48,6 +54,15 @@ class Family:
         """Whether a source config of this family normalizes each query and key head before RoPE."""
         return getattr(config, "model_type", None) in self.qk_norm_types
 
+    def qk_norm_scope(self, config) -> str | None:
+        """"head" (each head's RMS), "projection" (the whole projection's) or None (no q/k norm)."""
+        if not self.has_qk_norm(config):
+            return None
+        return "projection" if getattr(config, "model_type", None) in self.projection_norm_types else "head"
+
+    def post_norm(self, config) -> bool:
+        return getattr(config, "model_type", None) in self.post_norm_types
+
     def sliding_window(self, config) -> int | None:
         """The window (in tokens, the query's own included) a source config of this family attends within, or None
         where every query sees its whole past (no window, or one no shorter than the context)."""
@@ -62,7 +77,12 @@ class Family:
         """What in a source config of this family no engine can run (vLLM's MLA kernels, the DeepSeek-V3 and GGUF
         exports): the converted checkpoint runs in transformers only."""
         window = self.sliding_window(config)
-        return [f"a sliding attention window ({window} tokens)"] if window is not None else []
+        limits = [f"a sliding attention window ({window} tokens)"] if window is not None else []
+        if self.post_norm(config):
+            limits.append("post-norm blocks (the attention's and MLP's outputs normalized)")
+        if self.qk_norm_scope(config) == "projection":
+            limits.append("q/k norms over the whole projection")
+        return limits
 
     def fused_parts(self, config) -> dict[str, list[tuple[str, int, int]]]:
         """{fused tensor (within a layer): [(the part's name, first row, end row), ...]} of a source config of this
@@ -111,6 +131,16 @@ FAMILIES = {
         sliding_window_types=("phi3",),
         fused_types=("phi3",),
     ),
+    "olmo2": Family(
+        name="olmo2",
+        model_types=("olmo2",),
+        qkv_bias=None,
+        o_bias=None,
+        decoder_layers={"olmo2": "transformers.models.olmo2.modeling_olmo2:Olmo2DecoderLayer"},
+        qk_norm_types=("olmo2",),
+        projection_norm_types=("olmo2",),
+        post_norm_types=("olmo2",),
+    ),
     "qwen": Family(
         name="qwen",
         model_types=("qwen2", "qwen3"),
@@ -139,8 +169,8 @@ SUPPORTED_TYPES = sorted(t for f in FAMILIES.values() for t in f.model_types)
 
 
 def family_for(config, requested: str | None = None) -> Family:
-    """The family of a source config; `requested` is the CLI command used ("llama", "qwen", "phi3" or None to
-    detect)."""
+    """The family of a source config; `requested` is the CLI command used ("llama", "qwen", "phi3", "olmo2" or None
+    to detect)."""
     model_type = getattr(config, "model_type", None)
     if model_type in REFUSED:
         raise UserError(f"model_type '{model_type}' is refused: {REFUSED[model_type]}")
@@ -148,7 +178,7 @@ def family_for(config, requested: str | None = None) -> Family:
     if found is None:
         raise UserError(
             f"model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_TYPES)} "
-            "(Llama, SmolLM, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4)"
+            "(Llama, SmolLM, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2)"
         )
     if requested is not None and requested != found.name:
         raise UserError(

@@ -18,7 +18,7 @@ from mla_convert.families import family_for
 from mla_convert.modeling.compat import cache_kwargs, output_cache
 
 # each family's tiny source (tests/tiny.py KINDS) and its transformers class
-FAMILY_KINDS = {"mistral-window": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+FAMILY_KINDS = {"mistral-window": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 
 def run(*args):
@@ -201,3 +201,54 @@ def test_phi3_mismatched_fused_rows_and_partial_rope_refused(family_sources, tmp
     assert_user_error(code, output, "partial_rotary_factor 0.75")
     code, output = run("llama", family_sources["phi3"], "--kv-budget", 0.5, "-o", tmp_path / "o3")
     assert_user_error(code, output, "mla-convert phi3")
+
+
+# ---------------------------------------------------------------------------------------------- OLMo 2
+
+
+def test_olmo2_norms_kept_whole(family_sources, pairs):
+    """The q/k norms span the whole projection (one RMS per token over all heads) and the blocks are post-norm: the
+    native model keeps both as the source has them, with the source's non-trivial weights."""
+    src, mla = pairs["olmo2"]
+    attention, layer = mla.model.layers[0].self_attn, mla.model.layers[0]
+    assert mla.config.qk_norm == "exact" and mla.config.qk_norm_scope == "projection" and mla.config.post_norm
+    assert attention.q_norm.weight.shape == (64,) and attention.k_norm.weight.shape == (32,)
+    assert torch.equal(attention.k_norm.weight, src.model.layers[0].self_attn.k_norm.weight)
+    assert src.model.layers[0].self_attn.k_norm.weight.std() > 0.1
+    assert not hasattr(layer, "input_layernorm")
+    assert torch.equal(layer.post_feedforward_layernorm.weight, src.model.layers[0].post_feedforward_layernorm.weight)
+
+
+def test_olmo2_calibrated_key_norm_is_absorbable(family_sources, convert_tiny):
+    """--qk-norm calibrated: the whole key projection's RMS replaced by one calibration statistic per layer, so keys
+    are linear in the latent (absorbed decode equals the expanded form); an approximation, bounded."""
+    from test_exactness import both_forms
+
+    src = AutoModelForCausalLM.from_pretrained(family_sources["olmo2"], dtype=torch.float32).eval()
+    out = convert_tiny(family_sources["olmo2"], **full_options(src.config, merge=True), qk_norm="calibrated")
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not any("k_norm" in name for name in model.state_dict())
+    ids = tokens()
+    expanded, absorbed = both_forms(model, ids)
+    assert rel_err(expanded, absorbed) < REL_TOL
+    with torch.no_grad():
+        assert 1e-4 < rel_err(src(ids).logits, expanded) < 1.0
+    assert model.generate(tokens(batch=1, length=8), max_new_tokens=4, do_sample=False, pad_token_id=0).shape == (1, 12)
+
+
+def test_olmo2_refused_where_no_engine_holds_it(family_sources, convert_tiny, tmp_path, calib_text):
+    folder = family_sources["olmo2"]
+    code, output = run("olmo2", folder, "--kv-budget", 0.5, "-o", tmp_path / "o", "--calib-data", calib_text,
+                       "--target", "deepseek")  # fmt: skip
+    assert_user_error(code, output, "post-norm blocks", "--target native")
+    out = convert_tiny(folder, kv_budget=0.5, qk_norm="calibrated")
+    code, output = run("export", out, "-o", tmp_path / "ds")
+    assert_user_error(code, output, "post-norm", "transformers")
+    code, output = run("eval", out, "--engine", "vllm", "--data", calib_text)
+    assert_user_error(code, output, "post-norm", "vLLM")
+    from mla_convert.serving.layout import check_servable
+
+    config = AutoConfig.from_pretrained(out).to_dict()
+    config["post_norm"] = False
+    with pytest.raises(UserError, match="whole query and key projections"):
+        check_servable(config, "vLLM's MLA kernels", query_norm=True)

@@ -42,6 +42,8 @@ KINDS = {
     "mistral-window": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6),
     # fused qkv_proj and gate_up_proj, GQA, and a sliding window (as Phi-3-mini's 2047 of 4096)
     "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=2, sliding_window=10, pad_token_id=None),
+    # q/k RMS norms over the whole projection (random weights), post-norm blocks
+    "olmo2": dict(model_type="olmo2", num_attention_heads=4, num_key_value_heads=2, pad_token_id=None),
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
     # GQA, head_dim 24 != hidden/heads 16, per-head q/k norms (random weights, set in tiny_source)
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),

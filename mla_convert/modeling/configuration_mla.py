@@ -71,6 +71,12 @@ class MLAConfig(LlamaConfig):
     # each query attends to the last `sliding_window` positions only, its own included (Mistral's window); None: its
     # whole past. transformers' DynamicCache then keeps only the rows a later query can see.
     sliding_window: int | None = None
+    # with qk_norm: "head" (each head's RMS over head_dim, Qwen3) or "projection" (one RMS over the whole query
+    # projection H*d_h and one over the whole key projection G*d_h, OLMo 2)
+    qk_norm_scope: str = "head"
+    # blocks that normalize the attention's and the MLP's outputs before the residual adds them
+    # (post_attention_layernorm, post_feedforward_layernorm) and not their inputs (OLMo 2)
+    post_norm: bool = False
 
     def __post_init__(self, **kwargs):
         if isinstance(self.kv_lora_rank, (list, tuple)):  # one rank per layer -> the largest + per-layer overrides
@@ -92,8 +98,8 @@ class MLAConfig(LlamaConfig):
             self.softmax_scale = self.head_dim**-0.5
         if self.o_proj_bias is None:
             self.o_proj_bias = self.attention_bias
-        if self.qk_norm == "exact":
-            # the key norm rebuilds every group's key from the shared rope key (k_rope_up/k_rope_down span all
+        if self.qk_norm == "exact" or (self.qk_norm and self.qk_norm_scope == "projection"):
+            # the key norm (and a query norm over the whole projection) rebuilds every group's key from the shared rope key (k_rope_up/k_rope_down span all
             # groups): attention stays whole on each rank
             self.base_model_tp_plan = dict(MLP_TP_PLAN)
         elif self.qk_norm:
@@ -156,6 +162,8 @@ class MLAConfig(LlamaConfig):
             raise ValueError(f"sliding_window must be a positive number of positions or null, got {self.sliding_window}")
         if self.sliding_window is not None and self.qk_norm == "exact":
             raise ValueError("qk_norm exact rotates keys at their positions from the start of the cache: no sliding window")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"qk_norm_scope must be head or projection, got {self.qk_norm_scope}")
         if self.mla_decode_kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"mla_decode_kernel must be auto, torch or triton, got {self.mla_decode_kernel}")
 

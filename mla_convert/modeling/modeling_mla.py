@@ -85,15 +85,17 @@ class MLAAttention(nn.Module):
         bias = config.attention_bias
         d_q = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.qk_norm = config.qk_norm
+        # with qk_norm_scope "projection" the q/k norms span every head at once (OLMo 2), else each head
+        self.whole_norm = bool(self.qk_norm) and config.qk_norm_scope == "projection"
         if self.qk_norm:  # the source's query and its per-head norm, then per head to the nope and rope parts
             head_dim = config.head_dim
             self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
-            self.q_norm = LlamaRMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.q_norm = LlamaRMSNorm(head_dim * (self.num_heads if self.whole_norm else 1), eps=config.rms_norm_eps)
             self.q_head_proj = nn.Linear(head_dim, self.num_heads * d_q, bias=False)  # used per head: [H, d_q, d_h]
         else:
             self.q_proj = nn.Linear(hidden, self.num_heads * d_q, bias=bias)
         if self.qk_norm == "exact":
-            self.k_norm = LlamaRMSNorm(config.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(config.head_dim * (self.groups if self.whole_norm else 1), eps=config.rms_norm_eps)
             keys = self.groups * config.head_dim
             self.register_buffer("k_rope_up", torch.zeros(keys, self.qk_rope_head_dim))  # R [G*d_h, d_r]
             self.register_buffer("k_rope_down", torch.zeros(self.qk_rope_head_dim, keys))  # K [d_r, G*d_h]
@@ -155,7 +157,11 @@ class MLAAttention(nn.Module):
         if key_position_embeddings is None and cache is None:
             key_position_embeddings = position_embeddings
         if self.qk_norm:
-            q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.config.head_dim)).transpose(1, 2)
+            q = self.q_proj(hidden_states)
+            if self.whole_norm:
+                q = self.q_norm(q)
+            q = q.view(bsz, q_len, -1, self.config.head_dim)
+            q = (q if self.whole_norm else self.q_norm(q)).transpose(1, 2)
             head_map = local(self.q_head_proj.weight).view(-1, d_n + d_r, self.config.head_dim)  # [H, d_n+d_r, d_h]
             q = torch.einsum("bhtd,hed->bhte", q, head_map)  # [B, H, T, d_n+d_r]
         else:
@@ -281,7 +287,12 @@ class MLAAttention(nn.Module):
         groups, d_r = self.groups, self.qk_rope_head_dim
         up = self.k_rope_up.view(groups, -1, d_r)  # R_g [G, d_h, d_r]
         key = k_nope + torch.einsum("bsr,gdr->bgsd", k_rope[:, 0], up)  # each group's source key, before its norm
-        key = self.k_norm(key)
+        if self.whole_norm:  # one RMS over every group's key of a token
+            bsz, _, kv_len, head_dim = key.shape
+            key = self.k_norm(key.transpose(1, 2).reshape(bsz, kv_len, -1)).view(bsz, kv_len, groups, head_dim)
+            key = key.transpose(1, 2)
+        else:
+            key = self.k_norm(key)
         rope = torch.einsum("bgsd,rgd->bsr", key, self.k_rope_down.view(d_r, groups, -1))  # K n: [B, S, d_r]
         nope = key - torch.einsum("bsr,gdr->bgsd", rope, up)
         cos, sin = self._rope_cos_sin(key_position_embeddings)
@@ -422,21 +433,28 @@ class MLADecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.self_attn = MLAAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_norm = config.post_norm
+        if self.post_norm:  # the outputs normalized before the residual adds them (OLMo 2)
+            self.post_feedforward_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     @renamed_cache_kwarg
     def forward(self, hidden_states, attention_mask=None, cache=None, position_embeddings=None, **kwargs):
         cache = take_cache(cache, kwargs)
         residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+        attention, _ = self.self_attn(
+            hidden_states if self.post_norm else self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             cache=cache,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
+        if self.post_norm:
+            hidden_states = residual + self.post_attention_layernorm(attention)
+            return hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
+        hidden_states = residual + attention
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 

@@ -60,6 +60,15 @@ def check_servable(config, what: str = "vLLM's MLA kernels and the DeepSeek-V3 e
     if window is not None:
         raise UserError(f"this checkpoint attends within a sliding window of {window} positions, which {what} cannot "
                         "hold: run it in transformers (eval --engine transformers, generate)")
+    def field(key):
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    if field("post_norm"):
+        raise UserError(f"this checkpoint's blocks normalize their attention and MLP outputs (post-norm, OLMo 2), "
+                        f"which {what} cannot hold: run it in transformers (eval --engine transformers, generate)")
+    if field("qk_norm") and field("qk_norm_scope") == "projection":
+        raise UserError(f"this checkpoint normalizes the whole query and key projections (qk_norm_scope projection), "
+                        f"which {what} cannot hold: run it in transformers (eval --engine transformers, generate)")
     mode = config.get("qk_norm") if isinstance(config, dict) else getattr(config, "qk_norm", None)
     if mode and not (query_norm and mode == "calibrated"):
         fix = ("convert with --qk-norm calibrated to serve it in vLLM, or run it in transformers" if query_norm
