@@ -118,16 +118,30 @@ def second_moment(x: torch.Tensor) -> torch.Tensor:
     return x.T @ x / x.shape[0]
 
 
-def window_mask(config, seq_len: int, device=None) -> torch.Tensor | None:
-    """The attention mask of a sliding-window source or native config over `seq_len` positions from 0: bool
-    [1, 1, T, T], True where query t sees key j (j <= t and t - j < window); None where every query sees its whole
-    past (no window, or one no shorter than the sequence), which the layers take as plain causal attention."""
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window is None or window >= seq_len:
+def attention_window(attn) -> int | None:
+    """The window an attention module's queries look back over (None: the whole past): its own `sliding_window`
+    where it has one (per layer: Gemma 2, Qwen2, the native model), else its config's (Mistral)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    config = attn.config
+    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+
+
+def layer_mask(attn, seq_len: int, device=None) -> torch.Tensor | None:
+    """The mask an attention module needs over `seq_len` positions from 0 to attend causally (within its window):
+    None where sdpa's own causal attention is that (no window shorter than the sequence); bool [1, 1, T, T] (True
+    where query t sees key j: j <= t and t - j < window) otherwise; additive float (0 or the dtype's minimum) under
+    eager attention, whose kernels add the mask and take None for no mask at all."""
+    window = attention_window(attn)
+    eager = getattr(attn.config, "_attn_implementation", None) == "eager"
+    if not eager and (window is None or window >= seq_len):
         return None
     positions = torch.arange(seq_len, device=device)
     back = positions[:, None] - positions[None, :]  # [T, T]: how far key j lies behind query t
-    return ((back >= 0) & (back < window))[None, None]
+    allowed = (back >= 0) & (back < (window or seq_len))
+    if eager:
+        return torch.zeros(seq_len, seq_len, device=device).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    return allowed[None, None]
 
 
 def attention_input(layer, hidden: torch.Tensor) -> torch.Tensor:
@@ -144,16 +158,18 @@ class LayerRunner:
     `advance(layer_module)` replaces the hidden states by the layer's output.
     """
 
-    def __init__(self, config, embed: torch.Tensor, tokens: torch.Tensor, batch: int = 8):
+    def __init__(self, config, embed: torch.Tensor, tokens: torch.Tensor, batch: int = 8,
+                 embed_scale: float | None = None):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.tokens = tokens  # [N, T]
         self.hidden = torch.nn.functional.embedding(tokens, embed).float()  # [N, T, D] (rows first: no float32 table)
+        if embed_scale is not None:  # Gemma's scaled embeddings, the scale rounded to the table's dtype as it does
+            self.hidden = self.hidden * torch.tensor(embed_scale, dtype=embed.dtype).float()
         self.batch = batch
         rotary = LlamaRotaryEmbedding(config)
         positions = torch.arange(tokens.shape[1]).unsqueeze(0)
         self.position_embeddings = rotary(self.hidden[:1], positions)
-        self.window = config.sliding_window if window_mask(config, tokens.shape[1]) is not None else None
 
     def to(self, device) -> "LayerRunner":
         """Keep the hidden states (and the rotary tables) on `device`: layers moved there run where they are."""
@@ -189,6 +205,7 @@ class LayerRunner:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         attn = layer.self_attn
+        window = attention_window(attn)
         heads, groups = attn.config.num_attention_heads, attn.config.num_key_value_heads
         head_dim = attn.head_dim
         cos, sin = self.position_embeddings
@@ -219,10 +236,10 @@ class LayerRunner:
                 # query first+r sees key length-1-c iff c >= rows-1-r: only the first `rows` columns hold future keys
                 future = torch.ones(rows, rows, dtype=torch.bool).triu(1).flip(1)  # [R, R]: c < rows-1-r
                 scores[:, :, :rows].masked_fill_(future, float("-inf"))
-                if self.window is not None:  # query first+r sees key length-1-c only within the window
+                if window is not None:  # query first+r sees key length-1-c only within the window
                     at = torch.arange(length, device=scores.device)
                     back = at[first:, None] - (length - 1 - at)[None, :]
-                    scores.masked_fill_(back >= self.window, float("-inf"))
+                    scores.masked_fill_(back >= window, float("-inf"))
                 probs = scores.softmax(-1)  # [H, R, L]
                 profile[:, :length] += by_distance(probs).double()
                 received[:length] += probs.sum(dim=(0, 1)).flip(0).double()  # column c is key length-1-c
@@ -248,7 +265,7 @@ class LayerRunner:
         for chunk in self.hidden.split(self.batch):
             cos, sin = self.position_embeddings
             pe = (cos.expand(chunk.shape[0], -1, -1), sin.expand(chunk.shape[0], -1, -1))
-            mask = window_mask(layer.self_attn.config, chunk.shape[1], chunk.device)
+            mask = layer_mask(layer.self_attn, chunk.shape[1], chunk.device)
             out = layer(chunk, attention_mask=mask, position_embeddings=pe, position_ids=None)
             outs.append(out[0] if isinstance(out, tuple) else out)
         self.hidden = torch.cat(outs)

@@ -450,6 +450,7 @@ app.command("convert")(_make_convert_command(None, "Convert a Llama, Mistral, Qw
 app.command("llama")(_make_convert_command("llama", "Convert a Llama-family model (Llama, SmolLM, Mistral)."))
 app.command("qwen")(_make_convert_command("qwen", "Convert a Qwen2 / Qwen2.5 / Qwen3 model (detected from config.json)."))
 app.command("phi3")(_make_convert_command("phi3", "Convert a Phi-3 / Phi-4 model (fused qkv and gate/up read apart)."))
+app.command("gemma")(_make_convert_command("gemma", "Convert a Gemma / Gemma 2 model (transformers only)."))
 app.command("olmo2")(_make_convert_command("olmo2", "Convert an OLMo 2 model (q/k norms over the whole projection, "
                                                     "post-norm blocks; transformers only)."))
 

@@ -530,6 +530,24 @@ def _source_dtype(config) -> str:
     return name if name in DTYPES else "float32"
 
 
+def gemma_fields(source_config, plan: Plan | None = None) -> dict:
+    """The native config's fields a Gemma source needs: its scaled embeddings, (1+w) norms, activation, softmax
+    scale, soft-capping and which layers attend within the window."""
+    windowed = getattr(source_config, "sliding_window", None) is not None
+    head_dim = getattr(source_config, "head_dim", None) or source_config.hidden_size // source_config.num_attention_heads
+    scalar = getattr(source_config, "query_pre_attn_scalar", None) or head_dim  # Gemma 1: head_dim's
+    return dict(
+        embed_scale=float(source_config.hidden_size) ** 0.5,
+        norm_unit_offset=True,
+        hidden_act=getattr(source_config, "hidden_activation", None) or source_config.hidden_act,
+        softmax_scale=float(scalar) ** -0.5,
+        attn_logit_softcapping=getattr(source_config, "attn_logit_softcapping", None),
+        final_logit_softcapping=getattr(source_config, "final_logit_softcapping", None),
+        sliding_window=source_config.sliding_window if windowed else None,
+        layer_types=list(source_config.layer_types) if windowed else None,
+    )
+
+
 def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[int]], dtype: str):
     from mla_convert.modeling import MLAConfig
 
@@ -537,8 +555,8 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
     carried = {k: getattr(source_config, k) for k in CARRIED_KEYS if getattr(source_config, k, None) is not None}
     carried["head_dim"] = plan.head_dim
     carried["num_key_value_heads"] = plan.groups
-    config = MLAConfig(
-        **carried,
+    fields = dict(
+        carried,
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
         kv_lora_rank=list(plan.kv_lora_rank),
@@ -550,8 +568,11 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
         qk_norm=plan.qk_norm,
         sliding_window=family.sliding_window(source_config),
         qk_norm_scope=plan.qk_norm_scope,
-        post_norm=family.post_norm(source_config),
+        norm_layout=family.norm_layout(source_config),
     )
+    if family.gemma(source_config):
+        fields.update(gemma_fields(source_config, plan))
+    config = MLAConfig(**fields)
     config.architectures = ["MLAForCausalLM"]
     config.dtype = dtype
     return config
@@ -918,7 +939,9 @@ def convert(
     check_source_finite(source, family)  # before any work: a NaN or inf weight would convert into a broken output
     source.tokenizer()  # read even without calibration text: a broken tokenizer is refused, not copied into the output
     config = source.config
-    config._attn_implementation = "sdpa"  # calibration runs source layers causally without an explicit mask
+    # calibration runs source layers causally (calibration.layer_mask); eager where sdpa would drop the source's
+    # score soft-capping (Gemma 2)
+    config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
     inv_freq, attention_scaling = rope.source_frequencies(config)
     device = torch.device(resolve_device(options.device))
     torch.manual_seed(options.seed)
@@ -1377,4 +1400,6 @@ def _calibration_runner(source: Source, options: ConvertOptions):
                                 temperature=options.calib_temperature, sample_tokens=options.calib_sample_tokens,
                                 device=resolve_device(options.device))
     embed = source.get_raw("model.embed_tokens.weight")  # rows are looked up, then made float32: no float32 table
-    return LayerRunner(source.config, embed, tokens)
+    family = family_for(source.config)
+    embed_scale = gemma_fields(source.config, None)["embed_scale"] if family.gemma(source.config) else None
+    return LayerRunner(source.config, embed, tokens, embed_scale=embed_scale)

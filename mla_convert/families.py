@@ -28,6 +28,14 @@ class Family:
     # model types whose blocks normalize the attention's and the MLP's outputs (post_attention_layernorm,
     # post_feedforward_layernorm) and not their inputs (no input_layernorm): OLMo 2
     post_norm_types: tuple[str, ...] = ()
+    # model types whose blocks normalize both inputs and outputs (input_layernorm, post_attention_layernorm,
+    # pre_feedforward_layernorm, post_feedforward_layernorm): Gemma 2
+    sandwich_norm_types: tuple[str, ...] = ()
+    # Gemma: embeddings scaled by sqrt(hidden_size), RMS norms that multiply by (1 + weight), the MLP's activation in
+    # `hidden_activation`, attention and final logit soft-capping, `query_pre_attn_scalar`, windows on the layers
+    # `layer_types` names
+    gemma_types: tuple[str, ...] = ()
+    activations: tuple[str, ...] = ("silu", "swish")
     # model types whose attention may look back over a sliding window only (`config.sliding_window`), which the native
     # model keeps (mask and cache); no engine the checkpoint exports to or serves in holds one
     sliding_window_types: tuple[str, ...] = ()
@@ -60,8 +68,13 @@ class Family:
             return None
         return "projection" if getattr(config, "model_type", None) in self.projection_norm_types else "head"
 
-    def post_norm(self, config) -> bool:
-        return getattr(config, "model_type", None) in self.post_norm_types
+    def norm_layout(self, config) -> str:
+        """"pre" (Llama), "post" (OLMo 2) or "sandwich" (Gemma 2): MLAConfig.norm_layout."""
+        model_type = getattr(config, "model_type", None)
+        return "post" if model_type in self.post_norm_types else "sandwich" if model_type in self.sandwich_norm_types else "pre"
+
+    def gemma(self, config) -> bool:
+        return getattr(config, "model_type", None) in self.gemma_types
 
     def sliding_window(self, config) -> int | None:
         """The window (in tokens, the query's own included) a source config of this family attends within, or None
@@ -78,8 +91,12 @@ class Family:
         exports): the converted checkpoint runs in transformers only."""
         window = self.sliding_window(config)
         limits = [f"a sliding attention window ({window} tokens)"] if window is not None else []
-        if self.post_norm(config):
+        if self.norm_layout(config) == "post":
             limits.append("post-norm blocks (the attention's and MLP's outputs normalized)")
+        if self.gemma(config):
+            limits.append("scaled embeddings and (1 + weight) norms")
+        if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+            limits.append("logit soft-capping")
         if self.qk_norm_scope(config) == "projection":
             limits.append("q/k norms over the whole projection")
         return limits
@@ -141,6 +158,18 @@ FAMILIES = {
         projection_norm_types=("olmo2",),
         post_norm_types=("olmo2",),
     ),
+    "gemma": Family(
+        name="gemma",
+        model_types=("gemma", "gemma2"),
+        qkv_bias=None,
+        o_bias=None,
+        decoder_layers={"gemma": "transformers.models.gemma.modeling_gemma:GemmaDecoderLayer",
+                        "gemma2": "transformers.models.gemma2.modeling_gemma2:Gemma2DecoderLayer"},
+        sliding_window_types=("gemma2",),
+        sandwich_norm_types=("gemma2",),
+        gemma_types=("gemma", "gemma2"),
+        activations=("gelu_pytorch_tanh",),
+    ),
     "qwen": Family(
         name="qwen",
         model_types=("qwen2", "qwen3"),
@@ -158,8 +187,8 @@ FAMILIES = {
 # Known model types we refuse, with the reason the user sees.
 REFUSED = {
     "qwen3_moe": "Qwen3-MoE has per-head q/k norms before RoPE (and experts); not supported",
-    "gemma": "Gemma scales embeddings and uses GeGLU/(1+w) norms; not supported yet",
-    "gemma2": "Gemma-2 uses logit soft-capping and sliding windows; not supported",
+    "gemma3": "Gemma 3 has per-head q/k norms with sliding windows and two RoPE bases; not supported",
+    "gemma3_text": "Gemma 3 has per-head q/k norms with sliding windows and two RoPE bases; not supported",
     "deepseek_v3": "this is already an MLA model",
     "deepseek_v2": "this is already an MLA model",
     "mla": "this is already an MLA model converted by mla-convert",
@@ -169,8 +198,8 @@ SUPPORTED_TYPES = sorted(t for f in FAMILIES.values() for t in f.model_types)
 
 
 def family_for(config, requested: str | None = None) -> Family:
-    """The family of a source config; `requested` is the CLI command used ("llama", "qwen", "phi3", "olmo2" or None
-    to detect)."""
+    """The family of a source config; `requested` is the CLI command used ("llama", "qwen", "phi3", "olmo2", "gemma"
+    or None to detect)."""
     model_type = getattr(config, "model_type", None)
     if model_type in REFUSED:
         raise UserError(f"model_type '{model_type}' is refused: {REFUSED[model_type]}")
@@ -178,7 +207,7 @@ def family_for(config, requested: str | None = None) -> Family:
     if found is None:
         raise UserError(
             f"model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_TYPES)} "
-            "(Llama, SmolLM, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2)"
+            "(Llama, SmolLM, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, Gemma, Gemma 2)"
         )
     if requested is not None and requested != found.name:
         raise UserError(
@@ -206,8 +235,10 @@ def check_config(config, family: Family) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if head_dim % 2:
         raise UserError(f"head_dim {head_dim} is odd; RoPE needs an even head dim")
-    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-        raise UserError(f"hidden_act '{config.hidden_act}' is not supported (only silu MLPs)")
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if activation not in family.activations:
+        raise UserError(f"the MLP's activation '{activation}' is not supported for model_type "
+                        f"'{getattr(config, 'model_type', None)}' (only {', '.join(family.activations)})")
     raw = getattr(config, "sliding_window", None)
     if raw is not None and (not isinstance(raw, int) or isinstance(raw, bool) or raw < 1):
         raise UserError(f"sliding_window in config.json must be a positive whole number or null, got {raw!r}: "

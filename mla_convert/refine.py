@@ -121,18 +121,18 @@ def stream_targets(source_layer, runner, scope: str) -> tuple[torch.Tensor, torc
 def attention_output(attn, x, position_embeddings) -> torch.Tensor:
     """What an attention module returns for inputs x (its first output), causal (within the window of a
     sliding-window config)."""
-    from mla_convert.calibration import window_mask
+    from mla_convert.calibration import layer_mask
 
-    mask = window_mask(attn.config, x.shape[1], x.device)
+    mask = layer_mask(attn, x.shape[1], x.device)
     return attn(x, position_embeddings=position_embeddings, attention_mask=mask)[0]
 
 
 def layer_update(layer, x, position_embeddings) -> torch.Tensor:
     """What a decoder layer adds to the residual stream x (attention and MLP): layer(x) - x."""
-    from mla_convert.calibration import window_mask
+    from mla_convert.calibration import layer_mask
 
-    out = layer(x, position_embeddings=position_embeddings, attention_mask=window_mask(layer.self_attn.config,
-                                                                                      x.shape[1], x.device))
+    out = layer(x, position_embeddings=position_embeddings, attention_mask=layer_mask(layer.self_attn, x.shape[1],
+                                                                                     x.device))
     return (out[0] if isinstance(out, tuple) else out) - x
 
 

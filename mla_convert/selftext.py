@@ -194,6 +194,8 @@ def causal_lm(source, device: str = "cpu", dtype: torch.dtype = torch.float32):
         for name, child in parent.named_children():
             if "inv_freq" in dict(child.named_buffers(recurse=False)):
                 setattr(parent, name, type(child)(config=source.config).to(device))
+        if hasattr(parent, "scalar_embed_scale"):  # Gemma's scaled embedding keeps its scale in a computed buffer
+            parent.embed_scale = torch.tensor(parent.scalar_embed_scale, device=device)
     if getattr(source.config, "tie_word_embeddings", False):
         model.tie_weights()
         missing = [m for m in missing if m != "lm_head.weight"]

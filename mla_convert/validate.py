@@ -35,8 +35,10 @@ def expected_shapes(config, family) -> dict[str, tuple[int, ...]]:
                            family.tensor(i, "v", "bias"): (kv * head_dim,)})
         if o_bias:
             shapes[family.tensor(i, "o", "bias")] = (hidden,)
-        shapes[f"{p}post_feedforward_layernorm.weight" if family.post_norm(config) else f"{p}input_layernorm.weight"] = (
-            hidden,)
+        layout = family.norm_layout(config)
+        norms = {"pre": ["input_layernorm"], "post": ["post_feedforward_layernorm"],
+                 "sandwich": ["input_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]}[layout]
+        shapes.update({f"{p}{norm}.weight": (hidden,) for norm in norms})
         if family.has_qk_norm(config):
             whole = family.qk_norm_scope(config) == "projection"
             shapes[f"{p}{family.q_norm}.weight"] = (head_dim * (heads if whole else 1),)

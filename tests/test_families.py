@@ -18,7 +18,8 @@ from mla_convert.families import family_for
 from mla_convert.modeling.compat import cache_kwargs, output_cache
 
 # each family's tiny source (tests/tiny.py KINDS) and its transformers class
-FAMILY_KINDS = {"mistral-window": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+FAMILY_KINDS = {"mistral-window": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 
 def run(*args):
@@ -104,11 +105,13 @@ def test_window_is_kept_and_attended_within(pairs):
     ids = tokens()
     with torch.no_grad():
         windowed = mla(ids).logits
-        mla.config.sliding_window = None
+        for layer in mla.model.layers:  # each layer's window, which the model masks by
+            layer.self_attn.sliding_window = None
         try:
-            whole = mla(ids).logits
+            whole = mla(ids, use_cache=False).logits
         finally:
-            mla.config.sliding_window = 6
+            for layer in mla.model.layers:
+                layer.self_attn.sliding_window = 6
     assert rel_err(windowed[:, :6], whole[:, :6]) < REL_TOL  # the first 6 positions see their whole past anyway
     assert rel_err(windowed, whole) > 1e-2
 
@@ -211,7 +214,8 @@ def test_olmo2_norms_kept_whole(family_sources, pairs):
     native model keeps both as the source has them, with the source's non-trivial weights."""
     src, mla = pairs["olmo2"]
     attention, layer = mla.model.layers[0].self_attn, mla.model.layers[0]
-    assert mla.config.qk_norm == "exact" and mla.config.qk_norm_scope == "projection" and mla.config.post_norm
+    assert mla.config.qk_norm == "exact" and mla.config.qk_norm_scope == "projection"
+    assert mla.config.norm_layout == "post"
     assert attention.q_norm.weight.shape == (64,) and attention.k_norm.weight.shape == (32,)
     assert torch.equal(attention.k_norm.weight, src.model.layers[0].self_attn.k_norm.weight)
     assert src.model.layers[0].self_attn.k_norm.weight.std() > 0.1
@@ -243,12 +247,63 @@ def test_olmo2_refused_where_no_engine_holds_it(family_sources, convert_tiny, tm
     assert_user_error(code, output, "post-norm blocks", "--target native")
     out = convert_tiny(folder, kv_budget=0.5, qk_norm="calibrated")
     code, output = run("export", out, "-o", tmp_path / "ds")
-    assert_user_error(code, output, "post-norm", "transformers")
+    assert_user_error(code, output, "norm_layout post", "transformers")
     code, output = run("eval", out, "--engine", "vllm", "--data", calib_text)
-    assert_user_error(code, output, "post-norm", "vLLM")
+    assert_user_error(code, output, "norm_layout post", "vLLM")
     from mla_convert.serving.layout import check_servable
 
     config = AutoConfig.from_pretrained(out).to_dict()
-    config["post_norm"] = False
+    config["norm_layout"] = "pre"
     with pytest.raises(UserError, match="whole query and key projections"):
         check_servable(config, "vLLM's MLA kernels", query_norm=True)
+
+
+# ---------------------------------------------------------------------------------------------- Gemma 2
+
+
+def test_gemma2_features_kept(pairs):
+    """Scaled embeddings, (1+w) norms, both soft-caps, the softmax scale and the alternating windows are the
+    source's, and each matters: the same weights without it give other logits."""
+    src, mla = pairs["gemma2"]
+    config = mla.config
+    assert config.embed_scale == 8.0 and config.norm_unit_offset and config.hidden_act == "gelu_pytorch_tanh"
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (2.0, 3.0)
+    assert config.softmax_scale == 24**-0.5 and config.norm_layout == "sandwich"
+    assert config.layer_types == ["sliding_attention", "full_attention"] and config.sliding_window == 6
+    assert torch.equal(mla.model.norm.weight, src.model.norm.weight)  # the (1+w) weights as stored, not folded
+    assert mla.lm_head.weight.data_ptr() == mla.model.embed_tokens.weight.data_ptr()  # tied, as the source
+    ids = tokens()
+    with torch.no_grad():
+        reference = mla(ids).logits
+        for field, value in (("attn_logit_softcapping", None), ("final_logit_softcapping", None),
+                             ("embed_scale", None)):
+            kept = getattr(config, field)
+            setattr(config, field, value)
+            for layer in mla.model.layers:
+                layer.self_attn.softcap = config.attn_logit_softcapping
+            try:
+                assert rel_err(reference, mla(ids).logits) > 1e-2, field
+            finally:
+                setattr(config, field, kept)
+                for layer in mla.model.layers:
+                    layer.self_attn.softcap = config.attn_logit_softcapping
+        cache = output_cache(mla(ids, use_cache=True))
+    assert [layer.keys.shape[2] for layer in cache.layers] == [5, 24]  # the window's rows, then every row
+
+
+def test_gemma2_refused_where_no_engine_holds_it(family_sources, convert_tiny, tmp_path, calib_text):
+    folder = family_sources["gemma2"]
+    code, output = run("gemma", folder, "--kv-budget", 0.5, "-o", tmp_path / "o", "--calib-data", calib_text,
+                       "--format", "deepseek")  # fmt: skip
+    assert_user_error(code, output, "logit soft-capping", "--target native")
+    out = convert_tiny(folder, kv_budget=0.5)
+    code, output = run("export", out, "-o", tmp_path / "ds")
+    assert_user_error(code, output, "transformers")
+    code, output = run("eval", out, "--engine", "vllm", "--data", calib_text)
+    assert_user_error(code, output, "vLLM")
+    from mla_convert.serving.layout import check_servable
+
+    config = AutoConfig.from_pretrained(out).to_dict()
+    config.update(sliding_window=None, layer_types=None, norm_layout="pre")
+    with pytest.raises(UserError, match="soft-caps its logits"):
+        check_servable(config, "vLLM's MLA kernels")

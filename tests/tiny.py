@@ -44,6 +44,14 @@ KINDS = {
     "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=2, sliding_window=10, pad_token_id=None),
     # q/k RMS norms over the whole projection (random weights), post-norm blocks
     "olmo2": dict(model_type="olmo2", num_attention_heads=4, num_key_value_heads=2, pad_token_id=None),
+    # scaled embeddings, (1+w) norms in sandwich blocks, GeGLU, caps small enough to bite on random weights, a window
+    # on the first of each two layers, a softmax scale other than head_dim's, tied embeddings
+    "gemma2": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=24,
+                   tie_word_embeddings=True, pad_token_id=0),
+    # Gemma 1: scaled embeddings, (1+w) norms, GeGLU, pre-norm blocks, tied embeddings
+    "gemma": dict(model_type="gemma", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  pad_token_id=0),
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
     # GQA, head_dim 24 != hidden/heads 16, per-head q/k norms (random weights, set in tiny_source)
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),

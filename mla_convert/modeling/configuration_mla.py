@@ -74,9 +74,20 @@ class MLAConfig(LlamaConfig):
     # with qk_norm: "head" (each head's RMS over head_dim, Qwen3) or "projection" (one RMS over the whole query
     # projection H*d_h and one over the whole key projection G*d_h, OLMo 2)
     qk_norm_scope: str = "head"
-    # blocks that normalize the attention's and the MLP's outputs before the residual adds them
-    # (post_attention_layernorm, post_feedforward_layernorm) and not their inputs (OLMo 2)
-    post_norm: bool = False
+    # where a block normalizes: "pre" (inputs: input_layernorm, post_attention_layernorm before the MLP; Llama),
+    # "post" (outputs: post_attention_layernorm, post_feedforward_layernorm; OLMo 2) or "sandwich" (both:
+    # input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm; Gemma 2)
+    norm_layout: str = "pre"
+    # Gemma: token embeddings multiplied by embed_scale (sqrt(hidden_size), in the weights' dtype); RMS norms that
+    # multiply by (1 + weight), in float32, as Gemma's; tanh soft-capping of the attention scores (after the softmax
+    # scale) and of the final logits
+    embed_scale: float | None = None
+    norm_unit_offset: bool = False
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # per layer "sliding_attention" (within `sliding_window`) or "full_attention"; None: every layer as
+    # `sliding_window` says (transformers' DynamicCache reads it to keep a window's rows in the sliding layers)
+    layer_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
         if isinstance(self.kv_lora_rank, (list, tuple)):  # one rank per layer -> the largest + per-layer overrides
@@ -162,6 +173,11 @@ class MLAConfig(LlamaConfig):
             raise ValueError(f"sliding_window must be a positive number of positions or null, got {self.sliding_window}")
         if self.sliding_window is not None and self.qk_norm == "exact":
             raise ValueError("qk_norm exact rotates keys at their positions from the start of the cache: no sliding window")
+        if self.norm_layout not in ("pre", "post", "sandwich"):
+            raise ValueError(f"norm_layout must be pre, post or sandwich, got {self.norm_layout}")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers or any(
+                t not in ("sliding_attention", "full_attention") for t in self.layer_types)):
+            raise ValueError("layer_types needs one sliding_attention or full_attention per layer")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"qk_norm_scope must be head or projection, got {self.qk_norm_scope}")
         if self.mla_decode_kernel not in ("auto", "torch", "triton"):

@@ -63,9 +63,13 @@ def check_servable(config, what: str = "vLLM's MLA kernels and the DeepSeek-V3 e
     def field(key):
         return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
-    if field("post_norm"):
-        raise UserError(f"this checkpoint's blocks normalize their attention and MLP outputs (post-norm, OLMo 2), "
-                        f"which {what} cannot hold: run it in transformers (eval --engine transformers, generate)")
+    if field("norm_layout") not in (None, "pre"):
+        raise UserError(f"this checkpoint's blocks normalize their attention and MLP outputs (norm_layout "
+                        f"{field('norm_layout')}), which {what} cannot hold: run it in transformers (eval --engine "
+                        "transformers, generate)")
+    if field("attn_logit_softcapping") or field("final_logit_softcapping") or field("norm_unit_offset"):
+        raise UserError(f"this checkpoint soft-caps its logits or scales its norms by (1 + weight) (Gemma), which {what} "
+                        "cannot hold: run it in transformers (eval --engine transformers, generate)")
     if field("qk_norm") and field("qk_norm_scope") == "projection":
         raise UserError(f"this checkpoint normalizes the whole query and key projections (qk_norm_scope projection), "
                         f"which {what} cannot hold: run it in transformers (eval --engine transformers, generate)")
