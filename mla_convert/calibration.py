@@ -167,15 +167,26 @@ class LayerRunner:
         if embed_scale is not None:  # Gemma's scaled embeddings, the scale rounded to the table's dtype as it does
             self.hidden = self.hidden * torch.tensor(embed_scale, dtype=embed.dtype).float()
         self.batch = batch
-        rotary = LlamaRotaryEmbedding(config)
+        from mla_convert.rope import layer_type, per_type_rope, rope_config
+
         positions = torch.arange(tokens.shape[1]).unsqueeze(0)
-        self.position_embeddings = rotary(self.hidden[:1], positions)
+        kinds = sorted(set(getattr(config, "layer_types", None) or ["full_attention"])) if per_type_rope(config) else []
+        # per layer type where the RoPE differs by type (Gemma 3's two bases); else one table, `position_embeddings`
+        self.typed = {kind: LlamaRotaryEmbedding(rope_config(config, kind))(self.hidden[:1], positions) for kind in kinds}
+        self.layer_types = [layer_type(config, i) for i in range(config.num_hidden_layers)]
+        self.position_embeddings = (self.typed["full_attention"] if "full_attention" in self.typed
+                                    else LlamaRotaryEmbedding(config)(self.hidden[:1], positions))
 
     def to(self, device) -> "LayerRunner":
         """Keep the hidden states (and the rotary tables) on `device`: layers moved there run where they are."""
         self.hidden = self.hidden.to(device)
         self.position_embeddings = tuple(t.to(device) for t in self.position_embeddings)
+        self.typed = {kind: tuple(t.to(device) for t in pe) for kind, pe in self.typed.items()}
         return self
+
+    def embeddings_at(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [1, T, d_h] of layer `layer`'s RoPE over the calibration positions."""
+        return self.typed.get(self.layer_types[layer], self.position_embeddings)
 
     @torch.no_grad()
     def attention_input(self, layer) -> torch.Tensor:
@@ -208,7 +219,7 @@ class LayerRunner:
         window = attention_window(attn)
         heads, groups = attn.config.num_attention_heads, attn.config.num_key_value_heads
         head_dim = attn.head_dim
-        cos, sin = self.position_embeddings
+        cos, sin = self.embeddings_at(attn.layer_idx)
         seq, dim = self.hidden.shape[1:]
         profile = torch.zeros(heads, seq, dtype=torch.float64)
         attended = torch.zeros(groups, dim + 1, dim + 1, dtype=torch.float64) if attended_every else None
@@ -263,7 +274,7 @@ class LayerRunner:
         """Run `layer` on the hidden states."""
         outs = []
         for chunk in self.hidden.split(self.batch):
-            cos, sin = self.position_embeddings
+            cos, sin = self.embeddings_at(layer.self_attn.layer_idx)
             pe = (cos.expand(chunk.shape[0], -1, -1), sin.expand(chunk.shape[0], -1, -1))
             mask = layer_mask(layer.self_attn, chunk.shape[1], chunk.device)
             out = layer(chunk, attention_mask=mask, position_embeddings=pe, position_ids=None)

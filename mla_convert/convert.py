@@ -148,6 +148,7 @@ class Plan:
     qkv_bias: bool = False
     qk_norm: str | None = None  # None: the source has no per-head q/k norms; else ConvertOptions.qk_norm
     qk_norm_scope: str = "head"  # "head" or "projection" (Family.qk_norm_scope)
+    norm_unit_offset: bool = False  # the source's norms multiply by (1 + weight) (Gemma)
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
     refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
@@ -505,6 +506,7 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     plan.qkv_bias = bool(qkv_bias)
     plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
     plan.qk_norm_scope = family.qk_norm_scope(config) or "head"
+    plan.norm_unit_offset = family.gemma(config)
     plan.set_kv_lora_rank(ranks)
     plan.memory["samples"] = options.calib_samples or default_calib_samples(plan.ratio)  # by the cache kept
     if plan.memory["calibrated"]:
@@ -545,6 +547,10 @@ def gemma_fields(source_config, plan: Plan | None = None) -> dict:
         final_logit_softcapping=getattr(source_config, "final_logit_softcapping", None),
         sliding_window=source_config.sliding_window if windowed else None,
         layer_types=list(source_config.layer_types) if windowed else None,
+        # Gemma 3: the global layers' RoPE as the model's, the sliding layers' apart
+        **({"rope_parameters": dict(source_config.rope_parameters["full_attention"]),
+            "local_rope_parameters": dict(source_config.rope_parameters["sliding_attention"])}
+           if rope.per_type_rope(source_config) else {}),
     )
 
 
@@ -746,8 +752,9 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
         # "calibrated" replaces rms(k) by its calibration value per kv group, a linear key cached like any other.
         # A norm over the whole projection (OLMo 2) has one weight per row already, and one RMS per token.
         whole = plan.qk_norm_scope == "projection"
-        w_q = w_q * tensors["q_norm"].double().repeat(1 if whole else heads)[:, None]
-        w_k = w_k * tensors["k_norm"].double().repeat(1 if whole else groups)[:, None]
+        offset = 1.0 if plan.norm_unit_offset else 0.0  # Gemma 3's norms multiply by (1 + weight)
+        w_q = w_q * (tensors["q_norm"].double() + offset).repeat(1 if whole else heads)[:, None]
+        w_k = w_k * (tensors["k_norm"].double() + offset).repeat(1 if whole else groups)[:, None]
         if plan.qk_norm == "calibrated":
             rms_groups, rms_dim = (1, groups * head_dim) if whole else (groups, head_dim)
             w_k = w_k_cached = w_k / key_rms(w_k_cached, cov, rms_groups, rms_dim, plan.norm_eps).repeat_interleave(
@@ -942,7 +949,9 @@ def convert(
     # calibration runs source layers causally (calibration.layer_mask); eager where sdpa would drop the source's
     # score soft-capping (Gemma 2)
     config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
-    inv_freq, attention_scaling = rope.source_frequencies(config)
+    # each layer's RoPE (Gemma 3: a base per layer type)
+    frequencies = [rope.source_frequencies(rope.rope_config(config, rope.layer_type(config, i)))
+                   for i in range(plan.layers)]
     device = torch.device(resolve_device(options.device))
     torch.manual_seed(options.seed)
     inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
@@ -981,7 +990,7 @@ def convert(
                         every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
                         profile, attended, keyed = runner.attention_statistics(source_layer, attended_every=every)
                         if options.needs_attention_profile():
-                            phase = rope.attention_phases(profile, inv_freq.to(device))
+                            phase = rope.attention_phases(profile, frequencies[i][0].to(device))
                         keyed = keyed if options.key_inputs == "attended" else None
             return prefix, layer_tensors, attn, source_layer, (cov, phase, attended, keyed)
 
@@ -996,7 +1005,7 @@ def convert(
                 _, _, attn, source_layer, statistics = layer_inputs(i)
                 clock.lap("calibration")
                 with torch.device(device):
-                    spectra.append(layer_spectrum(attn, plan, options, attention_scaling, *statistics).cpu())
+                    spectra.append(layer_spectrum(attn, plan, options, frequencies[i][1], *statistics).cpu())
                 del attn, statistics
                 if runner is not None:
                     runner.advance(source_layer)
@@ -1042,11 +1051,11 @@ def convert(
                 del inputs
             clock.lap("calibration")
             with torch.device(device):
-                mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
+                mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, frequencies[i][1], *statistics)
             clock.lap("factorization")
             if targets is not None:
                 mla_tensors, trained = _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors,
-                                                targets, runner.position_embeddings, options, device)
+                                                targets, runner.embeddings_at(i), options, device)
                 layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
                 targets = None
                 clock.lap("refine")

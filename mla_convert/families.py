@@ -160,14 +160,16 @@ FAMILIES = {
     ),
     "gemma": Family(
         name="gemma",
-        model_types=("gemma", "gemma2"),
+        model_types=("gemma", "gemma2", "gemma3_text"),
         qkv_bias=None,
         o_bias=None,
         decoder_layers={"gemma": "transformers.models.gemma.modeling_gemma:GemmaDecoderLayer",
-                        "gemma2": "transformers.models.gemma2.modeling_gemma2:Gemma2DecoderLayer"},
-        sliding_window_types=("gemma2",),
-        sandwich_norm_types=("gemma2",),
-        gemma_types=("gemma", "gemma2"),
+                        "gemma2": "transformers.models.gemma2.modeling_gemma2:Gemma2DecoderLayer",
+                        "gemma3_text": "transformers.models.gemma3.modeling_gemma3:Gemma3DecoderLayer"},
+        sliding_window_types=("gemma2", "gemma3_text"),
+        sandwich_norm_types=("gemma2", "gemma3_text"),
+        gemma_types=("gemma", "gemma2", "gemma3_text"),
+        qk_norm_types=("gemma3_text",),
         activations=("gelu_pytorch_tanh",),
     ),
     "qwen": Family(
@@ -187,8 +189,7 @@ FAMILIES = {
 # Known model types we refuse, with the reason the user sees.
 REFUSED = {
     "qwen3_moe": "Qwen3-MoE has per-head q/k norms before RoPE (and experts); not supported",
-    "gemma3": "Gemma 3 has per-head q/k norms with sliding windows and two RoPE bases; not supported",
-    "gemma3_text": "Gemma 3 has per-head q/k norms with sliding windows and two RoPE bases; not supported",
+    "gemma3": "this is Gemma 3's multimodal checkpoint; only its text model (model_type gemma3_text) converts",
     "deepseek_v3": "this is already an MLA model",
     "deepseek_v2": "this is already an MLA model",
     "mla": "this is already an MLA model converted by mla-convert",
@@ -207,7 +208,7 @@ def family_for(config, requested: str | None = None) -> Family:
     if found is None:
         raise UserError(
             f"model_type '{model_type}' is not supported; supported: {', '.join(SUPPORTED_TYPES)} "
-            "(Llama, SmolLM, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, Gemma, Gemma 2)"
+            "(Llama, SmolLM, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, Gemma 1-3)"
         )
     if requested is not None and requested != found.name:
         raise UserError(
@@ -252,18 +253,21 @@ def check_config(config, family: Family) -> None:
     rope = getattr(config, "rope_parameters", None) or {}
     if not isinstance(rope, dict):
         raise UserError(f"rope_parameters in config.json must be an object, got {type(rope).__name__}: fix config.json")
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise UserError(f"partial_rotary_factor {partial}: RoPE on part of each head (e.g. Phi-4-mini) is not supported; "
-                        "convert a model whose RoPE spans the whole head")
-    if rope.get("rope_type", "default") == "dynamic":
-        raise UserError("dynamic NTK RoPE changes frequencies with the sequence length; not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     known = sorted({"default", *ROPE_INIT_FUNCTIONS} - {"dynamic"})
-    if rope.get("rope_type", "default") not in known:
-        raise UserError(f"rope_type {rope.get('rope_type')!r} in config.json is not a RoPE type transformers knows "
-                        f"({', '.join(known)}): fix config.json")
+    # Gemma 3 gives RoPE parameters per layer type: each is checked
+    for params in ([p for p in rope.values() if isinstance(p, dict)] if isinstance(rope.get("full_attention"), dict)
+                   else [rope]):
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise UserError(f"partial_rotary_factor {partial}: RoPE on part of each head (e.g. Phi-4-mini) is not "
+                            "supported; convert a model whose RoPE spans the whole head")
+        if params.get("rope_type", "default") == "dynamic":
+            raise UserError("dynamic NTK RoPE changes frequencies with the sequence length; not supported")
+        if params.get("rope_type", "default") not in known:
+            raise UserError(f"rope_type {params.get('rope_type')!r} in config.json is not a RoPE type transformers "
+                            f"knows ({', '.join(known)}): fix config.json")
 
 
 def llama_layer(config, layer_idx: int):

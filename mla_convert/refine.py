@@ -109,7 +109,7 @@ def stream_targets(source_layer, runner, scope: str) -> tuple[torch.Tensor, torc
         x, module, forward = runner.attention_input(source_layer), source_layer.self_attn, attention_output
     else:
         x, module, forward = runner.hidden, source_layer, layer_update
-    cos, sin = runner.position_embeddings
+    cos, sin = runner.embeddings_at(source_layer.self_attn.layer_idx)
     ys = []
     with torch.no_grad():
         for chunk in x.split(runner.batch):

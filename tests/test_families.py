@@ -19,7 +19,7 @@ from mla_convert.modeling.compat import cache_kwargs, output_cache
 
 # each family's tiny source (tests/tiny.py KINDS) and its transformers class
 FAMILY_KINDS = {"mistral-window": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def run(*args):
@@ -105,13 +105,13 @@ def test_window_is_kept_and_attended_within(pairs):
     ids = tokens()
     with torch.no_grad():
         windowed = mla(ids).logits
-        for layer in mla.model.layers:  # each layer's window, which the model masks by
-            layer.self_attn.sliding_window = None
+        for layer in mla.model.layers:  # each layer's type, which the model masks by
+            layer.self_attn.layer_type = "full_attention"
         try:
             whole = mla(ids, use_cache=False).logits
         finally:
             for layer in mla.model.layers:
-                layer.self_attn.sliding_window = 6
+                layer.self_attn.layer_type = "sliding_attention"
     assert rel_err(windowed[:, :6], whole[:, :6]) < REL_TOL  # the first 6 positions see their whole past anyway
     assert rel_err(windowed, whole) > 1e-2
 
@@ -307,3 +307,45 @@ def test_gemma2_refused_where_no_engine_holds_it(family_sources, convert_tiny, t
     config.update(sliding_window=None, layer_types=None, norm_layout="pre")
     with pytest.raises(UserError, match="soft-caps its logits"):
         check_servable(config, "vLLM's MLA kernels")
+
+
+# ---------------------------------------------------------------------------------------------- Gemma 3
+
+
+def test_gemma3_norms_and_rope_bases_kept(pairs):
+    """Per-head (1+w) q/k norms in the exact mode with windowed layers (the cached keys' positions are the window's),
+    and each layer type's RoPE base: rotating the sliding layers with the global base gives other logits."""
+    src, mla = pairs["gemma3_text"]
+    config = mla.config
+    assert config.qk_norm == "exact" and config.qk_norm_scope == "head" and config.norm_unit_offset
+    assert config.rope_parameters["rope_theta"] == 1e6 and config.local_rope_parameters["rope_theta"] == 1e4
+    assert [layer.self_attn.local_rope for layer in mla.model.layers] == [True, False]
+    assert torch.equal(mla.model.layers[0].self_attn.k_norm.weight, src.model.layers[0].self_attn.k_norm.weight)
+    ids = tokens()
+    with torch.no_grad():
+        reference = mla(ids).logits
+        mla.model.layers[0].self_attn.local_rope = False
+        try:
+            assert rel_err(reference, mla(ids).logits) > 1e-2
+        finally:
+            mla.model.layers[0].self_attn.local_rope = True
+
+
+def test_gemma3_calibrated_key_norm_is_absorbable(family_sources, convert_tiny):
+    from test_exactness import both_forms
+
+    src = AutoModelForCausalLM.from_pretrained(family_sources["gemma3_text"], dtype=torch.float32).eval()
+    out = convert_tiny(family_sources["gemma3_text"], **full_options(src.config, merge=True), qk_norm="calibrated")
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = tokens()
+    expanded, absorbed = both_forms(model, ids)
+    assert rel_err(expanded, absorbed) < REL_TOL
+    with torch.no_grad():
+        assert 1e-4 < rel_err(src(ids).logits, expanded) < 1.0
+
+
+def test_gemma3_multimodal_checkpoint_names_the_text_model(family_sources):
+    config = AutoConfig.from_pretrained(family_sources["gemma3_text"])
+    config.model_type = "gemma3"
+    with pytest.raises(UserError, match="gemma3_text"):
+        family_for(config)

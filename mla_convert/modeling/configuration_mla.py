@@ -86,8 +86,11 @@ class MLAConfig(LlamaConfig):
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     # per layer "sliding_attention" (within `sliding_window`) or "full_attention"; None: every layer as
-    # `sliding_window` says (transformers' DynamicCache reads it to keep a window's rows in the sliding layers)
+    # `sliding_window` says. Always a list once built: transformers' caches keep a window's rows in the sliding layers
+    # by it, and generation prepares one mask per type wherever a config has the attribute
     layer_types: list[str] | None = None
+    # the sliding layers' RoPE where it differs from `rope_parameters` (Gemma 3's local base); None: one RoPE
+    local_rope_parameters: dict | None = None
 
     def __post_init__(self, **kwargs):
         if isinstance(self.kv_lora_rank, (list, tuple)):  # one rank per layer -> the largest + per-layer overrides
@@ -120,6 +123,9 @@ class MLAConfig(LlamaConfig):
                 "layers.*.self_attn.q_head_proj": "colwise",
                 **MLP_TP_PLAN,
             }
+        if self.layer_types is None:
+            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
         if self.rope_pairs is None:
             self.rope_pairs = [list(range(self.qk_rope_head_dim // 2)) for _ in range(self.num_hidden_layers)]
 
@@ -171,13 +177,13 @@ class MLAConfig(LlamaConfig):
             raise ValueError("qk_norm needs qk_nope_head_dim == head_dim (the nope key is the source head's)")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive number of positions or null, got {self.sliding_window}")
-        if self.sliding_window is not None and self.qk_norm == "exact":
-            raise ValueError("qk_norm exact rotates keys at their positions from the start of the cache: no sliding window")
         if self.norm_layout not in ("pre", "post", "sandwich"):
             raise ValueError(f"norm_layout must be pre, post or sandwich, got {self.norm_layout}")
         if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers or any(
                 t not in ("sliding_attention", "full_attention") for t in self.layer_types)):
             raise ValueError("layer_types needs one sliding_attention or full_attention per layer")
+        if "sliding_attention" in (self.layer_types or ()) and self.sliding_window is None:
+            raise ValueError("sliding_attention layers need a sliding_window")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"qk_norm_scope must be head or projection, got {self.qk_norm_scope}")
         if self.mla_decode_kernel not in ("auto", "torch", "triton"):

@@ -132,9 +132,11 @@ class MLAAttention(nn.Module):
         bias = config.attention_bias
         d_q = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.qk_norm = config.qk_norm
-        layer_type = config.layer_types[layer_idx] if config.layer_types else "sliding_attention"
+        self.layer_type = layer_type = config.layer_types[layer_idx]
         # the window this layer's queries look back over (None: the whole past); MLAModel masks by it
         self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
+        # which of MLAModel's rotary tables this layer takes (Gemma 3: the sliding layers have their own base)
+        self.local_rope = layer_type == "sliding_attention" and config.local_rope_parameters is not None
         self.softcap = config.attn_logit_softcapping
         # with qk_norm_scope "projection" the q/k norms span every head at once (OLMo 2), else each head
         self.whole_norm = bool(self.qk_norm) and config.qk_norm_scope == "projection"
@@ -348,7 +350,8 @@ class MLAAttention(nn.Module):
             key = self.k_norm(key)
         rope = torch.einsum("bgsd,rgd->bsr", key, self.k_rope_down.view(d_r, groups, -1))  # K n: [B, S, d_r]
         nope = key - torch.einsum("bsr,gdr->bgsd", rope, up)
-        cos, sin = self._rope_cos_sin(key_position_embeddings)
+        kv_len = key.shape[2]  # a sliding layer's cache holds the last rows: the positions' tail
+        cos, sin = self._rope_cos_sin(tuple(t[..., -kv_len:, :] for t in key_position_embeddings))
         return nope, rotate(rope.unsqueeze(1), cos, sin)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -542,6 +545,12 @@ class MLAModel(MLAPreTrainedModel):
         self.layers = nn.ModuleList([MLADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = rms_norm(config, config.hidden_size)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)  # the source head_dim's frequencies
+        if config.local_rope_parameters is not None:  # the sliding layers' own (Gemma 3)
+            import copy
+
+            local = copy.copy(config)
+            local.rope_parameters = dict(config.local_rope_parameters)
+            self.rotary_emb_local = LlamaRotaryEmbedding(config=local)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -571,21 +580,28 @@ class MLAModel(MLAPreTrainedModel):
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
-        masks = {}  # by window: each layer's mask (Gemma 2 alternates windowed and full layers)
-        for window in {layer.self_attn.sliding_window for layer in self.layers}:
-            make_mask = create_causal_mask if window is None else create_sliding_window_causal_mask
-            masks[window] = make_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
+        # one mask per layer type (Gemma 2 alternates windowed and full layers); generation may pass them prepared
+        masks = attention_mask if isinstance(attention_mask, dict) else {}
+        for kind in {layer.self_attn.layer_type for layer in self.layers} - set(masks):
+            make_mask = create_causal_mask if kind == "full_attention" else create_sliding_window_causal_mask
+            masks[kind] = make_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        rotaries = {False: self.rotary_emb}
+        if self.config.local_rope_parameters is not None:
+            rotaries[True] = self.rotary_emb_local
+        position_embeddings = {local: rotary(hidden_states, position_ids=position_ids) for local, rotary in rotaries.items()}
+        key_embeddings = {}
         if self.config.qk_norm == "exact":  # the keys are rotated at attention time: their positions, every step
-            kwargs["key_position_embeddings"] = self.rotary_emb(
-                hidden_states, position_ids=key_positions(position_ids, cache)
-            )
+            keys_at = key_positions(position_ids, cache)
+            key_embeddings = {local: rotary(hidden_states, position_ids=keys_at) for local, rotary in rotaries.items()}
         for layer in self.layers:
+            local = layer.self_attn.local_rope
+            if key_embeddings:
+                kwargs["key_position_embeddings"] = key_embeddings[local]
             hidden_states = layer(
                 hidden_states,
-                attention_mask=masks[layer.self_attn.sliding_window],
-                position_embeddings=position_embeddings,
+                attention_mask=masks[layer.self_attn.layer_type],
+                position_embeddings=position_embeddings[local],
                 **cache_kwargs(cache),  # the installed release's name: gradient checkpointing drops it by name
                 position_ids=position_ids,
                 **kwargs,
