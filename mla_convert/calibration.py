@@ -118,6 +118,39 @@ def second_moment(x: torch.Tensor) -> torch.Tensor:
     return x.T @ x / x.shape[0]
 
 
+def attention_window(attn) -> int | None:
+    """The window an attention module's queries look back over (None: the whole past): its own `sliding_window`
+    where it has one (per layer: Gemma 2, Qwen2, the native model), else its config's (Mistral)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    config = attn.config
+    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+
+
+def layer_mask(attn, seq_len: int, device=None) -> torch.Tensor | None:
+    """The mask an attention module needs over `seq_len` positions from 0 to attend causally (within its window):
+    None where sdpa's own causal attention is that (no window shorter than the sequence); bool [1, 1, T, T] (True
+    where query t sees key j: j <= t and t - j < window) otherwise; additive float (0 or the dtype's minimum) under
+    eager attention, whose kernels add the mask and take None for no mask at all."""
+    window = attention_window(attn)
+    eager = getattr(attn.config, "_attn_implementation", None) == "eager"
+    if not eager and (window is None or window >= seq_len):
+        return None
+    positions = torch.arange(seq_len, device=device)
+    back = positions[:, None] - positions[None, :]  # [T, T]: how far key j lies behind query t
+    allowed = (back >= 0) & (back < (window or seq_len))
+    if eager:
+        return torch.zeros(seq_len, seq_len, device=device).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    return allowed[None, None]
+
+
+def attention_input(layer, hidden: torch.Tensor) -> torch.Tensor:
+    """What a decoder layer's attention reads from the hidden states: after its input norm, or the hidden states
+    themselves in a block that normalizes outputs instead (no input_layernorm: OLMo 2)."""
+    norm = getattr(layer, "input_layernorm", None)
+    return hidden if norm is None else norm(hidden)
+
+
 class LayerRunner:
     """Runs calibration tokens through decoder layers one at a time.
 
@@ -125,25 +158,39 @@ class LayerRunner:
     `advance(layer_module)` replaces the hidden states by the layer's output.
     """
 
-    def __init__(self, config, embed: torch.Tensor, tokens: torch.Tensor, batch: int = 8):
+    def __init__(self, config, embed: torch.Tensor, tokens: torch.Tensor, batch: int = 8,
+                 embed_scale: float | None = None):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         self.tokens = tokens  # [N, T]
         self.hidden = torch.nn.functional.embedding(tokens, embed).float()  # [N, T, D] (rows first: no float32 table)
+        if embed_scale is not None:  # Gemma's scaled embeddings, the scale rounded to the table's dtype as it does
+            self.hidden = self.hidden * torch.tensor(embed_scale, dtype=embed.dtype).float()
         self.batch = batch
-        rotary = LlamaRotaryEmbedding(config)
+        from mla_convert.rope import layer_type, per_type_rope, rope_config
+
         positions = torch.arange(tokens.shape[1]).unsqueeze(0)
-        self.position_embeddings = rotary(self.hidden[:1], positions)
+        kinds = sorted(set(getattr(config, "layer_types", None) or ["full_attention"])) if per_type_rope(config) else []
+        # per layer type where the RoPE differs by type (Gemma 3's two bases); else one table, `position_embeddings`
+        self.typed = {kind: LlamaRotaryEmbedding(rope_config(config, kind))(self.hidden[:1], positions) for kind in kinds}
+        self.layer_types = [layer_type(config, i) for i in range(config.num_hidden_layers)]
+        self.position_embeddings = (self.typed["full_attention"] if "full_attention" in self.typed
+                                    else LlamaRotaryEmbedding(config)(self.hidden[:1], positions))
 
     def to(self, device) -> "LayerRunner":
         """Keep the hidden states (and the rotary tables) on `device`: layers moved there run where they are."""
         self.hidden = self.hidden.to(device)
         self.position_embeddings = tuple(t.to(device) for t in self.position_embeddings)
+        self.typed = {kind: tuple(t.to(device) for t in pe) for kind, pe in self.typed.items()}
         return self
+
+    def embeddings_at(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [1, T, d_h] of layer `layer`'s RoPE over the calibration positions."""
+        return self.typed.get(self.layer_types[layer], self.position_embeddings)
 
     @torch.no_grad()
     def attention_input(self, layer) -> torch.Tensor:
-        return layer.input_layernorm(self.hidden)  # [N, T, D]
+        return attention_input(layer, self.hidden)  # [N, T, D]
 
     @torch.no_grad()
     def attention_profile(self, layer, block: int = 128) -> torch.Tensor:
@@ -169,20 +216,24 @@ class LayerRunner:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         attn = layer.self_attn
+        window = attention_window(attn)
         heads, groups = attn.config.num_attention_heads, attn.config.num_key_value_heads
         head_dim = attn.head_dim
-        cos, sin = self.position_embeddings
+        cos, sin = self.embeddings_at(attn.layer_idx)
         seq, dim = self.hidden.shape[1:]
         profile = torch.zeros(heads, seq, dtype=torch.float64)
         attended = torch.zeros(groups, dim + 1, dim + 1, dtype=torch.float64) if attended_every else None
         attended_rows = 0
         keyed = torch.zeros(dim + 1, dim + 1, dtype=torch.float64)
         for sample in self.hidden:
-            x = layer.input_layernorm(sample[None])
+            x = attention_input(layer, sample[None])
             received = torch.zeros(seq, dtype=torch.float64)  # attention each key receives, summed over queries/heads
-            q = attn.q_proj(x).view(1, seq, heads, head_dim)
-            k = attn.k_proj(x).view(1, seq, groups, head_dim)
-            if hasattr(attn, "q_norm"):  # per-head q/k norms before RoPE (Qwen3's attention has them)
+            q, k = attn.q_proj(x), attn.k_proj(x)
+            whole = hasattr(attn, "q_norm") and attn.q_norm.weight.numel() == q.shape[-1]
+            if whole:  # q/k norms over the whole projection (OLMo 2's)
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.view(1, seq, heads, head_dim), k.view(1, seq, groups, head_dim)
+            if hasattr(attn, "q_norm") and not whole:  # per-head q/k norms before RoPE (Qwen3's attention has them)
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, H, T, d_h], [1, G, T, d_h]
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -196,6 +247,10 @@ class LayerRunner:
                 # query first+r sees key length-1-c iff c >= rows-1-r: only the first `rows` columns hold future keys
                 future = torch.ones(rows, rows, dtype=torch.bool).triu(1).flip(1)  # [R, R]: c < rows-1-r
                 scores[:, :, :rows].masked_fill_(future, float("-inf"))
+                if window is not None:  # query first+r sees key length-1-c only within the window
+                    at = torch.arange(length, device=scores.device)
+                    back = at[first:, None] - (length - 1 - at)[None, :]
+                    scores.masked_fill_(back >= window, float("-inf"))
                 probs = scores.softmax(-1)  # [H, R, L]
                 profile[:, :length] += by_distance(probs).double()
                 received[:length] += probs.sum(dim=(0, 1)).flip(0).double()  # column c is key length-1-c
@@ -219,9 +274,10 @@ class LayerRunner:
         """Run `layer` on the hidden states."""
         outs = []
         for chunk in self.hidden.split(self.batch):
-            cos, sin = self.position_embeddings
+            cos, sin = self.embeddings_at(layer.self_attn.layer_idx)
             pe = (cos.expand(chunk.shape[0], -1, -1), sin.expand(chunk.shape[0], -1, -1))
-            out = layer(chunk, attention_mask=None, position_embeddings=pe, position_ids=None)
+            mask = layer_mask(layer.self_attn, chunk.shape[1], chunk.device)
+            out = layer(chunk, attention_mask=mask, position_embeddings=pe, position_ids=None)
             outs.append(out[0] if isinstance(out, tuple) else out)
         self.hidden = torch.cat(outs)
 

@@ -21,6 +21,7 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -80,6 +81,11 @@ class Source:
     def get_raw(self, name: str) -> torch.Tensor:
         """The tensor in its own dtype (what an unchanged tensor is copied through as); `get` is it in float32."""
         return self.get(name)
+
+    def stored(self) -> dict[str, Callable[[], torch.Tensor]]:
+        """{name: read it} of the tensors under the names the source's own transformers model has (where `keys`
+        reads fused tensors apart, the fused ones): what loads the source as itself (selftext.causal_lm)."""
+        return {name: (lambda name=name: self.get(name)) for name in self.keys()}
 
     def element_size(self, name: str) -> int:
         """Bytes per element of the tensor as stored."""
@@ -372,6 +378,50 @@ class GGUFSource(Source):
         return DEFAULT_BASE_MODEL if self.path.name == DEFAULT_GGUF else None
 
 
+class SplitSource(SafetensorsSource):
+    """A safetensors source whose fused tensors (Phi-3's qkv_proj, gate_up_proj) read as their parts: `keys`, `shape`,
+    `get_raw` know the parts' names (row slices of the fused tensor) and not the fused names. Exact."""
+
+    def __init__(self, config, origin: str, folder: Path, revision: str | None, fused: dict):
+        super().__init__(config, origin, folder, revision)
+        self.parts: dict[str, tuple[str, int, int]] = {}  # part name -> (fused name, first row, end row)
+        for name in list(self.weight_map):
+            for suffix, parts in fused.items():
+                if name.endswith("." + suffix):
+                    prefix = name[: -len(suffix)]
+                    for part, first, end in parts:
+                        self.parts[prefix + part] = (name, first, end)
+        self.fused = {fused_name for fused_name, _, _ in self.parts.values()}
+
+    def keys(self) -> list[str]:
+        return [n for n in self.weight_map if n not in self.fused] + list(self.parts)
+
+    def has(self, name: str) -> bool:
+        return name in self.parts or (name in self.weight_map and name not in self.fused)
+
+    def element_size(self, name: str) -> int:
+        return super().element_size(self.parts[name][0] if name in self.parts else name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.parts:
+            return super().shape(name)
+        fused, first, end = self.parts[name]
+        shape = super().shape(fused)
+        last = max(e for f, _, e in self.parts.values() if f == fused)
+        # a fused tensor of other rows than its parts' reads as a last part of other rows, which the shape check
+        # (validate.check_source_shapes) then refuses
+        return ((shape[0] - first) if end == last else (end - first), *shape[1:])
+
+    def stored(self) -> dict:
+        return {name: (lambda name=name: super(SplitSource, self).get(name)) for name in self.weight_map}
+
+    def get_raw(self, name: str) -> torch.Tensor:
+        if name not in self.parts:
+            return super().get_raw(name)
+        fused, first, end = self.parts[name]
+        return super().get_raw(fused)[first:end].clone()
+
+
 def open_source(model: str | None, revision: str | None = None) -> Source:
     """Open MODEL: None (the embedded default), a GGUF file, a local folder, or a hub id."""
     from transformers import AutoConfig
@@ -416,6 +466,11 @@ def open_source(model: str | None, revision: str | None = None) -> Source:
     if missing:
         raise UserError(f"{folder / 'config.json'} is missing {', '.join(missing)}: fix or re-download the source's "
                         "config.json")
+    from mla_convert.families import fused_parts
+
+    fused = fused_parts(config)
+    if fused:
+        return SplitSource(config, origin, folder, revision, fused)
     return SafetensorsSource(config, origin, folder, revision)
 
 

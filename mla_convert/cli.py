@@ -246,7 +246,15 @@ def _convert(
     source = open_source(model, revision)
     from mla_convert.families import family_for
 
-    if family_for(source.config, family).has_qk_norm(source.config) and (target == "deepseek" or qk_norm == "exact"):
+    found = family_for(source.config, family)
+    limits = found.engine_limits(source.config)
+    if limits and target == "deepseek":
+        raise UserError(f"this model has {' and '.join(limits)}, which DeepSeek-V3's MLA (and llama.cpp's) cannot hold: "
+                        "convert with --target native and run it in transformers (eval, generate)")
+    if limits and not dry_run:
+        typer.echo(f"note: this model has {' and '.join(limits)}: the converted checkpoint runs in transformers; "
+                   "vLLM and the DeepSeek-V3/GGUF exports refuse it", err=True)
+    if found.has_qk_norm(source.config) and (target == "deepseek" or qk_norm == "exact"):
         _refuse_qk_norm_serving(target, qk_norm)
     explicit = {k for k, v in (("rope_strategy", rope_strategy), ("rope_dims", rope_dims)) if v is not None}
     convert_to_target(source, output, native_out, options, family, target=target, format=format, explicit=explicit,
@@ -444,9 +452,14 @@ def _make_convert_command(family: Optional[str], help_text: str):
     return friendly(command)
 
 
-app.command("convert")(_make_convert_command(None, "Convert a Llama, Mistral, Qwen2 or Qwen3 model (family detected)."))
+app.command("convert")(_make_convert_command(None, "Convert a Llama, Mistral, Qwen2, Qwen3, Phi-3 or OLMo 2 model "
+                                                   "(family detected)."))
 app.command("llama")(_make_convert_command("llama", "Convert a Llama-family model (Llama, SmolLM, Mistral)."))
 app.command("qwen")(_make_convert_command("qwen", "Convert a Qwen2 / Qwen2.5 / Qwen3 model (detected from config.json)."))
+app.command("phi3")(_make_convert_command("phi3", "Convert a Phi-3 / Phi-4 model (fused qkv and gate/up read apart)."))
+app.command("gemma")(_make_convert_command("gemma", "Convert a Gemma / Gemma 2 model (transformers only)."))
+app.command("olmo2")(_make_convert_command("olmo2", "Convert an OLMo 2 model (q/k norms over the whole projection, "
+                                                    "post-norm blocks; transformers only)."))
 
 
 # ---------------------------------------------------------------------------------------------------------- eval

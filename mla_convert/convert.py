@@ -149,6 +149,8 @@ class Plan:
     shapes: dict = field(default_factory=dict)
     qkv_bias: bool = False
     qk_norm: str | None = None  # None: the source has no per-head q/k norms; else ConvertOptions.qk_norm
+    qk_norm_scope: str = "head"  # "head" or "projection" (Family.qk_norm_scope)
+    norm_unit_offset: bool = False  # the source's norms multiply by (1 + weight) (Gemma)
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
     refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
@@ -180,9 +182,10 @@ class Plan:
                 shapes["q_head_proj"] = (heads * (d_n + d_r), head_dim)
             after += sum(math.prod(s) for s in shapes.values())
             after += self.qkv_bias * (q_rows + rank + d_r + groups * (d_n + head_dim))
+            whole = self.qk_norm_scope == "projection"
             if self.qk_norm == "exact":  # k_norm, and the rope key's maps R and K
-                after += head_dim + 2 * groups * head_dim * d_r
-            after += head_dim if self.qk_norm else 0  # q_norm
+                after += head_dim * (groups if whole else 1) + 2 * groups * head_dim * d_r
+            after += head_dim * (heads if whole else 1) if self.qk_norm else 0  # q_norm
             if layer == 0:
                 self.shapes = shapes
         self.attn_params_after = after
@@ -509,6 +512,8 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     plan.attn_params_before = per_layer_before * layers
     plan.qkv_bias = bool(qkv_bias)
     plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
+    plan.qk_norm_scope = family.qk_norm_scope(config) or "head"
+    plan.norm_unit_offset = family.gemma(config)
     plan.set_kv_lora_rank(ranks)
     plan.memory["samples"] = options.calib_samples or default_calib_samples(plan.ratio)  # by the cache kept
     if plan.memory["calibrated"]:
@@ -534,6 +539,28 @@ def _source_dtype(config) -> str:
     return name if name in DTYPES else "float32"
 
 
+def gemma_fields(source_config, plan: Plan | None = None) -> dict:
+    """The native config's fields a Gemma source needs: its scaled embeddings, (1+w) norms, activation, softmax
+    scale, soft-capping and which layers attend within the window."""
+    windowed = getattr(source_config, "sliding_window", None) is not None
+    head_dim = getattr(source_config, "head_dim", None) or source_config.hidden_size // source_config.num_attention_heads
+    scalar = getattr(source_config, "query_pre_attn_scalar", None) or head_dim  # Gemma 1: head_dim's
+    return dict(
+        embed_scale=float(source_config.hidden_size) ** 0.5,
+        norm_unit_offset=True,
+        hidden_act=getattr(source_config, "hidden_activation", None) or source_config.hidden_act,
+        softmax_scale=float(scalar) ** -0.5,
+        attn_logit_softcapping=getattr(source_config, "attn_logit_softcapping", None),
+        final_logit_softcapping=getattr(source_config, "final_logit_softcapping", None),
+        sliding_window=source_config.sliding_window if windowed else None,
+        layer_types=list(source_config.layer_types) if windowed else None,
+        # Gemma 3: the global layers' RoPE as the model's, the sliding layers' apart
+        **({"rope_parameters": dict(source_config.rope_parameters["full_attention"]),
+            "local_rope_parameters": dict(source_config.rope_parameters["sliding_attention"])}
+           if rope.per_type_rope(source_config) else {}),
+    )
+
+
 def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[int]], dtype: str):
     from mla_convert.modeling import MLAConfig
 
@@ -541,8 +568,8 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
     carried = {k: getattr(source_config, k) for k in CARRIED_KEYS if getattr(source_config, k, None) is not None}
     carried["head_dim"] = plan.head_dim
     carried["num_key_value_heads"] = plan.groups
-    config = MLAConfig(
-        **carried,
+    fields = dict(
+        carried,
         attention_bias=qkv_bias,
         o_proj_bias=o_bias,
         kv_lora_rank=list(plan.kv_lora_rank),
@@ -552,7 +579,13 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
         rope_pairs=rope_pairs,
         softmax_scale=plan.head_dim**-0.5,
         qk_norm=plan.qk_norm,
+        sliding_window=family.sliding_window(source_config),
+        qk_norm_scope=plan.qk_norm_scope,
+        norm_layout=family.norm_layout(source_config),
     )
+    if family.gemma(source_config):
+        fields.update(gemma_fields(source_config, plan))
+    config = MLAConfig(**fields)
     config.architectures = ["MLAForCausalLM"]
     config.dtype = dtype
     return config
@@ -724,11 +757,15 @@ def _layer_maps(tensors, plan: Plan, options: ConvertOptions, attention_scaling:
         # Per-head norms: score = RoPE(w_q . q)·RoPE(w_k . k) / (rms(q) rms(k)). The pairs are chosen on the weighted
         # maps (1/rms is a per-token scale). "exact" caches the pre-norm key (the model normalizes it per token);
         # "calibrated" replaces rms(k) by its calibration value per kv group, a linear key cached like any other.
-        w_q = w_q * tensors["q_norm"].double().repeat(heads)[:, None]
-        w_k = w_k * tensors["k_norm"].double().repeat(groups)[:, None]
+        # A norm over the whole projection (OLMo 2) has one weight per row already, and one RMS per token.
+        whole = plan.qk_norm_scope == "projection"
+        offset = 1.0 if plan.norm_unit_offset else 0.0  # Gemma 3's norms multiply by (1 + weight)
+        w_q = w_q * (tensors["q_norm"].double() + offset).repeat(1 if whole else heads)[:, None]
+        w_k = w_k * (tensors["k_norm"].double() + offset).repeat(1 if whole else groups)[:, None]
         if plan.qk_norm == "calibrated":
-            w_k = w_k_cached = w_k / key_rms(w_k_cached, cov, groups, head_dim, plan.norm_eps).repeat_interleave(
-                head_dim)[:, None]
+            rms_groups, rms_dim = (1, groups * head_dim) if whole else (groups, head_dim)
+            w_k = w_k_cached = w_k / key_rms(w_k_cached, cov, rms_groups, rms_dim, plan.norm_eps).repeat_interleave(
+                rms_dim)[:, None]
     if cov is None:
         q_energy, k_cov = rope.pair_energies(w_q[:, :hidden], w_k[:, :hidden], None, heads, groups, head_dim)
     else:
@@ -918,8 +955,12 @@ def convert(
     check_source_finite(source, family)  # before any work: a NaN or inf weight would convert into a broken output
     source.tokenizer()  # read even without calibration text: a broken tokenizer is refused, not copied into the output
     config = source.config
-    config._attn_implementation = "sdpa"  # calibration runs source layers causally without an explicit mask
-    inv_freq, attention_scaling = rope.source_frequencies(config)
+    # calibration runs source layers causally (calibration.layer_mask); eager where sdpa would drop the source's
+    # score soft-capping (Gemma 2)
+    config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    # each layer's RoPE (Gemma 3: a base per layer type)
+    frequencies = [rope.source_frequencies(rope.rope_config(config, rope.layer_type(config, i)))
+                   for i in range(plan.layers)]
     device = torch.device(resolve_device(options.device))
     torch.manual_seed(options.seed)
     inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
@@ -958,7 +999,7 @@ def convert(
                         every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
                         profile, attended, keyed = runner.attention_statistics(source_layer, attended_every=every)
                         if options.needs_attention_profile():
-                            phase = rope.attention_phases(profile, inv_freq.to(device))
+                            phase = rope.attention_phases(profile, frequencies[i][0].to(device))
                         keyed = keyed if options.key_inputs == "attended" else None
             return prefix, layer_tensors, attn, source_layer, (cov, phase, attended, keyed)
 
@@ -973,7 +1014,7 @@ def convert(
                 _, _, attn, source_layer, statistics = layer_inputs(i)
                 clock.lap("calibration")
                 with torch.device(device):
-                    spectra.append(layer_spectrum(attn, plan, options, attention_scaling, *statistics).cpu())
+                    spectra.append(layer_spectrum(attn, plan, options, frequencies[i][1], *statistics).cpu())
                 del attn, statistics
                 if runner is not None:
                     runner.advance(source_layer)
@@ -1019,11 +1060,11 @@ def convert(
                 del inputs
             clock.lap("calibration")
             with torch.device(device):
-                mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, attention_scaling, *statistics)
+                mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, frequencies[i][1], *statistics)
             clock.lap("factorization")
             if targets is not None:
                 mla_tensors, trained = _refined(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors,
-                                                targets, runner.position_embeddings, options, device)
+                                                targets, runner.embeddings_at(i), options, device)
                 layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
                 targets = None
                 clock.lap("refine")
@@ -1378,4 +1419,6 @@ def _calibration_runner(source: Source, options: ConvertOptions):
                                 temperature=options.calib_temperature, sample_tokens=options.calib_sample_tokens,
                                 device=resolve_device(options.device))
     embed = source.get_raw("model.embed_tokens.weight")  # rows are looked up, then made float32: no float32 table
-    return LayerRunner(source.config, embed, tokens)
+    family = family_for(source.config)
+    embed_scale = gemma_fields(source.config, None)["embed_scale"] if family.gemma(source.config) else None
+    return LayerRunner(source.config, embed, tokens, embed_scale=embed_scale)

@@ -166,7 +166,7 @@ def check_loadable_folder(folder: Path) -> None:
 
 
 # the model types load_model reads with stock (or mla_convert's registered) classes
-_KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "mla")
+_KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "deepseek_v3", "mla")
 
 
 def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):

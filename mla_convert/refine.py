@@ -135,7 +135,7 @@ def stream_targets(source_layer, runner, scope: str) -> tuple[torch.Tensor, torc
         x, module, forward = runner.attention_input(source_layer), source_layer.self_attn, attention_output
     else:
         x, module, forward = runner.hidden, source_layer, layer_update
-    cos, sin = runner.position_embeddings
+    cos, sin = runner.embeddings_at(source_layer.self_attn.layer_idx)
     ys = []
     with torch.no_grad():
         for chunk in x.split(runner.batch):
@@ -145,13 +145,20 @@ def stream_targets(source_layer, runner, scope: str) -> tuple[torch.Tensor, torc
 
 
 def attention_output(attn, x, position_embeddings) -> torch.Tensor:
-    """What an attention module returns for inputs x (its first output), causal, no mask."""
-    return attn(x, position_embeddings=position_embeddings, attention_mask=None)[0]
+    """What an attention module returns for inputs x (its first output), causal (within the window of a
+    sliding-window config)."""
+    from mla_convert.calibration import layer_mask
+
+    mask = layer_mask(attn, x.shape[1], x.device)
+    return attn(x, position_embeddings=position_embeddings, attention_mask=mask)[0]
 
 
 def layer_update(layer, x, position_embeddings) -> torch.Tensor:
     """What a decoder layer adds to the residual stream x (attention and MLP): layer(x) - x."""
-    out = layer(x, position_embeddings=position_embeddings, attention_mask=None)
+    from mla_convert.calibration import layer_mask
+
+    out = layer(x, position_embeddings=position_embeddings, attention_mask=layer_mask(layer.self_attn, x.shape[1],
+                                                                                     x.device))
     return (out[0] if isinstance(out, tuple) else out) - x
 
 

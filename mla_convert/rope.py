@@ -34,6 +34,31 @@ from mla_convert.errors import UserError
 STRATEGIES = ("high", "low", "uniform", "2-norm", "attention")
 
 
+def per_type_rope(config) -> bool:
+    """Whether a config gives RoPE parameters per layer type (Gemma 3: `rope_parameters` = {"full_attention": {...},
+    "sliding_attention": {...}}, two bases)."""
+    rope = getattr(config, "rope_parameters", None)
+    return isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict)
+
+
+def layer_type(config, layer: int) -> str:
+    """"sliding_attention" or "full_attention": the config's `layer_types` entry, else full."""
+    types = getattr(config, "layer_types", None)
+    return types[layer] if types else "full_attention"
+
+
+def rope_config(config, kind: str = "full_attention"):
+    """`config` with the RoPE parameters of layer type `kind` (a shallow copy where they are given per type; else
+    `config` itself): what a Llama rotary embedding of that layer type is built from."""
+    if not per_type_rope(config):
+        return config
+    import copy
+
+    out = copy.copy(config)
+    out.rope_parameters = dict(config.rope_parameters[kind])
+    return out
+
+
 def source_frequencies(config) -> tuple[torch.Tensor, float]:
     """The source's inverse frequencies [d_h/2] (float64, after its RoPE type's scaling) and the attention scaling its
     RoPE type applies to cos/sin. The conversion and the DeepSeek export (export/rope_fit.py) both read them here."""

@@ -188,12 +188,14 @@ def causal_lm(source, device: str = "cpu", dtype: torch.dtype = torch.float32):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
-    state = {name: source.get(name).to(device=device, dtype=dtype) for name in source.keys()}
+    state = {name: read().to(device=device, dtype=dtype) for name, read in source.stored().items()}
     missing, _ = model.load_state_dict(state, strict=False, assign=True)
     for parent in list(model.modules()):  # rotary embeddings hold computed buffers (inv_freq): build them for real
         for name, child in parent.named_children():
-            if "inv_freq" in dict(child.named_buffers(recurse=False)):
+            if any(n.endswith("inv_freq") for n, _ in child.named_buffers(recurse=False)):  # Gemma 3: one per type
                 setattr(parent, name, type(child)(config=source.config).to(device))
+        if hasattr(parent, "scalar_embed_scale"):  # Gemma's scaled embedding keeps its scale in a computed buffer
+            parent.embed_scale = torch.tensor(parent.scalar_embed_scale, device=device)
     if getattr(source.config, "tie_word_embeddings", False):
         model.tie_weights()
         missing = [m for m in missing if m != "lm_head.weight"]

@@ -23,7 +23,7 @@ def expected_shapes(config, family) -> dict[str, tuple[int, ...]]:
     for i in range(layers):
         p = family.layer_prefix.format(i=i)
         shapes.update({
-            f"{p}input_layernorm.weight": (hidden,), f"{p}post_attention_layernorm.weight": (hidden,),
+            f"{p}post_attention_layernorm.weight": (hidden,),
             family.tensor(i, "q"): (heads * head_dim, hidden), family.tensor(i, "k"): (kv * head_dim, hidden),
             family.tensor(i, "v"): (kv * head_dim, hidden), family.tensor(i, "o"): (hidden, heads * head_dim),
             f"{p}mlp.gate_proj.weight": (inter, hidden), f"{p}mlp.up_proj.weight": (inter, hidden),
@@ -35,9 +35,14 @@ def expected_shapes(config, family) -> dict[str, tuple[int, ...]]:
                            family.tensor(i, "v", "bias"): (kv * head_dim,)})
         if o_bias:
             shapes[family.tensor(i, "o", "bias")] = (hidden,)
+        layout = family.norm_layout(config)
+        norms = {"pre": ["input_layernorm"], "post": ["post_feedforward_layernorm"],
+                 "sandwich": ["input_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]}[layout]
+        shapes.update({f"{p}{norm}.weight": (hidden,) for norm in norms})
         if family.has_qk_norm(config):
-            shapes[f"{p}{family.q_norm}.weight"] = (head_dim,)
-            shapes[f"{p}{family.k_norm}.weight"] = (head_dim,)
+            whole = family.qk_norm_scope(config) == "projection"
+            shapes[f"{p}{family.q_norm}.weight"] = (head_dim * (heads if whole else 1),)
+            shapes[f"{p}{family.k_norm}.weight"] = (head_dim * (kv if whole else 1),)
     return shapes
 
 

@@ -38,6 +38,28 @@ KINDS = {
     "llama-gqa": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
     "llama-mha": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4),
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    # Mistral v0.1's sliding window, far shorter than the test sequences
+    "mistral-window": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=6),
+    # fused qkv_proj and gate_up_proj, GQA, and a sliding window (as Phi-3-mini's 2047 of 4096)
+    "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=2, sliding_window=10, pad_token_id=None),
+    # q/k RMS norms over the whole projection (random weights), post-norm blocks
+    "olmo2": dict(model_type="olmo2", num_attention_heads=4, num_key_value_heads=2, pad_token_id=None),
+    # scaled embeddings, (1+w) norms in sandwich blocks, GeGLU, caps small enough to bite on random weights, a window
+    # on the first of each two layers, a softmax scale other than head_dim's, tied embeddings
+    "gemma2": dict(model_type="gemma2", num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=24,
+                   tie_word_embeddings=True, pad_token_id=0),
+    # Gemma 1: scaled embeddings, (1+w) norms, GeGLU, pre-norm blocks, tied embeddings
+    "gemma": dict(model_type="gemma", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  pad_token_id=0),
+    # Gemma 3 (text): per-head (1+w) q/k norms, sandwich blocks, a window on the first of each two layers, and a
+    # RoPE base per layer type (10000 local, 1e6 global with linear scaling)
+    "gemma3_text": dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                            "factor": 8.0}},
+                        tie_word_embeddings=True, pad_token_id=0),
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
     # GQA, head_dim 24 != hidden/heads 16, per-head q/k norms (random weights, set in tiny_source)
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),

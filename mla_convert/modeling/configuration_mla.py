@@ -20,6 +20,9 @@ query is the source's (`q_proj` -> `q_norm` -> `q_head_proj`), the cache holds t
 norm and rotation, and attention rebuilds each group's key, normalizes it (`k_norm`) and rotates it, in its expanded
 form only; "calibrated": the query as in "exact", the key's per-token RMS replaced at conversion by a calibration
 statistic (folded into the weights), so the key side is plain MLA (absorbed decode).
+
+`sliding_window` (sources whose queries see a window of recent positions, e.g. Mistral v0.1): the causal mask is
+limited to the window in every form (expanded, latent prefill, absorbed decode), and the cache keeps the window's rows.
 """
 
 from __future__ import annotations
@@ -65,6 +68,29 @@ class MLAConfig(LlamaConfig):
     # "auto": the Triton kernel on CUDA when triton is importable, the torch reference elsewhere.
     mla_decode_kernel: str = "auto"
     qk_norm: str | None = None
+    # each query attends to the last `sliding_window` positions only, its own included (Mistral's window); None: its
+    # whole past. transformers' DynamicCache then keeps only the rows a later query can see.
+    sliding_window: int | None = None
+    # with qk_norm: "head" (each head's RMS over head_dim, Qwen3) or "projection" (one RMS over the whole query
+    # projection H*d_h and one over the whole key projection G*d_h, OLMo 2)
+    qk_norm_scope: str = "head"
+    # where a block normalizes: "pre" (inputs: input_layernorm, post_attention_layernorm before the MLP; Llama),
+    # "post" (outputs: post_attention_layernorm, post_feedforward_layernorm; OLMo 2) or "sandwich" (both:
+    # input_layernorm, post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm; Gemma 2)
+    norm_layout: str = "pre"
+    # Gemma: token embeddings multiplied by embed_scale (sqrt(hidden_size), in the weights' dtype); RMS norms that
+    # multiply by (1 + weight), in float32, as Gemma's; tanh soft-capping of the attention scores (after the softmax
+    # scale) and of the final logits
+    embed_scale: float | None = None
+    norm_unit_offset: bool = False
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # per layer "sliding_attention" (within `sliding_window`) or "full_attention"; None: every layer as
+    # `sliding_window` says. Always a list once built: transformers' caches keep a window's rows in the sliding layers
+    # by it, and generation prepares one mask per type wherever a config has the attribute
+    layer_types: list[str] | None = None
+    # the sliding layers' RoPE where it differs from `rope_parameters` (Gemma 3's local base); None: one RoPE
+    local_rope_parameters: dict | None = None
 
     def __post_init__(self, **kwargs):
         if isinstance(self.kv_lora_rank, (list, tuple)):  # one rank per layer -> the largest + per-layer overrides
@@ -86,8 +112,8 @@ class MLAConfig(LlamaConfig):
             self.softmax_scale = self.head_dim**-0.5
         if self.o_proj_bias is None:
             self.o_proj_bias = self.attention_bias
-        if self.qk_norm == "exact":
-            # the key norm rebuilds every group's key from the shared rope key (k_rope_up/k_rope_down span all
+        if self.qk_norm == "exact" or (self.qk_norm and self.qk_norm_scope == "projection"):
+            # the key norm (and a query norm over the whole projection) rebuilds every group's key from the shared rope key (k_rope_up/k_rope_down span all
             # groups): attention stays whole on each rank
             self.base_model_tp_plan = dict(MLP_TP_PLAN)
         elif self.qk_norm:
@@ -97,6 +123,9 @@ class MLAConfig(LlamaConfig):
                 "layers.*.self_attn.q_head_proj": "colwise",
                 **MLP_TP_PLAN,
             }
+        if self.layer_types is None:
+            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
         if self.rope_pairs is None:
             self.rope_pairs = [list(range(self.qk_rope_head_dim // 2)) for _ in range(self.num_hidden_layers)]
 
@@ -146,6 +175,17 @@ class MLAConfig(LlamaConfig):
             raise ValueError(f"qk_norm must be null, exact or calibrated, got {self.qk_norm}")
         if self.qk_norm and self.qk_nope_head_dim != self.head_dim:
             raise ValueError("qk_norm needs qk_nope_head_dim == head_dim (the nope key is the source head's)")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive number of positions or null, got {self.sliding_window}")
+        if self.norm_layout not in ("pre", "post", "sandwich"):
+            raise ValueError(f"norm_layout must be pre, post or sandwich, got {self.norm_layout}")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_hidden_layers or any(
+                t not in ("sliding_attention", "full_attention") for t in self.layer_types)):
+            raise ValueError("layer_types needs one sliding_attention or full_attention per layer")
+        if "sliding_attention" in (self.layer_types or ()) and self.sliding_window is None:
+            raise ValueError("sliding_attention layers need a sliding_window")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"qk_norm_scope must be head or projection, got {self.qk_norm_scope}")
         if self.mla_decode_kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"mla_decode_kernel must be auto, torch or triton, got {self.mla_decode_kernel}")
 

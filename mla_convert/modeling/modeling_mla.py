@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, StaticLayer
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -60,6 +60,53 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class UnitOffsetRMSNorm(nn.Module):
+    """Gemma's RMS norm: x / rms(x) * (1 + weight), in float32, cast back to x's dtype (`config.norm_unit_offset`).
+    Not folded into a plain weight: 1 + w rounded to a bfloat16 checkpoint's dtype would change the model."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def rms_norm(config, dim: int) -> nn.Module:
+    """The RMS norm of a native config: Llama's, or Gemma's (1 + weight) one."""
+    cls = UnitOffsetRMSNorm if config.norm_unit_offset else LlamaRMSNorm
+    return cls(dim, eps=config.rms_norm_eps)
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping); x itself when cap is None."""
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
+def capped_attention(query, key, value, attention_mask, scaling: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores (Gemma 2), materialised: query [B, H, T, d], key [B, G, S, d] and value
+    [B, G, S, d_v] (G divides H); attention_mask None (causal, queries at the last positions), bool (True = attend) or
+    additive. -> [B, H, T, d_v]. The scores are scaled, capped, then masked, as Gemma 2's eager attention does."""
+    bsz, heads, q_len, _ = query.shape
+    groups, kv_len = key.shape[1], key.shape[2]
+    q = query.view(bsz, groups, heads // groups, q_len, -1)
+    scores = soft_cap(torch.einsum("bgrtd,bgsd->bgrts", q, key) * scaling, cap)  # [B, G, H/G, T, S]
+    if attention_mask is None:
+        attention_mask = offset_causal_mask(q_len, kv_len, query.device)
+    mask = attention_mask[..., :kv_len]
+    mask = mask.view(mask.shape[0], 1, 1, *mask.shape[-2:]) if mask.dim() == 4 else mask
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask.to(scores.dtype)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.einsum("bgrts,bgsv->bgrtv", weights, value)
+    return out.reshape(bsz, heads, q_len, -1)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """rotate_half RoPE on the last dim of `x` [B, *, T, d]; cos/sin [B, T, d]."""
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
@@ -85,15 +132,23 @@ class MLAAttention(nn.Module):
         bias = config.attention_bias
         d_q = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.qk_norm = config.qk_norm
+        self.layer_type = layer_type = config.layer_types[layer_idx]
+        # the window this layer's queries look back over (None: the whole past); MLAModel masks by it
+        self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
+        # which of MLAModel's rotary tables this layer takes (Gemma 3: the sliding layers have their own base)
+        self.local_rope = layer_type == "sliding_attention" and config.local_rope_parameters is not None
+        self.softcap = config.attn_logit_softcapping
+        # with qk_norm_scope "projection" the q/k norms span every head at once (OLMo 2), else each head
+        self.whole_norm = bool(self.qk_norm) and config.qk_norm_scope == "projection"
         if self.qk_norm:  # the source's query and its per-head norm, then per head to the nope and rope parts
             head_dim = config.head_dim
             self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
-            self.q_norm = LlamaRMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.q_norm = rms_norm(config, head_dim * (self.num_heads if self.whole_norm else 1))
             self.q_head_proj = nn.Linear(head_dim, self.num_heads * d_q, bias=False)  # used per head: [H, d_q, d_h]
         else:
             self.q_proj = nn.Linear(hidden, self.num_heads * d_q, bias=bias)
         if self.qk_norm == "exact":
-            self.k_norm = LlamaRMSNorm(config.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = rms_norm(config, config.head_dim * (self.groups if self.whole_norm else 1))
             keys = self.groups * config.head_dim
             self.register_buffer("k_rope_up", torch.zeros(keys, self.qk_rope_head_dim))  # R [G*d_h, d_r]
             self.register_buffer("k_rope_down", torch.zeros(self.qk_rope_head_dim, keys))  # K [d_r, G*d_h]
@@ -155,7 +210,11 @@ class MLAAttention(nn.Module):
         if key_position_embeddings is None and cache is None:
             key_position_embeddings = position_embeddings
         if self.qk_norm:
-            q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.config.head_dim)).transpose(1, 2)
+            q = self.q_proj(hidden_states)
+            if self.whole_norm:
+                q = self.q_norm(q)
+            q = q.view(bsz, q_len, -1, self.config.head_dim)
+            q = (q if self.whole_norm else self.q_norm(q)).transpose(1, 2)
             head_map = local(self.q_head_proj.weight).view(-1, d_n + d_r, self.config.head_dim)  # [H, d_n+d_r, d_h]
             q = torch.einsum("bhtd,hed->bhte", q, head_map)  # [B, H, T, d_n+d_r]
         else:
@@ -214,6 +273,8 @@ class MLAAttention(nn.Module):
             k_nope, k_rope = self._normalized_keys(k_nope, k_rope, key_position_embeddings)
         key = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [B, G, S, d_n+d_r]
         query = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, d_n+d_r]
+        if self.softcap:  # no fused kernel caps scores
+            return capped_attention(query, key, value, attention_mask, self.scaling, self.softcap), None
         implementation = self.config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         d_qk, d_v = d_n + d_r, self.v_head_dim
@@ -247,7 +308,7 @@ class MLAAttention(nn.Module):
         max(d_n+d_r, d_v); latent = the query's and output's maps through W_uk / W_uv (T H d_c (d_n+d_v)) + both
         products at width d_c+d_r. At full rank (d_c = G (d_n+d_v)) the expanded form always wins: the exactness
         anchor keeps its path."""
-        if self.config.mla_attention_mode != "auto" or self.qk_norm == "exact" or q_len == 1:
+        if self.config.mla_attention_mode != "auto" or self.qk_norm == "exact" or q_len == 1 or self.softcap:
             return False
         if self.sharded_for_training():
             return False
@@ -286,10 +347,16 @@ class MLAAttention(nn.Module):
         groups, d_r = self.groups, self.qk_rope_head_dim
         up = self.k_rope_up.view(groups, -1, d_r)  # R_g [G, d_h, d_r]
         key = k_nope + torch.einsum("bsr,gdr->bgsd", k_rope[:, 0], up)  # each group's source key, before its norm
-        key = self.k_norm(key)
+        if self.whole_norm:  # one RMS over every group's key of a token
+            bsz, _, kv_len, head_dim = key.shape
+            key = self.k_norm(key.transpose(1, 2).reshape(bsz, kv_len, -1)).view(bsz, kv_len, groups, head_dim)
+            key = key.transpose(1, 2)
+        else:
+            key = self.k_norm(key)
         rope = torch.einsum("bgsd,rgd->bsr", key, self.k_rope_down.view(d_r, groups, -1))  # K n: [B, S, d_r]
         nope = key - torch.einsum("bsr,gdr->bgsd", rope, up)
-        cos, sin = self._rope_cos_sin(key_position_embeddings)
+        kv_len = key.shape[2]  # a sliding layer's cache holds the last rows: the positions' tail
+        cos, sin = self._rope_cos_sin(tuple(t[..., -kv_len:, :] for t in key_position_embeddings))
         return nope, rotate(rope.unsqueeze(1), cos, sin)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +369,9 @@ class MLAAttention(nn.Module):
         bsz, _, q_len, _ = q_nope.shape
         q_latent = self._query_latent(q_nope)  # [B, H, T, d_c]
         weights = None
-        if self.config._attn_implementation == "eager":  # the weights are asked for (output_attentions needs eager)
-            out_latent, weights = latent_attention_eager(q_latent, q_rope, latent, k_rope, attention_mask, self.scaling)
+        if self.config._attn_implementation == "eager" or self.softcap:  # weights asked for, or scores capped
+            out_latent, weights = latent_attention_eager(q_latent, q_rope, latent, k_rope, attention_mask, self.scaling,
+                                                         self.softcap)
         elif self._use_kernel(q_len, attention_mask):
             from mla_convert.kernels import mla_decode
 
@@ -399,7 +467,7 @@ def latent_attention(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
     return out.view(bsz, heads, q_len, d_c)
 
 
-def latent_attention_eager(q_latent, q_rope, latent, k_rope, attention_mask, scaling):
+def latent_attention_eager(q_latent, q_rope, latent, k_rope, attention_mask, scaling, softcap: float | None = None):
     """`latent_attention` with its scores materialised: -> (output [B, H, T, d_c], softmax weights [B, H, T, S]).
 
     The same products (nope scores against the latent, rope scores against the rope key, weighted sum of the latent),
@@ -409,7 +477,7 @@ def latent_attention_eager(q_latent, q_rope, latent, k_rope, attention_mask, sca
     scores = torch.matmul(q_latent, latent.transpose(-1, -2))  # [B, H, T, S]
     if q_rope.shape[-1]:
         scores = scores + torch.matmul(q_rope, k_rope.transpose(-1, -2))
-    scores = scores * scaling
+    scores = soft_cap(scores * scaling, softcap)
     if attention_mask is None and q_len > 1:
         attention_mask = offset_causal_mask(q_len, kv_len, latent.device)
     if attention_mask is not None:
@@ -427,21 +495,35 @@ class MLADecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.self_attn = MLAAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm_layout = layout = config.norm_layout
+        hidden = config.hidden_size
+        if layout != "post":  # the attention's input normalized (Llama, Gemma 2)
+            self.input_layernorm = rms_norm(config, hidden)
+        # "pre": the MLP's input; "post" and "sandwich": the attention's output
+        self.post_attention_layernorm = rms_norm(config, hidden)
+        if layout == "sandwich":
+            self.pre_feedforward_layernorm = rms_norm(config, hidden)
+        if layout != "pre":  # the MLP's output normalized (OLMo 2, Gemma 2)
+            self.post_feedforward_layernorm = rms_norm(config, hidden)
 
     @renamed_cache_kwarg
     def forward(self, hidden_states, attention_mask=None, cache=None, position_embeddings=None, **kwargs):
         cache = take_cache(cache, kwargs)
         residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+        attention, _ = self.self_attn(
+            hidden_states if self.norm_layout == "post" else self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             cache=cache,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
+        if self.norm_layout == "post":
+            hidden_states = residual + self.post_attention_layernorm(attention)
+            return hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
+        if self.norm_layout == "sandwich":
+            hidden_states = residual + self.post_attention_layernorm(attention)
+            return hidden_states + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden_states)))
+        hidden_states = residual + attention
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -466,8 +548,14 @@ class MLAModel(MLAPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([MLADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = rms_norm(config, config.hidden_size)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)  # the source head_dim's frequencies
+        if config.local_rope_parameters is not None:  # the sliding layers' own (Gemma 3)
+            import copy
+
+            local = copy.copy(config)
+            local.rope_parameters = dict(config.local_rope_parameters)
+            self.rotary_emb_local = LlamaRotaryEmbedding(config=local)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -489,24 +577,36 @@ class MLAModel(MLAPreTrainedModel):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+            if self.config.embed_scale is not None:  # Gemma: the scale in the weights' dtype, as the source rounds it
+                inputs_embeds = inputs_embeds * torch.tensor(self.config.embed_scale, dtype=inputs_embeds.dtype)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
-        mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
+        # one mask per layer type (Gemma 2 alternates windowed and full layers); generation may pass them prepared
+        masks = attention_mask if isinstance(attention_mask, dict) else {}
+        for kind in {layer.self_attn.layer_type for layer in self.layers} - set(masks):
+            make_mask = create_causal_mask if kind == "full_attention" else create_sliding_window_causal_mask
+            masks[kind] = make_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        rotaries = {False: self.rotary_emb}
+        if self.config.local_rope_parameters is not None:
+            rotaries[True] = self.rotary_emb_local
+        position_embeddings = {local: rotary(hidden_states, position_ids=position_ids) for local, rotary in rotaries.items()}
+        key_embeddings = {}
         if self.config.qk_norm == "exact":  # the keys are rotated at attention time: their positions, every step
-            kwargs["key_position_embeddings"] = self.rotary_emb(
-                hidden_states, position_ids=key_positions(position_ids, cache)
-            )
+            keys_at = key_positions(position_ids, cache)
+            key_embeddings = {local: rotary(hidden_states, position_ids=keys_at) for local, rotary in rotaries.items()}
         for layer in self.layers:
+            local = layer.self_attn.local_rope
+            if key_embeddings:
+                kwargs["key_position_embeddings"] = key_embeddings[local]
             hidden_states = layer(
                 hidden_states,
-                attention_mask=mask,
-                position_embeddings=position_embeddings,
+                attention_mask=masks[layer.self_attn.layer_type],
+                position_embeddings=position_embeddings[local],
                 **cache_kwargs(cache),  # the installed release's name: gradient checkpointing drops it by name
                 position_ids=position_ids,
                 **kwargs,
@@ -564,7 +664,7 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
+        logits = soft_cap(self.lm_head(hidden_states[:, keep, :]), self.config.final_logit_softcapping)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -52,9 +52,27 @@ class ServedLayout:
 
 def check_servable(config, what: str = "vLLM's MLA kernels and the DeepSeek-V3 export",
                    query_norm: bool = False) -> None:
-    """Refuse a native config with per-head q/k norms (Qwen3 sources) that `what` cannot run. Engines' MLA takes a key
+    """Refuse a native config with a sliding attention window (no engine's MLA has one), or one with per-head q/k
+    norms (Qwen3 sources) that `what` cannot run. Engines' MLA takes a key
     linear in the latent: qk_norm "exact" (a per-token key norm) never serves. `query_norm`: the engine's query path
     is ours (mla-convert's vLLM model), so "calibrated" (the query's per-head norm, keys linear) serves there."""
+    window = config.get("sliding_window") if isinstance(config, dict) else getattr(config, "sliding_window", None)
+    if window is not None:
+        raise UserError(f"this checkpoint attends within a sliding window of {window} positions, which {what} cannot "
+                        "hold: run it in transformers (eval --engine transformers, generate)")
+    def field(key):
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    if field("norm_layout") not in (None, "pre"):
+        raise UserError(f"this checkpoint's blocks normalize their attention and MLP outputs (norm_layout "
+                        f"{field('norm_layout')}), which {what} cannot hold: run it in transformers (eval --engine "
+                        "transformers, generate)")
+    if field("attn_logit_softcapping") or field("final_logit_softcapping") or field("norm_unit_offset"):
+        raise UserError(f"this checkpoint soft-caps its logits or scales its norms by (1 + weight) (Gemma), which {what} "
+                        "cannot hold: run it in transformers (eval --engine transformers, generate)")
+    if field("qk_norm") and field("qk_norm_scope") == "projection":
+        raise UserError(f"this checkpoint normalizes the whole query and key projections (qk_norm_scope projection), "
+                        f"which {what} cannot hold: run it in transformers (eval --engine transformers, generate)")
     mode = config.get("qk_norm") if isinstance(config, dict) else getattr(config, "qk_norm", None)
     if mode and not (query_norm and mode == "calibrated"):
         fix = ("convert with --qk-norm calibrated to serve it in vLLM, or run it in transformers" if query_norm
