@@ -123,7 +123,9 @@ def attention_window(attn) -> int | None:
     where it has one (per layer: Gemma 2, Qwen2, the native model), else its config's (Mistral)."""
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
-    config = attn.config
+    config = getattr(attn, "config", None)  # None: a module without a transformers config attends to the whole past
+    if config is None:
+        return None
     return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
 
@@ -133,7 +135,7 @@ def layer_mask(attn, seq_len: int, device=None) -> torch.Tensor | None:
     where query t sees key j: j <= t and t - j < window) otherwise; additive float (0 or the dtype's minimum) under
     eager attention, whose kernels add the mask and take None for no mask at all."""
     window = attention_window(attn)
-    eager = getattr(attn.config, "_attn_implementation", None) == "eager"
+    eager = getattr(getattr(attn, "config", None), "_attn_implementation", None) == "eager"
     if not eager and (window is None or window >= seq_len):
         return None
     positions = torch.arange(seq_len, device=device)
