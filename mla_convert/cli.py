@@ -408,7 +408,7 @@ def _make_convert_command(family: Optional[str], help_text: str):
             "converted attention) or layer (every decoder layer whole: attention, MLP and norms)."),
         refine_precision: str = typer.Option(  # refine.PRECISIONS, written out
             "float32", "--refine-precision", help="What the training steps of --refine-steps and --refine-model-steps "
-            "compute in: float32 (default), bfloat16 (autocast; about twice as fast on CPUs with AVX512-BF16 or "
+            "compute in: float32 (default), bfloat16 (autocast; faster on CPUs with AVX512-BF16 or "
             "AMX), or auto (bfloat16 on such CPUs, float32 elsewhere). Weights, targets and held-out checks stay "
             "float32 (docs/decisions.md#refinement-precision)."),
         seed: int = typer.Option(0, "--seed", help="Seed for calibration sampling."),

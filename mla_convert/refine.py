@@ -41,7 +41,7 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores sustain, rounded down
 # (docs/decisions.md#refinement-on-the-cpu-when-auto-refines).
 CPU_FLOPS = 1.5e11
-CPU_BF16_FLOPS = 3.0e11  # the same cores computing the steps in bfloat16 (AMX / AVX512-BF16)
+CPU_BF16_FLOPS = 2.4e11  # the same cores computing the steps in bfloat16 (AMX / AVX512-BF16; scripts/bench_refine_step.py)
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
 # back what the attention lost. MLP_LR_SCALE (`--refine-mlp-lr-scale`): the MLP's and norms' learning rate / the

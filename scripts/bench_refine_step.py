@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""Time of one whole-layer refinement step (forward, backward, Adam) at the embedded model's layer shape, in float32
+and under bfloat16 autocast: what `--refine-precision` trades (docs/decisions.md#refinement-precision).
+
+    python scripts/bench_refine_step.py [--steps 5] [--attention sdpa|eager]
+
+The layer is a Llama decoder layer of SmolLM2-135M's shape (hidden 576, 9 query / 3 kv heads, head_dim 64,
+intermediate 1536) on one 2048-token window, the refinement's step; it prints seconds a step for each precision,
+measured twice in alternation after a warm-up step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--seq-len", type=int, default=2048)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, num_hidden_layers=1)
+    config._attn_implementation = args.attention
+    layer = LlamaDecoderLayer(config, 0)
+    x = torch.randn(1, args.seq_len, config.hidden_size)
+    target = torch.randn_like(x)
+    embeddings = LlamaRotaryEmbedding(config)(x, torch.arange(args.seq_len)[None])
+    optimizer = torch.optim.Adam(layer.parameters(), 1e-3)
+
+    def step(bf16: bool) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = layer(x, position_embeddings=embeddings, attention_mask=None)
+            out = out[0] if isinstance(out, tuple) else out
+        loss = (out.float() - target).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, attention {args.attention}, "
+          f"window {args.seq_len}")
+    for bf16 in (False, True, False, True):
+        step(bf16)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step(bf16)
+        print(f"{'bfloat16 autocast' if bf16 else 'float32'}: {(time.perf_counter() - start) / args.steps:.3f} s a step")
+
+
+if __name__ == "__main__":
+    main()
