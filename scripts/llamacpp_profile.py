@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mla_convert" / "serving"))
 
-from llamacpp_score import no_extra_buffers  # noqa: E402  (numpy and llama_cpp only)
+from llamacpp_score import no_extra_buffers, set_default_params  # noqa: E402  (numpy and llama_cpp only)
 
 
 def main(request_path: str, result_path: str) -> None:
@@ -51,14 +51,7 @@ def main(request_path: str, result_path: str) -> None:
         return True
 
     c_callback = api.ggml_backend_sched_eval_callback(callback)
-    default = api.llama_context_default_params
-
-    def params():
-        p = default()
-        p.cb_eval = c_callback
-        return p
-
-    api.llama_context_default_params = params
+    set_default_params("context", cb_eval=c_callback)
     no_extra_buffers(llama_cpp)
     ids, steps, out = list(req["ids"]), int(req["tokens"]), {}
     for label, path in req["models"].items():

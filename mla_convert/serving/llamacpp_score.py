@@ -33,20 +33,28 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
+def set_default_params(which: str, **fields) -> None:
+    """Wrap llama-cpp-python's `llama_<which>_default_params` (model or context) so that every parameter struct it
+    makes has `fields` set: the options its Llama class does not pass through."""
+    import llama_cpp.llama_cpp as api
+
+    name = f"llama_{which}_default_params"
+    default = getattr(api, name)
+
+    def params():
+        p = default()
+        for key, value in fields.items():
+            setattr(p, key, value)
+        return p
+
+    setattr(api, name, params)
+
+
 def no_extra_buffers(llama_cpp) -> None:
     """Load weights without llama.cpp's extra CPU buffer types (weight repacking; llama-cli --no-repack): its AMX
     path, compiled in where the CPU reports AMX, dies with SIGILL on Q8_0 weights in this machine's VM. llama-cpp-python
     has no option for it, so its default model parameters are wrapped."""
-    import llama_cpp.llama_cpp as api
-
-    default = api.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    api.llama_model_default_params = params
+    set_default_params("model", use_extra_bufts=False)
 
 
 def last_logits(llm, llama_cpp) -> np.ndarray:
