@@ -112,7 +112,7 @@ def build_models(args, dtype, device):
     else:
         src_cfg = LlamaConfig(**SMOLLM2_135M)
         source = LlamaForCausalLM(src_cfg).to(dtype)
-        from mla_convert.convert import ConvertOptions, default_nope_dims
+        from mla_convert.conversion.plan import ConvertOptions, default_nope_dims
 
         d_n = args.d_n or default_nope_dims(ConvertOptions(), SMOLLM2_135M["head_dim"], args.d_r, None)
         mla_cfg = MLAConfig(**SMOLLM2_135M, kv_lora_rank=args.d_c, qk_rope_head_dim=args.d_r, qk_nope_head_dim=d_n)

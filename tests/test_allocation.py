@@ -31,7 +31,7 @@ def test_energy_allocation_stays_within_the_served_latent_width():
     served cache layout is the one the uniform allocation gets."""
     from types import SimpleNamespace
 
-    from mla_convert.convert import allocate
+    from mla_convert.conversion.plan import allocate
 
     flat, steep = torch.ones(576), 0.5 ** torch.arange(576.0)
     assert allocate(SimpleNamespace(kv_lora_rank=[240, 240], layers=2), [flat, steep], cap=576) == [256, 224]

@@ -211,9 +211,9 @@ def test_narrowing_warns_for_each_layer_it_costs_more_than_the_threshold(sources
     import json
     import logging
 
-    from mla_convert.convert import NOPE_KEPT_WARN
+    from mla_convert.conversion.method import NOPE_KEPT_WARN
 
-    with caplog.at_level(logging.WARNING, logger="mla_convert.convert"):
+    with caplog.at_level(logging.WARNING, logger="mla_convert.conversion.method"):
         out = convert_tiny(sources["llama-gqa"], rank=16)
     kept = json.loads((out / "provenance.json").read_text())["plan"]["nope_kept"]
     low = {row["layer"] for row in kept if row["kept"] < NOPE_KEPT_WARN}

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import mla_convert  # noqa: F401
 from mla_convert import refine, selftext
 from mla_convert.cli import app
-from mla_convert.convert import CALIB_SAMPLES, WIDE_CALIB_SAMPLES, WIDE_FROM, Plan, max_rank
+from mla_convert.conversion.plan import CALIB_SAMPLES, WIDE_CALIB_SAMPLES, WIDE_FROM, Plan, max_rank
 from tiny import tiny_text
 
 from conftest import assert_user_error

@@ -20,13 +20,13 @@ from tiny import tiny_source
 # is written.
 KILLER = """
 import os, signal, sys
-import mla_convert.convert as c
-after, write = int(os.environ["KILL_AFTER_LAYER"]), c._write_layer
+from mla_convert.conversion import store
+after, write = int(os.environ["KILL_AFTER_LAYER"]), store.write_layer
 def killing_write(path, *args):
     write(path, *args)
-    if path.name == c._layer_file(after):
+    if path.name == store.layer_file(after):
         os.kill(os.getpid(), signal.SIGKILL)
-c._write_layer = killing_write
+store.write_layer = killing_write
 from mla_convert.cli import app
 sys.argv[0] = "mla-convert"
 app()

@@ -129,7 +129,7 @@ def test_memory_estimate_does_not_grow_with_depth(tmp_path, calib_text, monkeypa
     """Layers stream one at a time: 8 layers cost what 2 cost, with either rank allocation (energy keeps only each
     layer's spectrum from its statistics pass). Shards as small as a tiny model's: the writer holds one shard, not the
     whole checkpoint, as at full size."""
-    monkeypatch.setattr("mla_convert.convert.SHARD_BYTES", 4096)
+    monkeypatch.setattr("mla_convert.conversion.plan.SHARD_BYTES", 4096)
     two, eight = plan_for(tmp_path, calib_text, 2), plan_for(tmp_path, calib_text, 8)
     assert two.memory_estimate() == eight.memory_estimate() > 0
     for allocation in ("energy", "uniform"):

@@ -12,7 +12,7 @@ import torch
 from mla_convert import selftext
 from mla_convert.calibration import calibration_tokens, parse_mixture, token_windows, window_counts
 from mla_convert.checkpoint import open_source
-from mla_convert.convert import default_calib_samples
+from mla_convert.conversion.plan import default_calib_samples
 from mla_convert.errors import UserError
 
 

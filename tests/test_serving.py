@@ -206,7 +206,7 @@ def test_default_rope_key_fits_the_engines(tmp_path):
     from typer.testing import CliRunner
 
     from mla_convert.cli import app
-    from mla_convert.convert import ConvertOptions, default_rope_dims
+    from mla_convert.conversion.plan import ConvertOptions, default_rope_dims
 
     assert default_rope_dims(ConvertOptions(kv_budget=0.5), groups=8, head_dim=128) == 64  # a third would be 340
     assert default_rope_dims(ConvertOptions(kv_budget=0.25), groups=3, head_dim=64) == 32  # SmolLM2 at 25%: a third

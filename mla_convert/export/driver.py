@@ -54,7 +54,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     config = native_config(folder)
     dtype = out_dtype(options, config)
     source = SafetensorsSource(config, str(folder), folder)
-    from mla_convert.convert import check_room
+    from mla_convert.conversion.plan import check_room
     from mla_convert.validate import check_checkpoint_finite
 
     check_checkpoint_finite(source, "an export")  # before any work: NaN weights would export into a broken model

@@ -1,0 +1,288 @@
+"""The conversion driver: resolve the options and plan, then one decoder layer at a time (calibration statistics, the
+per-layer method, refinement, the resume store), the model stage, and the shards, config, provenance and card."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from mla_convert import provenance, refine, rope, selftext
+from mla_convert.card import write_model_card
+from mla_convert.checkpoint import SHARD_BYTES, ShardedWriter, Source, kept_file_intact, resume_dir, staged_output
+from mla_convert.conversion import store
+from mla_convert.conversion.method import convert_attention, layer_spectrum
+from mla_convert.conversion.modules import (attention_tensors, converted_decoder_layer, float32_on, gemma_fields,
+                                            mla_config, other_tensor_names, raw_layer, source_decoder_layer)
+from mla_convert.conversion.options import ConvertOptions, describe_method, resolve_allocation, without_calibration
+from mla_convert.conversion.plan import Plan, allocate, check_room, make_plan, max_rank, output_bytes
+from mla_convert.conversion.stages import model_stage, refined_layer
+from mla_convert.dtypes import DTYPES
+from mla_convert.errors import UserError
+from mla_convert.families import family_for
+
+log = logging.getLogger(__name__)
+
+
+ATTENDED_EVERY = 4  # attended-input statistics on every 4th block of calibration queries (they cost a [T, T] x [T, D])
+
+
+def resolve_device(device: str) -> str:
+    """--device: cpu, cuda, cuda:N, or auto (cuda when this torch sees a CUDA device, else cpu). A UserError names
+    the fix for a device this machine lacks."""
+    from mla_convert.evaluate import check_device
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if check_device(device).startswith("mps"):
+        raise UserError("--device mps: the factorization needs float64, which MPS lacks: use --device cpu or cuda")
+    return device
+
+
+class LayerClock:
+    """Seconds each layer spends calibrating (statistics, forwards) and factorizing, shown beside the progress bar's
+    ETA and logged (-v). A CUDA device is synchronized at each lap so its queued work is counted where it ran."""
+
+    def __init__(self, device: torch.device):
+        import time
+
+        self.device, self.time = device, time.perf_counter
+        self.seconds: dict[str, float] = {}
+        self.last = self.time()
+
+    def lap(self, what: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = self.time()
+        self.seconds[what] = self.seconds.get(what, 0.0) + now - self.last
+        self.last = now
+
+    def report(self, bar, layer: int, phase: str = "") -> None:
+        text = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
+        bar.set_postfix_str(text, refresh=False)
+        log.info("%slayer %d: %s", phase, layer, text)
+
+
+def convert(
+    source: Source,
+    out: Path,
+    options: ConvertOptions,
+    family_name: str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    progress: bool = True,
+) -> Plan:
+    """Convert `source` into a native MLA checkpoint at `out`. With `dry_run`, only plan and return."""
+    from tqdm.auto import tqdm
+
+    family = family_for(source.config, family_name)
+    from mla_convert.validate import check_source_finite, check_source_shapes
+
+    check_source_shapes(source, family)  # every tensor present, of the config's shape: before the plan
+    options = resolve_allocation(without_calibration(options))
+    if options.factorization == "split" and options.value_inputs == "attended" and not options.latent_rounds:
+        # the attended refit fits values in the whole latent, which a split factorization keeps for keys and values
+        # apart: record what runs
+        log.info("--factorization split: values keep their per-token fit (--value-inputs token)")
+        options = dataclasses.replace(options, value_inputs="token")
+    plan = make_plan(source, family, options)
+    if options.calib_temperature is None:
+        options = dataclasses.replace(options, calib_temperature=selftext.calib_temperature(plan.ratio))
+    options = dataclasses.replace(options, calib_samples=plan.memory["samples"])  # the default by the cache kept
+    window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
+    precision = refine.resolve_precision(options.refine_precision, options.device)
+    rate = refine.cpu_rate(precision)
+    steps = refine.resolve_steps(options.refine_steps, plan, options.device, window, rate) if options.calib_data else 0
+    options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window, refine_precision=precision)
+    plan.refine_steps, plan.refine_precision = steps, precision
+    plan.refine_seconds = refine.estimate_seconds(plan, steps, window, rate)
+    model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window, rate)
+                   if options.calib_data and options.calib_propagate == "source" and options.needs_statistics() else 0)
+    options = dataclasses.replace(options, refine_model_steps=model_steps)
+    plan.refine_model_steps = model_steps
+    plan.refine_model_scope = options.refine_model_scope
+    plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window, rate)
+    if dry_run:
+        return plan
+    check_source_finite(source, family)  # before any work: a NaN or inf weight would convert into a broken output
+    source.tokenizer()  # read even without calibration text: a broken tokenizer is refused, not copied into the output
+    config = source.config
+    # calibration runs source layers causally (calibration.layer_mask); eager where sdpa would drop the source's
+    # score soft-capping (Gemma 2)
+    config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    # each layer's RoPE (Gemma 3: a base per layer type)
+    frequencies = [rope.source_frequencies(rope.rope_config(config, rope.layer_type(config, i)))
+                   for i in range(plan.layers)]
+    device = torch.device(resolve_device(options.device))
+    torch.manual_seed(options.seed)
+    inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
+    # the calibration text and tokenizer are read before anything is staged: their errors come first
+    runner = calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
+    if runner is not None:
+        runner.to(device)  # the calibration hidden states stay on the device for the whole run
+    check_room(Path(out), output_bytes(config, plan))  # before the staging folder and the calibration forwards
+    with staged_output(out, overwrite, inputs, fingerprint=store.fingerprint(source, options, plan)) as stage:
+        kept = resume_dir(stage)  # one file per converted layer: what a killed run keeps for the next one
+        # kept in the output dtype (the cast the shards would make anyway), in float32 when the converted layers
+        # carry the calibration activations on (they ran in float32)
+        kept_dtype = torch.float32 if options.calib_propagate == "converted" else DTYPES[plan.dtype]
+        skip_through = -1  # layers up to this one need no calibration forward: their output activations are kept
+        done = {i for i in range(plan.layers) if kept_file_intact(kept / store.layer_file(i))}
+        if done:
+            log.warning("resuming in %s: %d of %d layers were converted already", stage, len(done), plan.layers)
+        if options.needs_statistics() and runner is None:
+            log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
+        rope_pairs: list[list[int]] = [[0] * (plan.rope_dims // 2) for _ in range(plan.layers)]
+
+        def layer_inputs(i: int):
+            """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
+            (cov, phase, attended, keyed)): the statistics taken at the runner's current hidden states."""
+            prefix = family.layer_prefix.format(i=i)
+            layer_tensors = raw_layer(source, i, family)  # in the source's dtype: most of them pass through
+            attn = float32_on(attention_tensors(layer_tensors, family, i, prefix, plan.qk_norm), device)
+            source_layer = cov = phase = attended = keyed = None
+            if runner is not None:
+                from mla_convert.calibration import second_moment
+
+                source_layer = source_decoder_layer(config, family, i, float32_on(layer_tensors, device))
+                with torch.device(device):  # factory calls (eye, zeros, ones) land beside their inputs
+                    cov = second_moment(runner.attention_input(source_layer))
+                    if options.needs_attention_statistics():
+                        every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
+                        profile, attended, keyed = runner.attention_statistics(source_layer, attended_every=every)
+                        if options.needs_attention_profile():
+                            phase = rope.attention_phases(profile, frequencies[i][0].to(device))
+                        keyed = keyed if options.key_inputs == "attended" else None
+            return prefix, layer_tensors, attn, source_layer, (cov, phase, attended, keyed)
+
+        if options.rank_allocation == "energy":
+            # every layer's spectrum first (on the source's activations), then the ranks, then the conversion. Only
+            # the spectra are kept: the conversion pass takes the statistics again from a second calibration stream,
+            # so memory does not grow with depth (an 8B model's statistics are about 1.3 GB a layer)
+            spectra = []
+            bar = tqdm(range(plan.layers), desc="layers: statistics", disable=not progress, unit="layer")
+            for i in bar:
+                clock = LayerClock(device)
+                _, _, attn, source_layer, statistics = layer_inputs(i)
+                clock.lap("calibration")
+                with torch.device(device):
+                    spectra.append(layer_spectrum(attn, plan, options, frequencies[i][1], *statistics).cpu())
+                del attn, statistics
+                if runner is not None:
+                    runner.advance(source_layer)
+                clock.lap("factorization")
+                clock.report(bar, i, "statistics pass, ")
+            runner = calibration_runner(source, options).to(device) if runner is not None else None
+            plan.set_kv_lora_rank(allocate(plan, spectra, max_rank(config)))
+            log.info("rank allocation (energy): %s", plan.kv_lora_rank)
+        bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
+        for i in bar:
+            bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
+            prefix = family.layer_prefix.format(i=i)
+            if i in done:  # converted by an earlier run: only carry the calibration activations past it
+                rope_pairs[i] = store.read_layer(kept / store.layer_file(i), tensors=False)[1]
+                if runner is not None and i == 0:
+                    past = store.read_activations(kept)  # the hidden states after the last layer a run finished, if kept
+                    if past is not None and all(j in done for j in range(past[0] + 1)):
+                        skip_through, runner.hidden = past[0], past[1].to(device)
+                if runner is not None and i > skip_through:
+                    if options.calib_propagate == "converted":  # the layer as kept (its MLP too, if refined)
+                        kept_tensors = {n[len(prefix) :]: t.to(device)
+                                        for n, t in store.read_layer(kept / store.layer_file(i))[0].items()}
+                        mla_tensors = {n[len("self_attn.") :]: t for n, t in kept_tensors.items()
+                                       if n.startswith("self_attn.")}
+                        runner.advance(converted_decoder_layer(config, plan, family, rope_pairs, i, kept_tensors, mla_tensors))
+                    else:
+                        runner.advance(source_decoder_layer(config, family, i, float32_on(raw_layer(source, i, family), device)))
+                continue
+            clock = LayerClock(device)
+            prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i)
+            targets = None
+            refining = runner is not None and options.refine_steps > 0
+            # the whole layer along the source's stream: its update is what the advance below computes anyway
+            from_advance = refining and options.refine_scope == "layer" and options.calib_propagate == "source"
+            if refining and not from_advance:  # on the stream the runner carries
+                targets = refine.stream_targets(source_layer, runner, options.refine_scope)
+            if runner is not None and options.calib_propagate == "source":
+                inputs = runner.hidden
+                runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
+                source_layer = None
+                if from_advance:
+                    targets = (inputs, runner.hidden - inputs)  # = refine.stream_targets(..., "layer")
+                del inputs
+            clock.lap("calibration")
+            with torch.device(device):
+                mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, frequencies[i][1], *statistics)
+            clock.lap("factorization")
+            if targets is not None:
+                mla_tensors, trained = refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors,
+                                                targets, runner.embeddings_at(i), options, device)
+                layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
+                targets = None
+                clock.lap("refine")
+            # unchanged tensors (MLP, norms, unless refined with the layer) go out as read, in the source's dtype:
+            # never through float32
+            out_tensors = {prefix + n: t for n, t in layer_tensors.items() if not n.startswith("self_attn.")}
+            out_tensors.update({f"{prefix}self_attn.{n}": t.cpu() for n, t in mla_tensors.items()})
+            store.write_layer(kept / store.layer_file(i), out_tensors, rope_pairs[i], kept_dtype)
+            if runner is not None:
+                if options.calib_propagate == "converted":
+                    runner.advance(converted_decoder_layer(config, plan, family, rope_pairs, i, float32_on(layer_tensors, device),
+                                                    mla_tensors))
+                if i < plan.layers - 1 or options.refine_model_steps:  # the model stage reads the last ones
+                    store.write_activations(kept, i, runner.hidden.cpu())
+                clock.lap("calibration")
+            clock.report(bar, i)
+            del layer_tensors, attn, mla_tensors, source_layer, out_tensors, statistics
+        trained = {}  # the model stage's attention tensors, which replace the kept layers' in the shards
+        if runner is not None and options.refine_model_steps:
+            trained = model_stage(source, config, plan, family, rope_pairs, runner, kept, options, device)
+        runner = None
+        # the shards: the source's other tensors, then each layer's as kept (a resumed run writes the same bytes)
+        writer = ShardedWriter(stage, DTYPES[plan.dtype], SHARD_BYTES)
+        for name in other_tensor_names(source, family):
+            writer.add(name, source.get_raw(name))  # as stored: cast only when --dtype differs
+        for i in range(plan.layers):
+            for name, tensor in store.read_layer(kept / store.layer_file(i))[0].items():
+                writer.add(name, trained.get(name, tensor))
+        writer.finalize()
+        out_config = mla_config(config, plan, family, rope_pairs, plan.dtype)
+        out_config.save_pretrained(stage)
+        copied = source.copy_aux_files(stage)
+        record = provenance.new(
+            "convert",
+            source={
+                "model": source.origin,
+                "revision": source.revision,
+                "family": family.name,
+                "model_type": config.model_type,
+                "license": source.license(),
+                "base_model": source.base_model() or (source.origin if not Path(source.origin).exists() else None),
+            },
+            method=describe_method(options),
+            options=dataclasses.asdict(options),
+            kv_cache=plan.kv_cache_record(),
+            plan={"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "nope_dims": plan.nope_dims,
+                  "nope_kept": plan.nope_kept, "rope_pairs": rope_pairs, "refine": plan.refine_record,
+                  "refine_model": plan.refine_model_record},
+            seed=options.seed,
+            copied_files=copied,
+        )
+        provenance.save(stage, record)
+        write_model_card(stage)
+    log.info("wrote %s", out)
+    return plan
+
+
+def calibration_runner(source: Source, options: ConvertOptions):
+    from mla_convert.calibration import LayerRunner, calibration_tokens
+
+    tokens = calibration_tokens(source, options.calib_data, options.calib_samples, options.calib_seq_len, options.seed,
+                                temperature=options.calib_temperature, sample_tokens=options.calib_sample_tokens,
+                                device=resolve_device(options.device))
+    embed = source.get_raw("model.embed_tokens.weight")  # rows are looked up, then made float32: no float32 table
+    family = family_for(source.config)
+    embed_scale = gemma_fields(source.config, None)["embed_scale"] if family.gemma(source.config) else None
+    return LayerRunner(source.config, embed, tokens, embed_scale=embed_scale)

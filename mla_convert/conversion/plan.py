@@ -1,0 +1,483 @@
+"""The plan of a conversion: shapes, cache sizes, the memory estimate and the checks of the options against the source
+config (`make_plan`: nothing heavy, nothing written), and the rank allocation among layers."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mla_convert import lowrank, refine, rope
+from mla_convert.checkpoint import SHARD_BYTES, Source
+from mla_convert.conversion.options import INPUT_KINDS, QK_NORM_MODES, QK_NORM_TEXT, RANK_ALLOCATIONS, ConvertOptions
+from mla_convert.dtypes import DTYPES
+from mla_convert.errors import UserError
+from mla_convert.families import Family
+
+
+# Memory estimate (Plan.memory_parts): the runtime's own resident set (Python, torch, transformers, a tokenizer) at
+# the first layer of a conversion; and the factor over the modelled parts for what they leave out (the allocator's
+# free-but-held pages, short-lived copies inside torch ops): docs/decisions.md#memory-estimate.
+BASELINE = int(0.6 * 2**30)
+MEMORY_SAFETY = 1.15
+
+
+@dataclass
+class Plan:
+    family: str
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    kv_lora_rank: list[int]  # d_c per layer
+    rope_dims: int
+    nope_dims: int  # d_n: per head, the nope query/key width (the value keeps head_dim)
+    dtype: str
+    source_bytes: int
+    calib_tokens: int
+    attn_params_before: int = 0
+    attn_params_after: int = 0
+    shapes: dict = field(default_factory=dict)
+    qkv_bias: bool = False
+    qk_norm: str | None = None  # None: the source has no per-head q/k norms; else ConvertOptions.qk_norm
+    qk_norm_scope: str = "head"  # "head" or "projection" (Family.qk_norm_scope)
+    norm_unit_offset: bool = False  # the source's norms multiply by (1 + weight) (Gemma)
+    norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
+    memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
+    refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
+    refine_seconds: float = 0.0
+    refine_precision: str = "float32"  # what the refinement steps compute in, as resolved
+    refine_scope: str = refine.DEFAULT_SCOPE
+    refine_record: list = field(default_factory=list)  # per layer: held-out error before/after, kept
+    refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate and its record
+    refine_model_seconds: float = 0.0
+    refine_model_scope: str = refine.MODEL_SCOPE
+    refine_model_record: dict = field(default_factory=dict)
+    nope_kept: list = field(default_factory=list)  # per layer: share of the nope score energy d_n dims keep
+
+    def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
+        """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
+        self.kv_lora_rank = list(kv_lora_rank)
+        heads, groups, head_dim, hidden, d_r = self.heads, self.groups, self.head_dim, self.hidden, self.rope_dims
+        d_n = self.nope_dims
+        after = 0
+        q_rows = heads * head_dim if self.qk_norm else heads * (d_n + d_r)  # with q/k norms: the source's query
+        for layer, rank in enumerate(self.kv_lora_rank):
+            shapes = {
+                "q_proj": (q_rows, hidden),
+                "kv_a_proj": (rank + d_r, hidden),
+                "kv_b_proj": (groups * (d_n + head_dim), rank),
+                "o_proj": (hidden, heads * head_dim),
+            }
+            if self.qk_norm:
+                shapes["q_head_proj"] = (heads * (d_n + d_r), head_dim)
+            after += sum(math.prod(s) for s in shapes.values())
+            after += self.qkv_bias * (q_rows + rank + d_r + groups * (d_n + head_dim))
+            whole = self.qk_norm_scope == "projection"
+            if self.qk_norm == "exact":  # k_norm, and the rope key's maps R and K
+                after += head_dim * (groups if whole else 1) + 2 * groups * head_dim * d_r
+            after += head_dim * (heads if whole else 1) if self.qk_norm else 0  # q_norm
+            if layer == 0:
+                self.shapes = shapes
+        self.attn_params_after = after
+
+    @property
+    def kv_before(self) -> int:
+        """Cached elements per token per layer in the source (K and V of every kv head)."""
+        return 2 * self.groups * self.head_dim
+
+    def kv_after(self, layer: int | None = None) -> float:
+        ranks = self.kv_lora_rank if layer is None else [self.kv_lora_rank[layer]]
+        return sum(r + self.rope_dims for r in ranks) / len(ranks)
+
+    @property
+    def bytes_per_element(self) -> int:
+        return torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def kv_bytes_before(self) -> int:
+        return self.kv_before * self.layers * self.bytes_per_element
+
+    @property
+    def kv_bytes_after(self) -> int:
+        return sum(r + self.rope_dims for r in self.kv_lora_rank) * self.bytes_per_element
+
+    @property
+    def ratio(self) -> float:
+        return self.kv_bytes_after / self.kv_bytes_before
+
+    def memory_parts(self) -> dict[str, int]:
+        """Peak resident bytes by what holds them, at the heaviest moment of each phase (`memory_estimate`).
+
+        Resident the whole run: the Python/torch/transformers runtime with the tokenizer (`BASELINE`), the calibration
+        hidden states (input, output and normed copy, float32; --rank-allocation energy keeps only each layer's
+        spectrum from its statistics pass and takes the statistics again in the conversion pass). Embeddings, lm_head
+        and the other layers are never resident: layers stream from the source one at a time and the shards are
+        written last, from the kept layers.
+
+        A layer, at its heaviest: its tensors as stored (source dtype), its attention in float32, its statistics
+        (float64 [D+1, D+1]: the input and key-weighted second moments, and one per kv group for attended values), and
+        the larger of
+          calibration: the float32 decoder layer the calibration runs, one group's attended-input product, the
+            attention activations of one sample (a block of 128 queries against every key, and the block's attended
+            inputs in float64) and the MLP activations of one batch;
+          factorization: the float64 maps of the RoPE split (query about 3 times, key and value about 4 times) and the
+            solver's [D, D] float64 copies (each group's attended covariance is made in place).
+        Checked at Llama-3-8B shapes against the measured peak: docs/decisions.md#memory-estimate.
+        Writing: the shard writer's buffer (up to one shard) plus one kept layer being read into it."""
+        m = self.memory
+        hidden, heads, groups, head_dim, inter = self.hidden, self.heads, self.groups, self.head_dim, m["intermediate"]
+        src, out = m["source_element"], self.bytes_per_element
+        attn = (2 * heads + 2 * groups) * head_dim * hidden
+        mlp = 3 * hidden * inter
+        tokens, seq, samples = self.calib_tokens, m["seq_len"], m["samples"]
+        square = (hidden + 1) ** 2 * 8
+        stats = (2 + (groups if m["attended"] else 0)) * square if tokens else 0
+        float_copy = 0 if src == 4 else 4  # a float32 source's tensors are used as read
+        calibration = 0
+        if m["calibrated"]:
+            block = min(128, seq)
+            acts = (4 * heads * seq * (3 * head_dim + 3 * block) + 16 * heads * block * (hidden + 1)
+                    + 4 * 3 * min(samples, 8) * seq * inter)  # fmt: skip
+            calibration = (attn + mlp) * float_copy + (square if m["attended"] else 0) + acts
+        maps = 8 * (3 * heads * head_dim * hidden + 4 * groups * head_dim * hidden) + 2 * hidden**2 * 8
+        parts = {
+            "runtime": BASELINE,
+            "calibration hidden states": 3 * tokens * hidden * 4 if m["calibrated"] else 0,
+            "one layer as stored": (attn + mlp + 2 * hidden) * src,
+            "one layer's working set": attn * float_copy + stats + max(calibration, maps),
+        }
+        writing = m["shard_bytes"] + (attn + mlp) * out + BASELINE
+        if writing > sum(parts.values()):  # the writer's phase is the heavier one: it is what the estimate shows
+            parts = {"runtime": BASELINE, "shard writer buffer": m["shard_bytes"], "one kept layer": (attn + mlp) * out}
+        if self.refine_model_steps:  # the model stage holds the whole converted model (refine.model_stage_bytes)
+            stage = {"runtime": BASELINE, "calibration hidden states": 2 * tokens * hidden * 4,
+                     "model stage": refine.model_stage_bytes(self, seq, self.refine_model_scope)}
+            if sum(stage.values()) > sum(parts.values()):
+                parts = stage
+        return parts
+
+    def memory_estimate(self) -> int:
+        """Peak resident bytes: `memory_parts` x MEMORY_SAFETY (see there)."""
+        return int(sum(self.memory_parts().values()) * MEMORY_SAFETY)
+
+    def kv_cache_record(self) -> dict:
+        return {
+            "elements_per_token_per_layer_before": self.kv_before,
+            "elements_per_token_per_layer_after": self.kv_after(),
+            "bytes_per_token_before": self.kv_bytes_before,
+            "bytes_per_token_after": self.kv_bytes_after,
+            "ratio": round(self.ratio, 6),
+            "dtype": self.dtype,
+        }
+
+    def describe(self) -> str:
+        d_r = self.rope_dims
+        d_c = self.kv_lora_rank
+        rank_text = str(d_c[0]) if len(set(d_c)) == 1 else f"{min(d_c)}..{max(d_c)}"
+        lines = [
+            f"family {self.family} ({self.model_type}): {self.layers} layers, hidden {self.hidden}, "
+            f"{self.heads} query / {self.groups} kv heads, head_dim {self.head_dim}",
+            f"latent d_c {rank_text} + rope key d_r {d_r} per layer; nope head dim {self.nope_dims} (query/key width "
+            f"{self.nope_dims + d_r}), value head dim {self.head_dim}",
+            "per-layer shapes: " + ", ".join(f"{k} {list(v)}" for k, v in self.shapes.items()),
+            f"KV cache per token per layer: {self.kv_before} -> {self.kv_after():g} elements",
+            f"KV cache per token (all layers, {self.dtype}): {self.kv_bytes_before} -> {self.kv_bytes_after} bytes "
+            f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
+            f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
+            *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
+            (f"calibration: {self.memory['samples']} windows x {self.memory['seq_len']} tokens" if self.calib_tokens
+             else "calibration: none (weight-only statistics)"),
+            f"refinement: {self.refine_steps} steps per layer" + (
+                f" (about {self.refine_seconds / 60:.0f} min on a 2-core CPU)" if self.refine_steps else "")
+            + f"; model stage: {self.refine_model_steps} steps" + (
+                f" (about {self.refine_model_seconds / 60:.0f} min)" if self.refine_model_steps else "")
+            + (f"; training steps in {self.refine_precision}" if self.refine_steps or self.refine_model_steps else ""),
+            f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.2f} GiB"
+            f" (x{MEMORY_SAFETY} of: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in self.memory_parts().items() if v)
+            + ")",
+        ]
+        return "\n".join(lines)
+
+
+def _dims(config) -> tuple[int, int, int, int, int]:
+    heads = config.num_attention_heads
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, config.hidden_size, heads, groups, head_dim
+
+
+def max_rank(config) -> int:
+    _, hidden, _, groups, head_dim = _dims(config)
+    return min(2 * groups * head_dim, hidden)
+
+
+def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> int:
+    """d_r when --rope-dims is not given: a third of the cache budget, at most three quarters of head_dim and at most
+    64 (the rope key width of vLLM's MLA kernels, `SERVED_ROPE_MAX`: a wider key cannot be served there); head_dim/2
+    (same cap) with --rank.
+
+    The RoPE pairs lose more than the rank until the latent gets small, so the rope key takes a large share, but not
+    the whole head: chosen on the development split, docs/decisions.md#rope-key-width."""
+    from mla_convert.serving.layout import SERVED_ROPE_MAX
+
+    step = 2 if options.rope_merge else 2 * groups  # without merging every kv head keeps the same number of pairs
+    cap = min(head_dim, max(step, SERVED_ROPE_MAX // step * step))
+    if options.kv_budget is None:
+        return min(head_dim // 2, cap)
+    cap = min(cap, max(step, 3 * head_dim // 4 // step * step))
+    budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
+    return int(min(cap, max(step, step * round(budget / 3 / step))))
+
+
+# Calibration windows by the share of the source's cache a conversion keeps (`--calib-samples`, default): a wider
+# latent and its refinement fit more from the same text when it has more of it; chosen on the development split,
+# docs/decisions.md#calibration-windows.
+CALIB_SAMPLES = 16
+WIDE_CALIB_SAMPLES = 32
+WIDE_FROM = refine.WIDE_FROM  # the one threshold of every default by the cache kept
+
+
+def default_calib_samples(kept: float) -> int:
+    """The calibration windows of a conversion that keeps `kept` (a fraction) of the source's KV cache: CALIB_SAMPLES
+    below WIDE_FROM, else WIDE_CALIB_SAMPLES."""
+    return CALIB_SAMPLES if kept < WIDE_FROM else WIDE_CALIB_SAMPLES
+
+
+def default_nope_dims(options: ConvertOptions, head_dim: int, d_r: int, qk_norm: str | None) -> int:
+    """d_n when --nope-dims is not given: head_dim - d_r where d_r <= head_dim/2 with merged RoPE pairs, so that a
+    head's query/key width d_n + d_r is the source's head_dim: attention then costs what the source's does and runs
+    sdpa's fused kernels without padding (the value keeps head_dim). Merged pairs leave the nope key d_h - d_r dropped
+    dims plus the small remainder of the kept frequencies that the merge did not move into the rope key; the
+    query-weighted reduction (`narrow_nope`) keeps nearly all of the nope score energy (recorded per layer as
+    `nope_kept`; docs/decisions.md#nope-key-width). Otherwise (wider rope keys, unmerged pairs, per-head
+    q/k norms): head_dim."""
+    if qk_norm or not options.rope_merge or 2 * d_r > head_dim:
+        return head_dim
+    return head_dim - d_r
+
+
+def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
+    """Validate the options against the source config and compute the plan (nothing heavy, nothing written)."""
+    config = source.config
+    layers, hidden, heads, groups, head_dim = _dims(config)
+    if options.rank is not None and options.kv_budget is not None:
+        raise UserError("give --rank (latent dims) or --kv-budget (cache per token per layer), not both")
+    if options.kv_budget is not None and not (math.isfinite(options.kv_budget) and options.kv_budget > 0):
+        raise UserError(f"--kv-budget must be a positive number (elements, or a fraction <= 1), got {options.kv_budget}")
+    if options.kv_balance is not None and not math.isfinite(options.kv_balance):
+        raise UserError(f"--kv-balance must be a positive number, got {options.kv_balance}")
+    d_r = default_rope_dims(options, groups, head_dim) if options.rope_dims is None else options.rope_dims
+    if d_r <= 0 or d_r % 2 or d_r > groups * head_dim:
+        raise UserError(
+            f"--rope-dims must be even, at least 2 (without a rope key the model loses every position) and at most "
+            f"{groups * head_dim} (kv heads x head_dim), got {d_r}"
+        )
+    if not options.rope_merge and d_r % (2 * groups):
+        raise UserError(
+            f"--rope-dims {d_r} without merging must be a multiple of {2 * groups} (2 x kv heads): "
+            "use --rope-merge or change --rope-dims"
+        )
+    top = max_rank(config)
+    if options.rank is None:
+        if options.kv_budget is None:
+            raise UserError("give --rank (latent dims) or --kv-budget (elements per token per layer, or a fraction)")
+        budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
+        rank = int(round(budget)) - d_r
+    else:
+        rank = options.rank
+    if rank <= 0:
+        raise UserError(f"the latent rank must be positive (got {rank}); raise --rank/--kv-budget or lower --rope-dims")
+    if rank > top:
+        raise UserError(f"--rank {rank} exceeds the maximum {top} (min of 2 x kv heads x head_dim and hidden size)")
+    if options.factorization not in ("joint", "split"):
+        raise UserError(f"--factorization must be joint or split, got {options.factorization}")
+    if options.method not in lowrank.METHODS:
+        raise UserError(f"--method must be one of {', '.join(lowrank.METHODS)}, got {options.method}")
+    if options.rope_strategy not in rope.STRATEGIES:
+        raise UserError(f"--rope-strategy must be one of {', '.join(rope.STRATEGIES)}, got {options.rope_strategy}")
+    if options.objective not in lowrank.OBJECTIVES:
+        raise UserError(f"--objective must be one of {', '.join(lowrank.OBJECTIVES)}, got {options.objective}")
+    if options.dropped_rope not in ("unrotated", "expected"):
+        raise UserError(f"--dropped-rope must be unrotated or expected, got {options.dropped_rope}")
+    if options.kv_balance is not None and not options.kv_balance > 0:
+        raise UserError(f"--kv-balance must be positive, got {options.kv_balance}")
+    if options.calib_data is None and options.objective != "kv":
+        raise UserError(f"--objective {options.objective} needs calibration text: pass --calib-data FILE or --objective kv")
+    if options.calib_propagate not in ("source", "converted"):
+        raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
+    if options.value_inputs not in INPUT_KINDS:
+        raise UserError(f"--value-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.value_inputs}")
+    if options.latent_rounds < 0:
+        raise UserError(f"--latent-rounds must be 0 or more, got {options.latent_rounds}")
+    if options.latent_rounds and (options.value_inputs != "attended" or options.factorization != "joint"):
+        raise UserError("--latent-rounds refines a joint latent for attended values: use it with --value-inputs "
+                        "attended and --factorization joint (or drop it)")
+    if options.refine_steps is not None and options.refine_steps < 0:
+        raise UserError(f"--refine-steps must be 0 or more, got {options.refine_steps}")
+    if not options.refine_lr > 0:
+        raise UserError(f"--refine-lr must be positive, got {options.refine_lr}")
+    if options.refine_scope not in refine.SCOPES:
+        raise UserError(f"--refine-scope must be one of {', '.join(refine.SCOPES)}, got {options.refine_scope}")
+    if options.refine_precision not in refine.PRECISIONS:
+        raise UserError(f"--refine-precision must be one of {', '.join(refine.PRECISIONS)}, got "
+                        f"{options.refine_precision}")
+    if not options.refine_mlp_lr_scale >= 0:
+        raise UserError(f"--refine-mlp-lr-scale must be 0 or more, got {options.refine_mlp_lr_scale}")
+    if options.refine_seq_len < 16:
+        raise UserError(f"--refine-seq-len must be at least 16 tokens, got {options.refine_seq_len}")
+    if options.refine_steps and options.calib_data is None:
+        raise UserError("--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)")
+    if options.refine_model_steps is not None and options.refine_model_steps < 0:
+        raise UserError(f"--refine-model-steps must be 0 or more, got {options.refine_model_steps}")
+    if not options.refine_model_lr > 0:
+        raise UserError(f"--refine-model-lr must be positive, got {options.refine_model_lr}")
+    if options.refine_model_scope not in refine.MODEL_SCOPES:
+        raise UserError(f"--refine-model-scope must be one of {', '.join(refine.MODEL_SCOPES)}, got "
+                        f"{options.refine_model_scope}")
+    if options.refine_model_steps and options.calib_data is None:
+        raise UserError("--refine-model-steps trains on calibration text: pass --calib-data (or --refine-model-steps 0)")
+    if options.refine_model_steps and options.calib_propagate != "source":
+        raise UserError("--refine-model-steps distils the source's outputs on the calibration stream, which "
+                        "--calib-propagate converted does not carry: use --calib-propagate source (or "
+                        "--refine-model-steps 0)")
+    if options.key_inputs not in INPUT_KINDS:
+        raise UserError(f"--key-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.key_inputs}")
+    if options.rank_allocation not in (*RANK_ALLOCATIONS, None):
+        raise UserError(f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {options.rank_allocation}")
+    if options.qk_norm not in QK_NORM_MODES:
+        raise UserError(f"--qk-norm must be one of {', '.join(QK_NORM_MODES)}, got {options.qk_norm}")
+    qk_norm = options.qk_norm if family.has_qk_norm(config) else None
+    if qk_norm == "calibrated" and options.calib_data is None:
+        raise UserError("--qk-norm calibrated takes each key's RMS from calibration text: pass --calib-data "
+                        "(or use --qk-norm exact)")
+    if (options.calib_samples is not None and options.calib_samples <= 0) or options.calib_seq_len <= 0:
+        raise UserError("--calib-samples and --calib-seq-len must be positive")
+    if options.calib_seq_len < 2:
+        raise UserError("--calib-seq-len must be at least 2 (a window's attention needs a key before its query)")
+    if options.calib_temperature is not None and not (options.calib_temperature > 0
+                                                      and math.isfinite(options.calib_temperature)):
+        raise UserError(f"--calib-temperature must be positive, got {options.calib_temperature}")
+    if options.calib_sample_tokens <= 0:
+        raise UserError(f"--calib-sample-tokens must be positive, got {options.calib_sample_tokens}")
+    if options.nope_dims is None:
+        d_n = default_nope_dims(options, head_dim, d_r, qk_norm)
+    else:
+        d_n = options.nope_dims
+        if not 0 < d_n <= head_dim:
+            raise UserError(f"--nope-dims must be between 1 and head_dim ({head_dim}), got {d_n}")
+        if qk_norm and d_n != head_dim:
+            raise UserError(f"--nope-dims {d_n}: this model normalizes each query and key head, whose nope key must "
+                            f"keep head_dim ({head_dim}) dims: drop --nope-dims")
+    dtype = options.dtype or _source_dtype(config)
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    qkv_bias, o_bias = family.attention_biases(config)
+    ranks = [rank] * layers
+    plan = Plan(
+        family=family.name,
+        model_type=config.model_type,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        groups=groups,
+        head_dim=head_dim,
+        kv_lora_rank=ranks,
+        rope_dims=d_r,
+        nope_dims=d_n,
+        dtype=dtype,
+        source_bytes=source.nbytes(),
+        calib_tokens=0,  # below, with the windows the cache kept asks for
+        refine_scope=options.refine_scope,
+        memory={
+            "intermediate": getattr(config, "intermediate_size", 4 * hidden),
+            "vocab": config.vocab_size,
+            "source_element": _source_element(source, family),
+            "calibrated": bool(options.calib_data) and options.needs_statistics(),
+            "attended": bool(options.calib_data) and options.value_inputs == "attended",
+            "seq_len": options.calib_seq_len,
+            "shard_bytes": SHARD_BYTES,
+        },
+    )
+    per_layer_before = (2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias
+    plan.attn_params_before = per_layer_before * layers
+    plan.qkv_bias = bool(qkv_bias)
+    plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
+    plan.qk_norm_scope = family.qk_norm_scope(config) or "head"
+    plan.norm_unit_offset = family.gemma(config)
+    plan.set_kv_lora_rank(ranks)
+    plan.memory["samples"] = options.calib_samples or default_calib_samples(plan.ratio)  # by the cache kept
+    if plan.memory["calibrated"]:
+        plan.calib_tokens = plan.memory["samples"] * options.calib_seq_len
+    plan.memory["shard_bytes"] = min(SHARD_BYTES, output_bytes(config, plan))  # the writer holds at most a shard
+    if plan.ratio >= 1 and not options.force:
+        raise UserError(
+            f"the MLA cache ({plan.kv_after():g} per token per layer) is not smaller than the source's "
+            f"({plan.kv_before}): lower --rank/--rope-dims, or pass --force to convert anyway"
+        )
+    return plan
+
+
+def _source_element(source: Source, family: Family) -> int:
+    """Bytes per element of the source's tensors as stored (its first layer's query weight; 4 if it has none)."""
+    name = family.tensor(0, "q")
+    return source.element_size(name) if source.has(name) else 4
+
+
+def _source_dtype(config) -> str:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(dtype).replace("torch.", "") if dtype is not None else "float32"
+    return name if name in DTYPES else "float32"
+
+
+
+def output_bytes(config, plan: Plan) -> int:
+    """Bytes of the converted checkpoint: every tensor the source keeps plus the new attention, in the output dtype."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    embeddings = config.vocab_size * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    mlp = 3 * hidden * config.intermediate_size + 2 * hidden  # gate, up, down; the two norms
+    return (embeddings + hidden + layers * mlp + plan.attn_params_after) * plan.bytes_per_element
+
+
+def check_room(out: Path, needed: int, copies: int = 2) -> None:
+    """Refuse, before any work, an output whose file system cannot take it or whose folder cannot be written.
+
+    Needs `copies` times the checkpoint's size: for a conversion twice, the finished layers kept for a resume sit
+    beside the shards being written."""
+    parent = Path(out).expanduser().resolve()
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write under {parent} (permission denied): choose an output folder you can write to")
+    free = shutil.disk_usage(parent).free
+    if free < copies * needed:
+        def size(n: int) -> str:
+            return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+        what = "the checkpoint and the layers kept for a resume" if copies == 2 else "the checkpoint"
+        raise UserError(f"{parent} has {size(free)} free, the output needs about {size(copies * needed)} ({what}): "
+                        "free space or choose another output folder")
+
+
+def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
+    """Share the plan's total latent dims among its layers by their spectra (`lowrank.allocate_ranks`): in units of 16
+    or 8 where the uniform rank is a multiple of at least 4 of them (kernel-friendly shapes), else of 1, each layer
+    keeping at least a quarter of the uniform rank and none above the smallest latent width vLLM's MLA kernels take
+    that holds the uniform rank (256 or 512): the allocation never moves a model to a larger served cache layout, nor
+    out of the engines' reach (they pad every layer to one width)."""
+    from mla_convert.serving.layout import VLLM_LAYOUTS
+
+    total = sum(plan.kv_lora_rank)
+    uniform = total // plan.layers
+    served = sorted(c for c in {c for layouts in VLLM_LAYOUTS.values() for c, _ in layouts} if c >= uniform)
+    cap = min(cap, served[0]) if served else cap
+    # below 4 dims a layer there is nothing to share in kernel-friendly units: single dims, at least one a layer
+    unit = next((u for u in (16, 8, 1) if uniform % u == 0 and uniform >= 4 * u), 1)
+    floor = max(unit, uniform // 4 // unit * unit)
+    return lowrank.allocate_ranks(spectra, total, unit=unit, floor=floor, cap=cap // unit * unit)
