@@ -40,10 +40,12 @@ def convert_attention(
     inputs values are consumed through: U_v = W_v C~ D^T (D C~ D^T)^-1 (exact at full rank, as any left inverse);
     keyed: [D+1, D+1] second moment of the inputs weighted by the attention each token's key receives (None: `cov`),
     the input statistics of the low-rank factorization and of the key pairs in the RoPE merge.
-    Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair).
+    Returns ({"q_proj.weight", ...} named as in MLAAttention, rope frequency index of each rope-key pair, the share of
+    the nope score energy the narrowed nope key keeps (None: not narrowed)).
     """
     heads, groups, head_dim, hidden = plan.heads, plan.groups, plan.head_dim, plan.hidden
     rank = plan.kv_lora_rank[layer]
+    nope_kept = None
     maps = _layer_maps(tensors, plan, options, attention_scaling, cov, phase, keyed)
     k_nope, w_v = maps["k_nope"], maps["v"]
     up_k, up_v, down = lowrank.joint_or_split(
@@ -60,7 +62,7 @@ def convert_attention(
     up_k, k_bias = up_k.double().view(groups, head_dim, rank), k_nope[:, hidden].view(groups, head_dim)
     q_all, k_rope = maps["q"].view(heads, head_dim + plan.rope_dims, hidden + 1), maps["k_rope"]
     if plan.nope_dims < head_dim:
-        q_all, up_k, k_bias = narrow_nope(q_all, up_k, k_bias, down, cov, plan, layer)
+        q_all, up_k, k_bias, nope_kept = narrow_nope(q_all, up_k, k_bias, down, cov, plan, layer)
     kv_b = torch.cat([up_k, up_v.double().view(groups, head_dim, rank)], dim=1)
     kv_b_bias = torch.cat([k_bias, w_v[:, hidden].view(groups, head_dim)], dim=1)
     q_all = q_all.reshape(-1, hidden + 1)
@@ -83,7 +85,7 @@ def convert_attention(
         out["kv_b_proj.bias"] = kv_b_bias.reshape(-1)
     if "o_bias" in tensors:
         out["o_proj.bias"] = tensors["o_bias"]
-    return {k: v.float() for k, v in out.items()}, maps["rope_plan"].frequencies
+    return {k: v.float() for k, v in out.items()}, maps["rope_plan"].frequencies, nope_kept
 
 
 NOPE_KEPT_WARN = 0.98  # below what the default's layers keep (docs/decisions.md#nope-key-width)
@@ -93,7 +95,7 @@ def narrow_nope(q_all, up_k, k_bias, down, cov, plan: Plan, layer: int):
     """Each head's nope query and its group's nope key narrowed from head_dim to plan.nope_dims dims
     (`lowrank.bilinear_reduce` per kv group: the group's heads' nope queries under the calibration inputs against
     the keys the latent gives). q_all [H, d_h + d_r, D+1] (nope rows first), up_k [G, d_h, d_c], k_bias [G, d_h] ->
-    the same with d_n nope dims. Records the share of the nope score energy kept in plan.nope_kept."""
+    the same with d_n nope dims, and the share of the nope score energy kept (the smallest of the groups')."""
     heads, groups, head_dim, hidden, d_n = plan.heads, plan.groups, plan.head_dim, plan.hidden, plan.nope_dims
     per = heads // groups
     q_nope = q_all[:, :head_dim]  # [H, d_h, D+1]
@@ -108,12 +110,11 @@ def narrow_nope(q_all, up_k, k_bias, down, cov, plan: Plan, layer: int):
         keys.append(b @ up_k[g])
         biases.append(b @ k_bias[g])
         kept.append(share)
-    plan.nope_kept.append({"layer": layer, "kept": round(min(kept), 6)})
     if min(kept) < NOPE_KEPT_WARN:
         log.warning("the %d-dim nope query/key keeps %.1f%% of layer %d's nope score energy: --nope-dims %d keeps all",
                     d_n, 100 * min(kept), layer, head_dim)
     q_all = torch.cat([torch.cat(queries), q_all[:, head_dim:]], dim=1)  # [H, d_n + d_r, D+1]
-    return q_all, torch.stack(keys), torch.stack(biases)
+    return q_all, torch.stack(keys), torch.stack(biases), min(kept)
 
 
 def _attended_covs(attended, token_cov, dim: int, blend: float = 0.05) -> list[torch.Tensor]:

@@ -1,10 +1,15 @@
-"""The conversion driver: resolve the options and plan, then one decoder layer at a time (calibration statistics, the
-per-layer method, refinement, the resume store), the model stage, and the shards, config, provenance and card."""
+"""The conversion driver: resolve the options and the plan, then one decoder layer at a time (calibration statistics,
+the per-layer method, refinement, the resume store), the model stage, and the shards, config, provenance and card.
+
+Phases of `convert`: setup (`resolve`: options and plan; `Conversion.__init__`: device, RoPE, calibration stream),
+statistics (`Conversion.allocate_ranks`, with the energy allocation), layers (`Conversion.convert_layers`), the model
+stage (`Conversion.train_model`) and the write (`Conversion.write`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,10 +26,9 @@ from mla_convert.conversion.plan import Plan, allocate, check_room, make_plan, m
 from mla_convert.conversion.stages import model_stage, refined_layer
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
-from mla_convert.families import family_for
+from mla_convert.families import Family, family_for
 
 log = logging.getLogger(__name__)
-
 
 ATTENDED_EVERY = 4  # attended-input statistics on every 4th block of calibration queries (they cost a [T, T] x [T, D])
 
@@ -65,22 +69,25 @@ class LayerClock:
         log.info("%slayer %d: %s", phase, layer, text)
 
 
-def convert(
-    source: Source,
-    out: Path,
-    options: ConvertOptions,
-    family_name: str | None = None,
-    overwrite: bool = False,
-    dry_run: bool = False,
-    progress: bool = True,
-) -> Plan:
-    """Convert `source` into a native MLA checkpoint at `out`. With `dry_run`, only plan and return."""
-    from tqdm.auto import tqdm
+@dataclass
+class RunRecord:
+    """What a run decided and measured as it went, apart from the plan: each layer's RoPE pairs, the nope score energy
+    kept, the layer refinement's and the model stage's records (provenance.json's "plan" section)."""
 
-    family = family_for(source.config, family_name)
-    from mla_convert.validate import check_source_finite, check_source_shapes
+    rope_pairs: list[list[int]]
+    nope_kept: list = field(default_factory=list)
+    refine: list = field(default_factory=list)
+    refine_model: dict = field(default_factory=dict)
 
-    check_source_shapes(source, family)  # every tensor present, of the config's shape: before the plan
+    def provenance(self, plan: Plan) -> dict:
+        return {"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "nope_dims": plan.nope_dims,
+                "nope_kept": self.nope_kept, "rope_pairs": self.rope_pairs, "refine": self.refine,
+                "refine_model": self.refine_model}
+
+
+def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[ConvertOptions, Plan]:
+    """The options as they will run (defaults that depend on the source or the cache kept filled in: what provenance
+    records) and the plan with the refinement stages' steps and time estimates."""
     options = resolve_allocation(without_calibration(options))
     if options.factorization == "split" and options.value_inputs == "attended" and not options.latent_rounds:
         # the attended refit fits values in the whole latent, which a split factorization keeps for keys and values
@@ -104,159 +111,237 @@ def convert(
     plan.refine_model_steps = model_steps
     plan.refine_model_scope = options.refine_model_scope
     plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window, rate)
+    return options, plan
+
+
+def convert(
+    source: Source,
+    out: Path,
+    options: ConvertOptions,
+    family_name: str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    progress: bool = True,
+) -> Plan:
+    """Convert `source` into a native MLA checkpoint at `out`. With `dry_run`, only plan and return."""
+    from mla_convert.validate import check_source_finite, check_source_shapes
+
+    family = family_for(source.config, family_name)
+    check_source_shapes(source, family)  # every tensor present, of the config's shape: before the plan
+    options, plan = resolve(source, family, options)
     if dry_run:
         return plan
     check_source_finite(source, family)  # before any work: a NaN or inf weight would convert into a broken output
     source.tokenizer()  # read even without calibration text: a broken tokenizer is refused, not copied into the output
-    config = source.config
-    # calibration runs source layers causally (calibration.layer_mask); eager where sdpa would drop the source's
-    # score soft-capping (Gemma 2)
-    config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
-    # each layer's RoPE (Gemma 3: a base per layer type)
-    frequencies = [rope.source_frequencies(rope.rope_config(config, rope.layer_type(config, i)))
-                   for i in range(plan.layers)]
-    device = torch.device(resolve_device(options.device))
-    torch.manual_seed(options.seed)
+    run = Conversion(source, family, options, plan, progress)
     inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
-    # the calibration text and tokenizer are read before anything is staged: their errors come first
-    runner = calibration_runner(source, options) if options.needs_statistics() and options.calib_data else None
-    if runner is not None:
-        runner.to(device)  # the calibration hidden states stay on the device for the whole run
-    check_room(Path(out), output_bytes(config, plan))  # before the staging folder and the calibration forwards
+    check_room(Path(out), output_bytes(source.config, plan))  # before the staging folder and the calibration forwards
     with staged_output(out, overwrite, inputs, fingerprint=store.fingerprint(source, options, plan)) as stage:
-        kept = resume_dir(stage)  # one file per converted layer: what a killed run keeps for the next one
-        # kept in the output dtype (the cast the shards would make anyway), in float32 when the converted layers
-        # carry the calibration activations on (they ran in float32)
-        kept_dtype = torch.float32 if options.calib_propagate == "converted" else DTYPES[plan.dtype]
-        skip_through = -1  # layers up to this one need no calibration forward: their output activations are kept
+        run.kept = resume_dir(stage)  # one file per converted layer: what a killed run keeps for the next one
+        if options.rank_allocation == "energy":
+            run.allocate_ranks()
+        run.convert_layers()
+        trained = run.train_model()
+        run.write(stage, trained)
+    log.info("wrote %s", out)
+    return plan
+
+
+class Conversion:
+    """One conversion's state between its phases: the source, the resolved options and plan, the device, each layer's
+    RoPE, the calibration stream (`runner`: None without calibration text) and the resume folder (`kept`)."""
+
+    def __init__(self, source: Source, family: Family, options: ConvertOptions, plan: Plan, progress: bool):
+        self.source, self.family, self.options, self.plan, self.progress = source, family, options, plan, progress
+        self.config = config = source.config
+        # calibration runs source layers causally (calibration.layer_mask); eager where sdpa would drop the source's
+        # score soft-capping (Gemma 2)
+        config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+        # each layer's RoPE (Gemma 3: a base per layer type)
+        self.frequencies = [rope.source_frequencies(rope.rope_config(config, rope.layer_type(config, i)))
+                            for i in range(plan.layers)]
+        self.device = torch.device(resolve_device(options.device))
+        torch.manual_seed(options.seed)
+        # the calibration text and tokenizer are read before anything is staged: their errors come first
+        self.runner = self.new_runner() if options.needs_statistics() and options.calib_data else None
+        self.record = RunRecord([[0] * (plan.rope_dims // 2) for _ in range(plan.layers)])
+        self.kept: Path | None = None
+
+    def new_runner(self):
+        """A calibration stream at the embeddings, on the device (its hidden states stay there for the whole run)."""
+        return calibration_runner(self.source, self.options).to(self.device)
+
+    def bar(self, desc: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(range(self.plan.layers), desc=desc, disable=not self.progress, unit="layer")
+
+    def layer_inputs(self, i: int):
+        """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
+        (cov, phase, attended, keyed)): the statistics taken at the runner's current hidden states."""
+        options, device = self.options, self.device
+        prefix = self.family.layer_prefix.format(i=i)
+        layer_tensors = raw_layer(self.source, i, self.family)  # in the source's dtype: most of them pass through
+        attn = float32_on(attention_tensors(layer_tensors, self.family, i, prefix, self.plan.qk_norm), device)
+        source_layer = cov = phase = attended = keyed = None
+        if self.runner is not None:
+            from mla_convert.calibration import second_moment
+
+            source_layer = source_decoder_layer(self.config, self.family, i, float32_on(layer_tensors, device))
+            with torch.device(device):  # factory calls (eye, zeros, ones) land beside their inputs
+                cov = second_moment(self.runner.attention_input(source_layer))
+                if options.needs_attention_statistics():
+                    every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
+                    profile, attended, keyed = self.runner.attention_statistics(source_layer, attended_every=every)
+                    if options.needs_attention_profile():
+                        phase = rope.attention_phases(profile, self.frequencies[i][0].to(device))
+                    keyed = keyed if options.key_inputs == "attended" else None
+        return prefix, layer_tensors, attn, source_layer, (cov, phase, attended, keyed)
+
+    def allocate_ranks(self) -> None:
+        """The statistics pass of the energy allocation: every layer's spectrum first (on the source's activations),
+        then the ranks. Only the spectra are kept: the conversion pass takes the statistics again from a second
+        calibration stream, so memory does not grow with depth (an 8B model's statistics are about 1.3 GB a layer)."""
+        plan, spectra = self.plan, []
+        bar = self.bar("layers: statistics")
+        for i in bar:
+            clock = LayerClock(self.device)
+            _, _, attn, source_layer, statistics = self.layer_inputs(i)
+            clock.lap("calibration")
+            with torch.device(self.device):
+                spectra.append(layer_spectrum(attn, plan, self.options, self.frequencies[i][1], *statistics).cpu())
+            del attn, statistics
+            if self.runner is not None:
+                self.runner.advance(source_layer)
+            clock.lap("factorization")
+            clock.report(bar, i, "statistics pass, ")
+        self.runner = self.new_runner() if self.runner is not None else None
+        plan.set_kv_lora_rank(allocate(plan, spectra, max_rank(self.config)))
+        log.info("rank allocation (energy): %s", plan.kv_lora_rank)
+
+    def convert_layers(self) -> None:
+        """Every layer converted (or passed over where an earlier run kept it), each kept in the resume folder."""
+        kept, plan = self.kept, self.plan
         done = {i for i in range(plan.layers) if kept_file_intact(kept / store.layer_file(i))}
         if done:
-            log.warning("resuming in %s: %d of %d layers were converted already", stage, len(done), plan.layers)
-        if options.needs_statistics() and runner is None:
+            log.warning("resuming in %s: %d of %d layers were converted already", kept.parent, len(done), plan.layers)
+        if self.options.needs_statistics() and self.runner is None:
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
-        rope_pairs: list[list[int]] = [[0] * (plan.rope_dims // 2) for _ in range(plan.layers)]
-
-        def layer_inputs(i: int):
-            """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
-            (cov, phase, attended, keyed)): the statistics taken at the runner's current hidden states."""
-            prefix = family.layer_prefix.format(i=i)
-            layer_tensors = raw_layer(source, i, family)  # in the source's dtype: most of them pass through
-            attn = float32_on(attention_tensors(layer_tensors, family, i, prefix, plan.qk_norm), device)
-            source_layer = cov = phase = attended = keyed = None
-            if runner is not None:
-                from mla_convert.calibration import second_moment
-
-                source_layer = source_decoder_layer(config, family, i, float32_on(layer_tensors, device))
-                with torch.device(device):  # factory calls (eye, zeros, ones) land beside their inputs
-                    cov = second_moment(runner.attention_input(source_layer))
-                    if options.needs_attention_statistics():
-                        every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
-                        profile, attended, keyed = runner.attention_statistics(source_layer, attended_every=every)
-                        if options.needs_attention_profile():
-                            phase = rope.attention_phases(profile, frequencies[i][0].to(device))
-                        keyed = keyed if options.key_inputs == "attended" else None
-            return prefix, layer_tensors, attn, source_layer, (cov, phase, attended, keyed)
-
-        if options.rank_allocation == "energy":
-            # every layer's spectrum first (on the source's activations), then the ranks, then the conversion. Only
-            # the spectra are kept: the conversion pass takes the statistics again from a second calibration stream,
-            # so memory does not grow with depth (an 8B model's statistics are about 1.3 GB a layer)
-            spectra = []
-            bar = tqdm(range(plan.layers), desc="layers: statistics", disable=not progress, unit="layer")
-            for i in bar:
-                clock = LayerClock(device)
-                _, _, attn, source_layer, statistics = layer_inputs(i)
-                clock.lap("calibration")
-                with torch.device(device):
-                    spectra.append(layer_spectrum(attn, plan, options, frequencies[i][1], *statistics).cpu())
-                del attn, statistics
-                if runner is not None:
-                    runner.advance(source_layer)
-                clock.lap("factorization")
-                clock.report(bar, i, "statistics pass, ")
-            runner = calibration_runner(source, options).to(device) if runner is not None else None
-            plan.set_kv_lora_rank(allocate(plan, spectra, max_rank(config)))
-            log.info("rank allocation (energy): %s", plan.kv_lora_rank)
-        bar = tqdm(range(plan.layers), desc="layers: convert", disable=not progress, unit="layer")
+        skip_through = -1  # layers up to this one need no calibration forward: their output activations are kept
+        bar = self.bar("layers: convert")
         for i in bar:
             bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
-            prefix = family.layer_prefix.format(i=i)
-            if i in done:  # converted by an earlier run: only carry the calibration activations past it
-                rope_pairs[i] = store.read_layer(kept / store.layer_file(i), tensors=False)[1]
-                if runner is not None and i == 0:
-                    past = store.read_activations(kept)  # the hidden states after the last layer a run finished, if kept
-                    if past is not None and all(j in done for j in range(past[0] + 1)):
-                        skip_through, runner.hidden = past[0], past[1].to(device)
-                if runner is not None and i > skip_through:
-                    if options.calib_propagate == "converted":  # the layer as kept (its MLP too, if refined)
-                        kept_tensors = {n[len(prefix) :]: t.to(device)
-                                        for n, t in store.read_layer(kept / store.layer_file(i))[0].items()}
-                        mla_tensors = {n[len("self_attn.") :]: t for n, t in kept_tensors.items()
-                                       if n.startswith("self_attn.")}
-                        runner.advance(converted_decoder_layer(config, plan, family, rope_pairs, i, kept_tensors, mla_tensors))
-                    else:
-                        runner.advance(source_decoder_layer(config, family, i, float32_on(raw_layer(source, i, family), device)))
-                continue
-            clock = LayerClock(device)
-            prefix, layer_tensors, attn, source_layer, statistics = layer_inputs(i)
+            if i in done:
+                skip_through = self.pass_kept_layer(i, done, skip_through)
+            else:
+                self.convert_layer(i, bar)
+
+    def pass_kept_layer(self, i: int, done: set[int], skip_through: int) -> int:
+        """A layer converted by an earlier run: only carry the calibration activations past it (from the kept
+        activations where they reach past it). Returns the last layer whose output activations were kept."""
+        kept, runner, record = self.kept, self.runner, self.record
+        prefix = self.family.layer_prefix.format(i=i)
+        record.rope_pairs[i] = store.read_layer(kept / store.layer_file(i), tensors=False)[1]
+        if runner is not None and i == 0:
+            past = store.read_activations(kept)  # the hidden states after the last layer a run finished, if kept
+            if past is not None and all(j in done for j in range(past[0] + 1)):
+                skip_through, runner.hidden = past[0], past[1].to(self.device)
+        if runner is not None and i > skip_through:
+            if self.options.calib_propagate == "converted":  # the layer as kept (its MLP too, if refined)
+                kept_tensors = {n[len(prefix) :]: t.to(self.device)
+                                for n, t in store.read_layer(kept / store.layer_file(i))[0].items()}
+                mla_tensors = {n[len("self_attn.") :]: t for n, t in kept_tensors.items() if n.startswith("self_attn.")}
+                runner.advance(converted_decoder_layer(self.config, self.plan, self.family, record.rope_pairs, i,
+                                                       kept_tensors, mla_tensors))
+            else:
+                runner.advance(source_decoder_layer(self.config, self.family, i,
+                                                    float32_on(raw_layer(self.source, i, self.family), self.device)))
+        return skip_through
+
+    def convert_layer(self, i: int, bar) -> None:
+        """Layer i: statistics, the per-layer method, refinement where it runs, kept in the resume folder; the
+        calibration stream advanced past it."""
+        options, plan, device, runner, record = self.options, self.plan, self.device, self.runner, self.record
+        clock = LayerClock(device)
+        prefix, layer_tensors, attn, source_layer, statistics = self.layer_inputs(i)
+        targets = None
+        refining = runner is not None and options.refine_steps > 0
+        # the whole layer along the source's stream: its update is what the advance below computes anyway
+        from_advance = refining and options.refine_scope == "layer" and options.calib_propagate == "source"
+        if refining and not from_advance:  # on the stream the runner carries
+            targets = refine.stream_targets(source_layer, runner, options.refine_scope)
+        if runner is not None and options.calib_propagate == "source":
+            inputs = runner.hidden
+            runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
+            source_layer = None
+            if from_advance:
+                targets = (inputs, runner.hidden - inputs)  # = refine.stream_targets(..., "layer")
+            del inputs
+        clock.lap("calibration")
+        with torch.device(device):
+            mla_tensors, record.rope_pairs[i], nope_kept = convert_attention(attn, plan, i, options,
+                                                                             self.frequencies[i][1], *statistics)
+        if nope_kept is not None:
+            record.nope_kept.append({"layer": i, "kept": round(nope_kept, 6)})
+        clock.lap("factorization")
+        if targets is not None:
+            mla_tensors, trained, row = refined_layer(self.config, plan, self.family, record.rope_pairs, i,
+                                                      layer_tensors, mla_tensors, targets, runner.embeddings_at(i),
+                                                      options, device)
+            record.refine.append(row)
+            layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
             targets = None
-            refining = runner is not None and options.refine_steps > 0
-            # the whole layer along the source's stream: its update is what the advance below computes anyway
-            from_advance = refining and options.refine_scope == "layer" and options.calib_propagate == "source"
-            if refining and not from_advance:  # on the stream the runner carries
-                targets = refine.stream_targets(source_layer, runner, options.refine_scope)
-            if runner is not None and options.calib_propagate == "source":
-                inputs = runner.hidden
-                runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
-                source_layer = None
-                if from_advance:
-                    targets = (inputs, runner.hidden - inputs)  # = refine.stream_targets(..., "layer")
-                del inputs
+            clock.lap("refine")
+        self.keep_layer(i, prefix, layer_tensors, mla_tensors)
+        if runner is not None:
+            if options.calib_propagate == "converted":
+                runner.advance(converted_decoder_layer(self.config, plan, self.family, record.rope_pairs, i,
+                                                       float32_on(layer_tensors, device), mla_tensors))
+            if i < plan.layers - 1 or options.refine_model_steps:  # the model stage reads the last ones
+                store.write_activations(self.kept, i, runner.hidden.cpu())
             clock.lap("calibration")
-            with torch.device(device):
-                mla_tensors, rope_pairs[i] = convert_attention(attn, plan, i, options, frequencies[i][1], *statistics)
-            clock.lap("factorization")
-            if targets is not None:
-                mla_tensors, trained = refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors,
-                                                targets, runner.embeddings_at(i), options, device)
-                layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
-                targets = None
-                clock.lap("refine")
-            # unchanged tensors (MLP, norms, unless refined with the layer) go out as read, in the source's dtype:
-            # never through float32
-            out_tensors = {prefix + n: t for n, t in layer_tensors.items() if not n.startswith("self_attn.")}
-            out_tensors.update({f"{prefix}self_attn.{n}": t.cpu() for n, t in mla_tensors.items()})
-            store.write_layer(kept / store.layer_file(i), out_tensors, rope_pairs[i], kept_dtype)
-            if runner is not None:
-                if options.calib_propagate == "converted":
-                    runner.advance(converted_decoder_layer(config, plan, family, rope_pairs, i, float32_on(layer_tensors, device),
-                                                    mla_tensors))
-                if i < plan.layers - 1 or options.refine_model_steps:  # the model stage reads the last ones
-                    store.write_activations(kept, i, runner.hidden.cpu())
-                clock.lap("calibration")
-            clock.report(bar, i)
-            del layer_tensors, attn, mla_tensors, source_layer, out_tensors, statistics
-        trained = {}  # the model stage's attention tensors, which replace the kept layers' in the shards
-        if runner is not None and options.refine_model_steps:
-            trained = model_stage(source, config, plan, family, rope_pairs, runner, kept, options, device)
-        runner = None
-        # the shards: the source's other tensors, then each layer's as kept (a resumed run writes the same bytes)
+        clock.report(bar, i)
+
+    def keep_layer(self, i: int, prefix: str, layer_tensors: dict, mla_tensors: dict) -> None:
+        """Layer i's output tensors into the resume folder. Unchanged tensors (MLP, norms, unless refined with the
+        layer) go out as read, in the source's dtype: never through float32. Kept in the output dtype (the cast the
+        shards would make anyway), in float32 when the converted layers carry the calibration activations on (they
+        ran in float32)."""
+        kept_dtype = torch.float32 if self.options.calib_propagate == "converted" else DTYPES[self.plan.dtype]
+        out_tensors = {prefix + n: t for n, t in layer_tensors.items() if not n.startswith("self_attn.")}
+        out_tensors.update({f"{prefix}self_attn.{n}": t.cpu() for n, t in mla_tensors.items()})
+        store.write_layer(self.kept / store.layer_file(i), out_tensors, self.record.rope_pairs[i], kept_dtype)
+
+    def train_model(self) -> dict[str, torch.Tensor]:
+        """The model stage where it runs: the trained attention tensors, which replace the kept layers' in the
+        shards ({} otherwise). The calibration stream is released after it."""
+        trained = {}
+        if self.runner is not None and self.options.refine_model_steps:
+            trained, self.record.refine_model = model_stage(self.source, self.config, self.plan, self.family,
+                                                            self.record.rope_pairs, self.runner, self.kept,
+                                                            self.options, self.device)
+        self.runner = None
+        return trained
+
+    def write(self, stage: Path, trained: dict[str, torch.Tensor]) -> None:
+        """The shards (the source's other tensors, then each layer's as kept: a resumed run writes the same bytes),
+        the MLA config, the tokenizer files, provenance.json and the model card."""
+        source, plan, options, config = self.source, self.plan, self.options, self.config
         writer = ShardedWriter(stage, DTYPES[plan.dtype], SHARD_BYTES)
-        for name in other_tensor_names(source, family):
+        for name in other_tensor_names(source, self.family):
             writer.add(name, source.get_raw(name))  # as stored: cast only when --dtype differs
         for i in range(plan.layers):
-            for name, tensor in store.read_layer(kept / store.layer_file(i))[0].items():
+            for name, tensor in store.read_layer(self.kept / store.layer_file(i))[0].items():
                 writer.add(name, trained.get(name, tensor))
         writer.finalize()
-        out_config = mla_config(config, plan, family, rope_pairs, plan.dtype)
-        out_config.save_pretrained(stage)
+        mla_config(config, plan, self.family, self.record.rope_pairs, plan.dtype).save_pretrained(stage)
         copied = source.copy_aux_files(stage)
         record = provenance.new(
             "convert",
             source={
                 "model": source.origin,
                 "revision": source.revision,
-                "family": family.name,
+                "family": self.family.name,
                 "model_type": config.model_type,
                 "license": source.license(),
                 "base_model": source.base_model() or (source.origin if not Path(source.origin).exists() else None),
@@ -264,16 +349,12 @@ def convert(
             method=describe_method(options),
             options=dataclasses.asdict(options),
             kv_cache=plan.kv_cache_record(),
-            plan={"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "nope_dims": plan.nope_dims,
-                  "nope_kept": plan.nope_kept, "rope_pairs": rope_pairs, "refine": plan.refine_record,
-                  "refine_model": plan.refine_model_record},
+            plan=self.record.provenance(plan),
             seed=options.seed,
             copied_files=copied,
         )
         provenance.save(stage, record)
         write_model_card(stage)
-    log.info("wrote %s", out)
-    return plan
 
 
 def calibration_runner(source: Source, options: ConvertOptions):

@@ -54,12 +54,9 @@ class Plan:
     refine_seconds: float = 0.0
     refine_precision: str = "float32"  # what the refinement steps compute in, as resolved
     refine_scope: str = refine.DEFAULT_SCOPE
-    refine_record: list = field(default_factory=list)  # per layer: held-out error before/after, kept
-    refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate and its record
+    refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate
     refine_model_seconds: float = 0.0
     refine_model_scope: str = refine.MODEL_SCOPE
-    refine_model_record: dict = field(default_factory=dict)
-    nope_kept: list = field(default_factory=list)  # per layer: share of the nope score energy d_n dims keep
 
     def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""

@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 
 
 def refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets, position_embeddings, options,
-             device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the layer's MLA attention tensors, its other tensors where they were trained and kept, else {}) after
-    `refine.refine_module` on the calibration targets: of the attention, or of the whole layer
-    (`--refine-scope layer`, its MLP and norms on copies: the source's tensors are not touched)."""
+                  device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """(the layer's MLA attention tensors, its other tensors where they were trained and kept, else {}, the layer's
+    refinement record) after `refine.refine_module` on the calibration targets: of the attention, or of the whole
+    layer (`--refine-scope layer`, its MLP and norms on copies: the source's tensors are not touched)."""
     whole = options.refine_scope == "layer"
     others = {n: t.to(device=device, dtype=torch.float32, copy=whole) for n, t in layer_tensors.items()}
     layer = converted_decoder_layer(config, plan, family, rope_pairs, i, others, mla_tensors)
@@ -40,22 +40,23 @@ def refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensor
                                      precision=options.refine_precision)
     log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],
              "kept" if record["kept"] else "not kept")
-    plan.refine_record.append({"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}})
+    row = {"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}}
     trained = {n: t.detach().cpu() for n, t in layer.state_dict().items() if not n.startswith("self_attn.")}
     return ({k: v.detach() for k, v in layer.self_attn.state_dict().items()},
-            trained if whole and record["kept"] else {})
+            trained if whole and record["kept"] else {}, row)
 
 
 MODEL_STAGE_FILE = "model_stage.safetensors"  # in the resume folder: the trained attention tensors and the record
 
 
 def model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs, runner, kept: Path,
-                 options: ConvertOptions, device) -> dict[str, torch.Tensor]:
+                options: ConvertOptions, device) -> tuple[dict[str, torch.Tensor], dict]:
     """The model stage (`refine.refine_model`): the whole converted model, built in float32 from the source's other
     tensors and the kept layers, trained end to end to the source's next-token distributions on the calibration
-    windows (the runner's hidden states are the source's after its last layer). Returns the trained attention
-    tensors (none if the stage did not help), which replace the kept layers' when the shards are written; they and
-    the record are kept in the resume folder first, so a run killed later does not train again."""
+    windows (the runner's hidden states are the source's after its last layer). Returns (the trained attention
+    tensors, none if the stage did not help; the stage's record): the tensors replace the kept layers' when the
+    shards are written; they and the record are kept in the resume folder first, so a run killed later does not
+    train again."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -64,8 +65,7 @@ def model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs, 
     done = kept / MODEL_STAGE_FILE
     if kept_file_intact(done):
         with safe_open(str(done), framework="pt") as f:
-            plan.refine_model_record = json.loads(f.metadata()["record"])
-            return {name: f.get_tensor(name) for name in f.keys()}
+            return {name: f.get_tensor(name) for name in f.keys()}, json.loads(f.metadata()["record"])
     clock = time.perf_counter()
     state = {name: source.get_raw(name).float() for name in other_tensor_names(source, family)}
     for i in range(plan.layers):
@@ -95,5 +95,4 @@ def model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs, 
     tmp = done.with_name(done.name + ".tmp")
     save_file(trained, str(tmp), metadata={"record": json.dumps(record)})
     seal_kept_file(tmp, done)
-    plan.refine_model_record = record
-    return trained
+    return trained, record
