@@ -19,20 +19,16 @@ import os
 
 import torch
 
+from mla_convert import policy
+
 log = logging.getLogger(__name__)
 
 EXACT = 1e-9  # relative error below which a layer is already exact (float32 round-off): not refined
 # Adam (cosine) on one 2048-token window a step, so that training reaches the positions a 2048-token context holds;
 # chosen on the development split: docs/decisions.md#refinement-steps-rate-and-window.
 # Windows start at each sequence's first token: crops that start mid-sequence put the attention sink on an arbitrary
-# token and train the layer on a pattern it never meets.
-DEFAULT_STEPS = 200
-# From WIDE_FROM of the source's cache up (the wider latents) WIDE_STEPS: a wider latent has more to fit
-# (docs/decisions.md#refinement-at-wide-budgets).
-WIDE_STEPS = 300
-# The one threshold of every default by the cache kept: also where the calibration windows widen (convert) and the
-# self text cools (selftext).
-WIDE_FROM = 0.375  # halfway between the two budgets the defaults were chosen at (25% and 50%)
+# token and train the layer on a pattern it never meets. The steps by the cache kept: mla_convert.policy.
+DEFAULT_STEPS, WIDE_STEPS = policy.REFINE_STEPS
 DEFAULT_LR = 1e-3
 STEP_TOKENS = 2048  # tokens a step: a shorter window (`--refine-seq-len`) takes more sequences a step
 SEQ_LEN = 2048
@@ -100,9 +96,9 @@ def estimate_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU
 
 
 def default_steps(kept: float) -> int:
-    """The auto refinement steps per layer of a conversion that keeps `kept` (a fraction) of the source's KV cache:
-    DEFAULT_STEPS below WIDE_FROM, else WIDE_STEPS."""
-    return DEFAULT_STEPS if kept < WIDE_FROM else WIDE_STEPS
+    """The auto refinement steps per layer of a conversion that keeps `kept` (a fraction) of the source's KV cache
+    (`policy.REFINE_STEPS`)."""
+    return policy.by_cache_kept(kept, policy.REFINE_STEPS)
 
 
 def resolve_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS) -> int:

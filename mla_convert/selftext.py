@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from mla_convert import policy
 from mla_convert.errors import UserError
-from mla_convert.refine import WIDE_FROM
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ STYLES = {SELF: "chat", SELF_DOC: "document"}
 # (`--calib-data self`, `--calib-temperature`): `calib_temperature`, by the share of the source's cache the conversion
 # keeps. Temperature, length and batch: docs/decisions.md#self-text-temperature-length-and-batch.
 TEMPERATURE = 1.0
-CALIB_TEMPERATURE = 1.2  # below HOT_BELOW of the source's cache
-HOT_BELOW = WIDE_FROM  # the one threshold of every default by the cache kept
+CALIB_TEMPERATURE = policy.CALIB_TEMPERATURE[0]  # the narrow latents' (the wide ones': TEMPERATURE)
 SAMPLE_TOKENS = 256
 BATCH = 16
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
@@ -162,11 +161,11 @@ PROMPTS = [
 
 def calib_temperature(kept: float) -> float:
     """The default temperature of `self` calibration text for a conversion that keeps `kept` (a fraction) of the
-    source's KV cache: CALIB_TEMPERATURE below HOT_BELOW, else TEMPERATURE, the model's own distribution.
+    source's KV cache (`policy.CALIB_TEMPERATURE`): above 1 for small latents, else 1, the model's own distribution.
 
     A small latent gains from text that covers more of what it can be asked; a wide one from the text the model
     writes: chosen on the development split, docs/decisions.md#self-text-temperature-length-and-batch."""
-    return CALIB_TEMPERATURE if kept < HOT_BELOW else TEMPERATURE
+    return policy.by_cache_kept(kept, policy.CALIB_TEMPERATURE)
 
 
 def cache_dir() -> Path:

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 import mla_convert  # noqa: F401
 from mla_convert import refine, selftext
 from mla_convert.cli import app
-from mla_convert.conversion.plan import CALIB_SAMPLES, WIDE_CALIB_SAMPLES, WIDE_FROM, Plan, max_rank
+from mla_convert.conversion.plan import CALIB_SAMPLES, WIDE_CALIB_SAMPLES, Plan, max_rank
+from mla_convert.policy import WIDE_FROM
 from tiny import tiny_text
 
 from conftest import assert_user_error
@@ -261,7 +262,7 @@ def test_cli_defaults_are_the_library_defaults():
     assert library.calib_sample_tokens == selftext.SAMPLE_TOKENS
     temperature = [o for o in group.commands["convert"].params if o.name == "calib_temperature"]
     assert library.calib_temperature is None and temperature[0].default is None  # by the cache kept (selftext)
-    assert f"{selftext.HOT_BELOW:.1%}" in temperature[0].help
+    assert f"{WIDE_FROM:.1%}" in temperature[0].help
     samples = [o for o in group.commands["convert"].params if o.name == "calib_samples"]
     assert library.calib_samples is None and samples[0].default is None  # by the cache kept (convert)
     assert f"{WIDE_FROM:.1%}" in samples[0].help

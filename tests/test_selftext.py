@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_convert import selftext
+from mla_convert import policy, selftext
 from mla_convert.calibration import calibration_tokens, parse_mixture, token_windows, window_counts
 from mla_convert.checkpoint import open_source
 from mla_convert.conversion.plan import default_calib_samples
@@ -184,7 +184,7 @@ def test_default_temperature_follows_the_cache_kept(sources, convert_tiny, cache
     prov = json.loads((out / "provenance.json").read_text())
     kept = prov["kv_cache"]["ratio"]
     assert kept == pytest.approx(budget)
-    expected = selftext.CALIB_TEMPERATURE if budget < selftext.HOT_BELOW else selftext.TEMPERATURE
+    expected = selftext.CALIB_TEMPERATURE if budget < policy.WIDE_FROM else selftext.TEMPERATURE
     assert expected == (1.2 if budget == 0.25 else 1.0) and selftext.calib_temperature(kept) == expected
     assert prov["options"]["calib_temperature"] == expected
     records = [json.loads(f.read_text()) for f in cache.glob("*.json")]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mla_convert import lowrank, refine, rope
+from mla_convert import lowrank, policy, refine, rope
 from mla_convert.checkpoint import SHARD_BYTES, Source
 from mla_convert.conversion.options import INPUT_KINDS, QK_NORM_MODES, QK_NORM_TEXT, RANK_ALLOCATIONS, ConvertOptions
 from mla_convert.dtypes import DTYPES
@@ -236,15 +236,13 @@ def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> in
 # Calibration windows by the share of the source's cache a conversion keeps (`--calib-samples`, default): a wider
 # latent and its refinement fit more from the same text when it has more of it; chosen on the development split,
 # docs/decisions.md#calibration-windows.
-CALIB_SAMPLES = 16
-WIDE_CALIB_SAMPLES = 32
-WIDE_FROM = refine.WIDE_FROM  # the one threshold of every default by the cache kept
+CALIB_SAMPLES, WIDE_CALIB_SAMPLES = policy.CALIB_SAMPLES
 
 
 def default_calib_samples(kept: float) -> int:
-    """The calibration windows of a conversion that keeps `kept` (a fraction) of the source's KV cache: CALIB_SAMPLES
-    below WIDE_FROM, else WIDE_CALIB_SAMPLES."""
-    return CALIB_SAMPLES if kept < WIDE_FROM else WIDE_CALIB_SAMPLES
+    """The calibration windows of a conversion that keeps `kept` (a fraction) of the source's KV cache
+    (`policy.CALIB_SAMPLES`)."""
+    return policy.by_cache_kept(kept, policy.CALIB_SAMPLES)
 
 
 def default_nope_dims(options: ConvertOptions, head_dim: int, d_r: int, qk_norm: str | None) -> int:

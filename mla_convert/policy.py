@@ -1,0 +1,24 @@
+"""Defaults that depend on how much of the source's KV cache a conversion keeps (`Plan.ratio`): one threshold and
+one (narrow, wide) pair per default, below and from `WIDE_FROM`. Imported without torch, so that the CLI's help texts
+say the same rule the conversion applies (`rule_text`).
+
+Why these values: docs/decisions.md#calibration-windows, #self-text-temperature-length-and-batch,
+#refinement-steps-rate-and-window and #refinement-at-wide-budgets."""
+
+from __future__ import annotations
+
+WIDE_FROM = 0.375  # halfway between the two budgets the defaults were chosen at (25% and 50%)
+CALIB_SAMPLES = (16, 32)  # --calib-samples: a wider latent and its refinement fit more from more text
+CALIB_TEMPERATURE = (1.2, 1.0)  # --calib-temperature of `self` text: varied text for a small latent
+REFINE_STEPS = (200, 300)  # --refine-steps auto (per layer): a wider latent has more to fit
+
+
+def by_cache_kept(kept: float, pair: tuple):
+    """The narrow value of `pair` for a conversion that keeps less than WIDE_FROM of the source's cache, else the
+    wide one."""
+    return pair[0] if kept < WIDE_FROM else pair[1]
+
+
+def rule_text(pair: tuple) -> str:
+    """The rule of `by_cache_kept` in words, for help texts."""
+    return f"{pair[0]} where the MLA cache is under {WIDE_FROM:.1%} of the source's, else {pair[1]}"
