@@ -79,22 +79,9 @@ WINDOWS_NOTE = [
 
 SHOWN = {str(DATA): "../shared/data/wikitext-2", str(DEV): "out/dev"}  # how paths appear in the report
 SOURCE_CACHE = 384  # SmolLM2-135M: 2 x 3 kv heads x 64 per token per layer
-PROBE_SOURCE_PPL = {"A": 18.84, "B": 18.84, "C": 25.725}  # the source on each series' 2 windows (test; C: wiki-dev)
-PROBE_SERIES = {
-    "A": "the earlier code (real-PCA merge, token inputs); unlisted: 2-norm, unrotated, objective kv, no balance, "
-         "d_r 32, 32 x 512 calibration, unless `defaults` says.",
-    "B": "this code; unlisted: attention strategy with the attention-weighted complex merge, expected rotation, "
-         "objective kv, balance 1, d_r a third of the budget, 8 x 2048 calibration, token inputs for keys and values, "
-         "uniform ranks, no latent rounds (the defaults before the last probes chose the attended inputs).",
-    "C": "the development split (`W=2 python scripts/explore_quality.py NAME key=value ...`: the embedded model, "
-         "`self` calibration, the first 2 windows of `wiki-dev`), 25%; unlisted: the defaults of this code. What "
-         "chose the refinement (`--refine-steps`) and its settings. The first four rows ran through an in-process "
-         "script of the same protocol before explore_quality.py was moved onto it.",
-    "D": "the development split of three domains (`W=4 python scripts/explore_quality.py NAME key=value ...`, or "
-         "`--score NAME FOLDER` for a folder converted before): the first 4 windows of `wiki-dev`, `devref-dev` and "
-         "`fortunes-dev` each; `dev ratio` is the geometric mean of the three ratios to the source (row `source`), "
-         "the score a choice is made on since; unlisted options: the defaults of this code.",
-}
+# The probe series of quality_probes.jsonl (scripts/explore_quality.py): what each one held fixed, and the source's
+# perplexity on its windows (series D lists its own), as the report describes them.
+PROBE_SERIES = BENCH / "probe_series.json"
 
 
 # What the baselines (their papers' closed forms) do not have: this project's per-layer ranks, latent rounds,
@@ -240,11 +227,12 @@ def write_report(args) -> None:
                   "development split. Options are ConvertOptions fields; unlisted ones are the defaults of the "
                   "probe's series:", ""]  # fmt: skip
         probe_rows = [json.loads(line) for line in probes.read_text().splitlines() if line.strip()]
-        for series, text in PROBE_SERIES.items():
+        for series, about in json.loads(PROBE_SERIES.read_text(encoding="utf-8")).items():
+            text = about["text"]
             if series == "D":
                 lines += dev_probe_table([r for r in probe_rows if r.get("series") == series], text)
                 continue
-            lines += [f"**Series {series}**: {text} The source scores {PROBE_SOURCE_PPL[series]}.", "",
+            lines += [f"**Series {series}**: {text} The source scores {about['source_perplexity']}.", "",
                       "| probe | perplexity (2 windows unless noted) | options |", "|---|---|---|"]  # fmt: skip
             for p in (r for r in probe_rows if r.get("series", "A") == series):
                 opts = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("name", "ppl", "W", "convert_s", "series"))
