@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
+import shutil
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import harness  # noqa: E402  (timed processes, the machine record)
+
 BENCH = ROOT / "benchmarks" / "convert"  # this benchmark's folder: README.md (the report) and its data
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 
@@ -49,25 +50,13 @@ print(json.dumps({"class": type(model).__name__, "text": tok.decode(out[0][ids.s
 """
 
 
-def timed(cmd: list[str], env=None) -> tuple[str, float, int]:
-    """(combined output, wall seconds, peak RSS bytes over the process and its waited-for children)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-    output = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status):
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{output[-3000:]}")
-    return output, time.perf_counter() - start, usage.ru_maxrss * 1024
-
-
 def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), HF_HUB_OFFLINE="1")
     results = ROOT / "benchmarks" / "quality" / "quality.jsonl"
-    rows = [json.loads(l) for l in results.read_text().splitlines() if l.strip()]
+    rows = harness.read_jsonl(results)
     pick = {(r["method"], r["budget"]): r for r in rows if r.get("windows") == 16}
     source = pick[("source", None)]
-    result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "commit": subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+    result: dict = {"machine": harness.machine(), "commit": harness.commit(),
         "source": {"perplexity": source["perplexity"], "kv_bytes": source["kv_bytes_per_token"],
                    "eval_s": source["eval_s"], "eval_rss_mb": source["eval_rss_mb"]}}  # fmt: skip
     for budget, share in ((192, "50%"), (96, "25%")):
@@ -75,7 +64,7 @@ def main() -> None:
         folder = ROOT / "out" / "bench-quality" / f"mlaconvert-{budget}"
         load = None
         if (folder / "config.json").is_file():  # a run of bench_quality older than its keep rule removed some
-            text, _, _ = timed([sys.executable, "-c", CHECK, str(folder)], env)
+            text = harness.timed([sys.executable, "-c", CHECK, folder], env=env).output
             load = json.loads(text.strip().splitlines()[-1])
         result[share] = {"command": f"mla-convert llama --kv-budget {budget / 384:g} --calib-data "
                          "../shared/data/wikitext-2/wiki.valid.tokens -o OUT",
@@ -95,15 +84,15 @@ def time_conversions(env) -> list[dict]:
     out = []
     for share, fraction in (("50%", 0.5), ("25%", 0.25)):
         folder = ROOT / "out" / "bench-convert-time"
-        cmd = [str(Path(sys.executable).with_name("mla-convert")), "llama", "--kv-budget", str(fraction), "--calib-data",
-               str(DATA / "wiki.valid.tokens"), "-o", str(folder), "--overwrite", "-q"]  # fmt: skip
         load_before = os.getloadavg()[0]
-        _, wall, rss = timed(cmd, env)
+        run = harness.convert(["llama", "--kv-budget", fraction, "--calib-data", DATA / "wiki.valid.tokens",
+                               "--overwrite", "-q"], folder, env=env).run  # fmt: skip
+        wall, rss = run.wall_s, run.peak_rss
         out.append({"share": share, "command": f"mla-convert llama --kv-budget {fraction:g} --calib-data "
                     "../shared/data/wikitext-2/wiki.valid.tokens -o OUT", "wall_s": round(wall, 1),
                     "peak_rss_mb": round(rss / 2**20), "threads": env["OMP_NUM_THREADS"],
                     "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)})  # fmt: skip
-        subprocess.run(["rm", "-rf", str(folder)])
+        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -113,7 +102,8 @@ def write_markdown(r: dict) -> None:
     lines = [
         "# Converting the embedded default (SmolLM2-135M-Instruct) end to end",
         "",
-        f"Written by `python scripts/bench_convert.py` at commit {r['commit']} on {r['machine']} (CPU, float32), from "
+        f"Written by `python scripts/bench_convert.py` at commit {r['commit']} on {harness.describe(r['machine'])} "
+        "(CPU, float32), from "
         "the timed processes of `scripts/bench_quality.py` (see benchmarks/quality/README.md) plus a fresh-process "
         "load "
         "check. The machine was shared with other benchmark jobs while those ran: their times are upper bounds (the "
@@ -169,7 +159,11 @@ def write_markdown(r: dict) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--report-only"]:  # rewrite README.md from convert.json
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--report-only", action="store_true", help="rewrite README.md from convert.json")
+    if ap.parse_args().report_only:
         write_markdown(json.loads((BENCH / "convert.json").read_text()))
     else:
         main()

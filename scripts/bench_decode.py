@@ -54,7 +54,6 @@ import gc
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -65,6 +64,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+import harness  # noqa: E402  (the CPU's model name)
 
 import mla_convert.modeling  # noqa: E402,F401  (registers model_type "mla")
 from mla_convert.evaluate import cache_bytes as measured_cache_bytes  # noqa: E402
@@ -769,16 +770,8 @@ def kernel_sweep(mla, device, dtype, copy_bw, log):
 
 def cpu_name() -> str:
     """The CPU model (from /proc/cpuinfo on Linux) and the number of cores this process may use."""
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name}, {cores} cores"
+    return f"{harness.cpu_name()}, {cores} cores"
 
 
 def fmt_bytes(n: float) -> str:

@@ -18,13 +18,15 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import harness  # noqa: E402  (timed scoring processes, the machine record)
+
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 
 # Scores one model in a fresh interpreter: the loop of mla_convert.evaluate.perplexity, restated so that the exports'
@@ -71,7 +73,7 @@ def score(kind: str, folder: Path, ids_path: Path, args) -> dict:
         env.pop("PYTHONPATH", None)
     cmd = [sys.executable, "-c", _SCORE, kind, str(folder), str(ids_path), str(out), str(args.threads),
            str(args.seq_len), str(args.windows)]  # fmt: skip
-    subprocess.run(cmd, check=True, env=env, cwd=args.work)
+    harness.timed(cmd, env=env, cwd=args.work, tee=True)
     res = json.loads(out.read_text())
     out.unlink()
     if kind == "stock" and res["mla_convert_imported"]:
@@ -102,6 +104,7 @@ def main() -> None:
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     if cache.get("key") != key:
         cache = {"key": key}
+    cache.setdefault("machine", harness.machine())  # where the cached numbers were measured (the first run of them)
 
     def save():
         cache_path.write_text(json.dumps(cache, indent=1))
@@ -165,7 +168,7 @@ def main() -> None:
     lines = [
         "# DeepSeek-V3 export: stock transformers vs the native MLA model",
         "",
-        "Command (2 shared CPU cores, float32 compute; every number below comes from this run):",
+        f"Command ({harness.describe(cache['machine'])}, float32 compute; every number below comes from this run):",
         "",
         "```",
         f"OMP_NUM_THREADS=2 nice python scripts/bench_export.py --kv-budget {args.kv_budget} --windows "

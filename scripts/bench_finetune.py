@@ -21,16 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+import harness  # noqa: E402  (timed mla-convert processes, the machine record)
+
 DATA = Path(os.environ.get("SHARED", REPO.parent / "shared")) / "data" / "wikitext-2"
 CALIB = DATA / "wiki.valid.tokens"
 TEST = DATA / "wiki.test.raw"
@@ -38,7 +39,8 @@ RECIPE = Path("recipes/smollm2-135m.yaml")
 STUDENT = Path("out/smollm2-25")
 WORK = Path("runs/bench-finetune")
 BENCH = Path("benchmarks") / "finetune"
-EVAL_ARGS = ["--data", str(TEST), "--seq-len", "2048", "--windows", "16"]
+SEQ_LEN, WINDOWS = 2048, 16  # the evaluation's windows of TEST
+CONVERT_ARGS = ["llama", "--kv-budget", "0.25", "--calib-data", CALIB, "--overwrite"]  # the student, -o STUDENT
 TOPK = (16, 64, 256)
 
 
@@ -55,31 +57,26 @@ def rel(path: Path | str) -> str:
 
 
 def git_state() -> dict:
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    """The full commit and the uncommitted changes that matter to these runs (the library, the recipes)."""
+    return {"commit": harness.commit(full=True), "dirty": harness.dirty(("mla_convert/", "recipes/"))}
 
-    dirty = [line[3:] for line in git("status", "--short", "--untracked-files=no").splitlines()]
-    return {"commit": git("rev-parse", "HEAD"), "dirty": [d for d in dirty if d.startswith(("mla_convert/", "recipes/"))]}
+
+def env() -> dict:
+    return {**os.environ, **harness.OFFLINE}
+
+
+def timing(command: str, wall_s: float, peak_rss: int, load_before: float, threads: int, where: dict) -> dict:
+    """The record of a timed command: wall seconds, peak RSS (wait4), the load average around it, the machine."""
+    return {"command": command, "wall_s": round(wall_s, 1), "peak_rss_mib": peak_rss / 2**20,
+            "load_avg_1m_before": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
+            "threads": threads, "machine": where}  # fmt: skip
 
 
 def timed(cmd: list[str], log: Path, threads: int) -> dict:
-    """Run `cmd` under /usr/bin/time -v (when present); returns wall seconds, peak RSS and the load average."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    prefix = ["/usr/bin/time", "-v"] if Path("/usr/bin/time").exists() else []
-    load_before = os.getloadavg()[0]
-    t0 = time.time()
-    print("$", shlex.join(cmd), flush=True)
-    with log.open("w") as f:
-        rc = subprocess.run(prefix + cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    wall = time.time() - t0
-    text = log.read_text(errors="replace")
-    if rc:
-        sys.exit(f"failed ({rc}): {shlex.join(cmd)}\n{text[-3000:]}")
-    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
-    return {"command": shlex.join(cmd), "wall_s": round(wall, 1), "peak_rss_mib": int(rss.group(1)) / 1024 if rss else None,
-            "load_avg_1m_before": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
-            "threads": threads}
+    """Run `cmd` (its output into `log`), timed; a failure stops the benchmark with the end of the log."""
+    where, load_before = harness.machine(), os.getloadavg()[0]
+    run = harness.timed(cmd, log=log, env=env(), threads=threads, echo=True)
+    return timing(run.command, run.wall_s, run.peak_rss, load_before, threads, where)
 
 
 def stage(name: str, fn):
@@ -93,25 +90,20 @@ def stage(name: str, fn):
     return result
 
 
-def mla(*args) -> list[str]:
-    return [str(Path(sys.executable).parent / "mla-convert"), *map(str, args)]
-
-
-def convert_cmd() -> list[str]:
-    return mla("llama", "--kv-budget", "0.25", "--calib-data", CALIB, "-o", STUDENT, "--overwrite")
-
-
 def run_convert(threads: int) -> dict:
-    r = timed(convert_cmd(), REPO / WORK / "convert.log", threads)
-    record = json.loads((REPO / STUDENT / "provenance.json").read_text())
+    where, load_before = harness.machine(), os.getloadavg()[0]
+    run, record = harness.convert(CONVERT_ARGS, STUDENT, log=REPO / WORK / "convert.log", env=env(), threads=threads,
+                                  echo=True)  # fmt: skip
+    r = timing(run.command, run.wall_s, run.peak_rss, load_before, threads, where)
     return {**r, **git_state(), "method": record.get("method"), "kv_cache": record.get("kv_cache")}
 
 
 def run_eval(name: str, model: Path | None, threads: int) -> dict:
-    out = REPO / WORK / f"eval-{name}.result.json"
-    cmd = mla("eval", *([model] if model else []), *EVAL_ARGS, "--json", out, "--overwrite", "-q")
-    r = timed(cmd, REPO / WORK / f"eval-{name}.log", threads)
-    return {**r, **json.loads(out.read_text())}
+    where, load_before = harness.machine(), os.getloadavg()[0]
+    res = harness.score(model, TEST, SEQ_LEN, WINDOWS, json_out=REPO / WORK / f"eval-{name}.result.json",
+                        log=REPO / WORK / f"eval-{name}.log", env=env(), threads=threads)  # fmt: skip
+    r = timing(res.pop("command"), res.pop("wall_s"), res.pop("peak_rss"), load_before, threads, where)
+    return {**r, **res}
 
 
 def finetune_cmd(output: Path, kd_weight: float, tokens: int, lr: float | None, threads: int, extra=()) -> list[str]:
@@ -119,7 +111,7 @@ def finetune_cmd(output: Path, kd_weight: float, tokens: int, lr: float | None, 
                  f"threads={threads}", "overwrite=true", *extra]
     if lr is not None:
         overrides.append(f"lr={lr:g}")
-    return mla("finetune", "--config", RECIPE, *overrides)
+    return harness.mla("finetune", "--config", RECIPE, *overrides)
 
 
 def run_finetune(name: str, kd_weight: float, tokens: int, lr: float | None, threads: int, extra=()) -> dict:
@@ -238,14 +230,14 @@ def report(res: dict, sweep: dict | None, args) -> str:
             f"{label} `{r['commit'][:10]}`" + (f" (uncommitted changes in {', '.join(r['dirty'])})" if r["dirty"] else "")
             for label, r in [("conversion", res["convert"]), ("LM fine-tune", lm), ("distillation fine-tune", kd)]
             + ([("mixed fine-tune", res["finetune-mix"])] if "finetune-mix" in res else [])) + ".",
-        f"Machine: {os.cpu_count()} CPU cores shared with other jobs (1-minute load average during the fine-tunes: "
+        f"Machine: {machine_line(kd)} shared with other jobs (1-minute load average during the fine-tunes: "
         f"{min(loads):.1f}-{max(loads):.1f}), so times are "
         "upper bounds; torch threads per process: " + str(kd["threads"]) + ".",
         "",
         "## Result",
         "",
         "Perplexity on the WikiText-2 raw test text, 16 non-overlapping 2048-token windows from its start, float32 "
-        "(`mla-convert eval MODEL " + " ".join(EVAL_ARGS[:1]) + f" {rel(TEST)} --seq-len 2048 --windows 16`):",
+        f"(`mla-convert eval MODEL --data {rel(TEST)} --seq-len {SEQ_LEN} --windows {WINDOWS}`):",
         "",
         "| model | test perplexity | gap closed (perplexity) | gap closed (nll) | fine-tune wall time | peak RSS |",
         "|---|---:|---:|---:|---:|---:|",
@@ -309,7 +301,8 @@ def report(res: dict, sweep: dict | None, args) -> str:
         "",
         f"Held-out: {fk['held_out_protocol']} (the loop's own periodic evaluation; not the test text). The fine-tune "
         "command's wall time includes loading the models, the held-out evaluations and saving; peak RSS is the "
-        "maximum resident set of the whole command (`/usr/bin/time -v`). The runs shared the 2 cores with other "
+        "maximum resident set of the whole command (ru_maxrss by wait4, what `/usr/bin/time -v` reports). The runs "
+        "shared the 2 cores with other "
         "jobs to different degrees (load average column), so compare speeds only within a run (the teacher's "
         "share below), not across runs.",
         "",
@@ -399,6 +392,11 @@ def report(res: dict, sweep: dict | None, args) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def machine_line(r: dict) -> str:
+    """The machine a stage recorded (stages run before the record: the CPU count of this one)."""
+    return f"{harness.describe(r['machine'])}" if r.get("machine") else f"{os.cpu_count()} CPU cores"
 
 
 def short(cmd: str) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+import harness  # noqa: E402  (timed mla-convert processes, the machine record)
 
 from mla_convert import evaluate  # noqa: E402
 from mla_convert.serving import engine, llamacpp  # noqa: E402
@@ -45,11 +46,9 @@ OUT = ROOT / "benchmarks" / "llamacpp"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
-def sh(cmd: list[str], **kw) -> float:
-    print("+", " ".join(map(str, cmd)), flush=True)
-    t0 = time.time()
-    subprocess.run(list(map(str, cmd)), check=True, cwd=ROOT, **kw)
-    return time.time() - t0
+def sh(cmd: list, env: dict | None = None) -> float:
+    """Run `cmd` (harness.mla(...) for mla-convert), its output shown as it comes; its wall seconds."""
+    return harness.timed(cmd, env=env, echo=True, tee=True).wall_s
 
 
 def source_gguf(work: Path) -> Path:
@@ -69,7 +68,8 @@ def load_results(args) -> dict:
     """results.json as far as it was measured (a stage run alone keeps the other stage's numbers)."""
     path = OUT / "results.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    here = old.get("machine") if args.stages == ["readme"] and old.get("machine") else harness.machine()
+    results = {"machine": here,
                "windows": args.windows, "seq_len": args.seq_len, "convert_args": args.convert_args,
                "budgets": [], "source": {}, "decode": {}}  # fmt: skip
     for key in ("budgets", "source", "decode", "profile", "threads", "commands"):
@@ -95,7 +95,7 @@ def label(budget: float) -> str:
     return f"{budget * 100:g}%"
 
 
-def quality(args, results: dict, cli: list, env: dict, src: Path, text: str) -> None:
+def quality(args, results: dict, env: dict, src: Path, text: str) -> None:
     """Per budget: conversion, f32 GGUF export, perplexity and greedy tokens in both engines, KV bytes per token."""
     rows = {r["budget"]: r for r in results["budgets"]}
     for budget in args.budgets:
@@ -106,11 +106,12 @@ def quality(args, results: dict, cli: list, env: dict, src: Path, text: str) -> 
         while not (native / "config.json").is_file() and log.exists() and time.time() - log.stat().st_mtime < 300:
             time.sleep(20)
         if not (native / "config.json").is_file():
-            seconds = sh([*cli, "llama", "--kv-budget", budget, "--target", "deepseek", *args.convert_args.split(),
-                          "--calib-data", DATA / "wiki.valid.tokens", "--dtype", "float32", "-o", native, "-q"], env=env)
+            seconds = harness.convert(["llama", "--kv-budget", budget, "--target", "deepseek",
+                                       *args.convert_args.split(), "--calib-data", DATA / "wiki.valid.tokens",
+                                       "--dtype", "float32", "-q"], native, env=env, echo=True, tee=True).run.wall_s
         gguf = args.work / f"{name}.gguf"
         if not gguf.exists() or gguf.stat().st_mtime < (native / "config.json").stat().st_mtime:
-            sh([*cli, "export", native, "--format", "gguf", "-o", gguf, "--overwrite"], env=env)
+            sh(harness.mla("export", native, "--format", "gguf", "-o", gguf, "--overwrite"), env=env)
         tokenizer = llamacpp.gguf_tokenizer(gguf)
         ids = evaluate.tokenize(tokenizer, text)
         with torch.inference_mode():
@@ -274,15 +275,14 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     OUT.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    cli = [sys.executable, "-m", "mla_convert.cli"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     results = load_results(args)
     results["threads"] = args.threads
     save(results, "machine", "windows", "seq_len", "convert_args", "threads", "commands")
     src = source_gguf(args.work)
     text = (DATA / "wiki.test.raw").read_text()
     if "quality" in args.stages:
-        quality(args, results, cli, env, src, text)
+        quality(args, results, env, src, text)
     if "decode" in args.stages:
         decode(args, results, src, text)
     if "profile" in args.stages:
@@ -420,7 +420,7 @@ def write_readme(r: dict) -> None:
         "Commands run, in this order:", "",
         *[f"- `{c}`" for c in dict.fromkeys(r.get("commands", []))],
         "",
-        f"{r['machine']}, llama.cpp through llama-cpp-python from scripts/install-llamacpp.sh, "
+        f"{harness.describe(r['machine'])}, llama.cpp through llama-cpp-python from scripts/install-llamacpp.sh, "
         f"{r['threads']} thread{'s' * (r['threads'] > 1)}. SmolLM2-135M converted with `mla-convert llama --kv-budget B --target deepseek {r['convert_args']}` (closed "
         "form: engine parity is measured here, not conversion quality), calibrated on WikiText-2 validation, exported "
         "with `mla-convert export OUT --format gguf` (f32). The source GGUF is the embedded SmolLM2-135M-Instruct Q4_1 "

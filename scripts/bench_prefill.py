@@ -42,7 +42,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -53,6 +52,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from harness import cpu_name  # noqa: E402  (the CPU's model name)
 
 _CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
 _clock = time.perf_counter
@@ -276,16 +277,6 @@ def load_model(spec, dtype="float32"):
     model, _, label = load(spec, dtype=dtype, device=str(_DEVICE))
     set_attention(model, "sdpa")
     return model, label
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def targets(rows) -> list[tuple[str, str, bool]]:

@@ -37,12 +37,15 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import harness  # noqa: E402  (timed conversions and evaluations, the machine record)
+
 BENCH = ROOT / "benchmarks" / "quality"  # this benchmark's folder: README.md (the report), results, plot
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 DOMAINS = ROOT / "out" / "domains"  # scripts/domain_texts.py writes them (Debian packages; evaluation only)
@@ -76,22 +79,9 @@ WINDOWS_NOTE = [
 
 SHOWN = {str(DATA): "../shared/data/wikitext-2", str(DEV): "out/dev"}  # how paths appear in the report
 SOURCE_CACHE = 384  # SmolLM2-135M: 2 x 3 kv heads x 64 per token per layer
-PROBE_SOURCE_PPL = {"A": 18.84, "B": 18.84, "C": 25.725}  # the source on each series' 2 windows (test; C: wiki-dev)
-PROBE_SERIES = {
-    "A": "the earlier code (real-PCA merge, token inputs); unlisted: 2-norm, unrotated, objective kv, no balance, "
-         "d_r 32, 32 x 512 calibration, unless `defaults` says.",
-    "B": "this code; unlisted: attention strategy with the attention-weighted complex merge, expected rotation, "
-         "objective kv, balance 1, d_r a third of the budget, 8 x 2048 calibration, token inputs for keys and values, "
-         "uniform ranks, no latent rounds (the defaults before the last probes chose the attended inputs).",
-    "C": "the development split (`W=2 python scripts/explore_quality.py NAME key=value ...`: the embedded model, "
-         "`self` calibration, the first 2 windows of `wiki-dev`), 25%; unlisted: the defaults of this code. What "
-         "chose the refinement (`--refine-steps`) and its settings. The first four rows ran through an in-process "
-         "script of the same protocol before explore_quality.py was moved onto it.",
-    "D": "the development split of three domains (`W=4 python scripts/explore_quality.py NAME key=value ...`, or "
-         "`--score NAME FOLDER` for a folder converted before): the first 4 windows of `wiki-dev`, `devref-dev` and "
-         "`fortunes-dev` each; `dev ratio` is the geometric mean of the three ratios to the source (row `source`), "
-         "the score a choice is made on since; unlisted options: the defaults of this code.",
-}
+# The probe series of quality_probes.jsonl (scripts/explore_quality.py): what each one held fixed, and the source's
+# perplexity on its windows (series D lists its own), as the report describes them.
+PROBE_SERIES = BENCH / "probe_series.json"
 
 
 # What the baselines (their papers' closed forms) do not have: this project's per-layer ranks, latent rounds,
@@ -136,15 +126,6 @@ def method_options(method: str, budget: int) -> list[str]:
     raise SystemExit(f"unknown method {method}")
 
 
-def timed(cmd: list[str], log: Path) -> tuple[int, float, int]:
-    """Run a command; (exit status, wall seconds, peak RSS bytes of that process)."""
-    start = time.perf_counter()
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    return os.waitstatus_to_exitcode(status), time.perf_counter() - start, usage.ru_maxrss * 1024
-
-
 def prepare_texts() -> None:
     """The domain texts (evaluation and development, from their Debian packages) and the two halves of
     wiki.valid.tokens, when missing."""
@@ -180,20 +161,13 @@ def evaluate_texts(folder: str | None, args, work: Path, tag: str, have: dict | 
 
 
 def evaluate(folder: str | None, args, work: Path, tag: str, text: Path = DATA / "wiki.test.raw") -> dict:
-    out_json = work / f"{tag}.eval.json"
-    cmd = [args.mla, "eval"] + ([folder] if folder else []) + [
-        "--data", str(text), "--seq-len", "2048", "--windows", str(args.windows), "--json",
-        str(out_json), "--overwrite", "-q"]  # fmt: skip
-    code, wall, rss = timed(cmd, work / f"{tag}.eval.log")
-    if code:
-        raise SystemExit(f"eval of {tag} failed: see {work / (tag + '.eval.log')}")
-    result = json.loads(out_json.read_text())
+    result = harness.score(folder, text, 2048, args.windows, json_out=work / f"{tag}.eval.json",
+                           log=work / f"{tag}.eval.log")
     return {"perplexity": result["perplexity"], "kv_bytes_per_token": result["kv_cache_bytes_per_token"],
-            "eval_s": round(wall, 1), "eval_rss_mb": round(rss / 2**20)}  # fmt: skip
+            "eval_s": round(result["wall_s"], 1), "eval_rss_mb": round(result["peak_rss"] / 2**20)}  # fmt: skip
 
 
-def load_results(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+load_results = harness.read_jsonl
 
 
 def write_report(args) -> None:
@@ -213,7 +187,7 @@ def write_report(args) -> None:
         "Coding Standards, package gnu-standards; plain text, their first 2048-token windows). Each perplexity is "
         "shown with its ratio to the source on the same text. Written by `python scripts/bench_quality.py` "
         "(`--calib`, `--texts`, `--windows` per table).",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs while it ran); every method "
+        f"Machine: {machines(rows)} (shared with other jobs while it ran); every method "
         "through the same pipeline, one process per conversion and per evaluation. The baselines (mha2mla, "
         "transmla) are written by us from the papers (see the script's docstring), calibrated on the same text as "
         "the row they are compared with.",
@@ -253,11 +227,12 @@ def write_report(args) -> None:
                   "development split. Options are ConvertOptions fields; unlisted ones are the defaults of the "
                   "probe's series:", ""]  # fmt: skip
         probe_rows = [json.loads(line) for line in probes.read_text().splitlines() if line.strip()]
-        for series, text in PROBE_SERIES.items():
+        for series, about in json.loads(PROBE_SERIES.read_text(encoding="utf-8")).items():
+            text = about["text"]
             if series == "D":
                 lines += dev_probe_table([r for r in probe_rows if r.get("series") == series], text)
                 continue
-            lines += [f"**Series {series}**: {text} The source scores {PROBE_SOURCE_PPL[series]}.", "",
+            lines += [f"**Series {series}**: {text} The source scores {about['source_perplexity']}.", "",
                       "| probe | perplexity (2 windows unless noted) | options |", "|---|---|---|"]  # fmt: skip
             for p in (r for r in probe_rows if r.get("series", "A") == series):
                 opts = ", ".join(f"{k}={v}" for k, v in p.items() if k not in ("name", "ppl", "W", "convert_s", "series"))
@@ -270,6 +245,12 @@ def write_report(args) -> None:
     if counts:
         chosen = [r for r in rows if r["windows"] == (16 if 16 in counts else counts[0])]
         plot(chosen, next((r for r in chosen if r["method"] == "source"), None))
+
+
+def machines(rows: list[dict]) -> str:
+    """The machines the rows recorded, else (rows from before the record) this one."""
+    named = sorted({harness.describe(r["machine"]) for r in rows if r.get("machine")})
+    return "; ".join(named) or f"{platform.machine()}, {os.cpu_count()} cores"
 
 
 def dev_probe_table(rows: list[dict], text: str) -> list[str]:
@@ -435,7 +416,6 @@ def main() -> None:
                     "default method's are always kept)")
     args = ap.parse_args()
     args.command = "python scripts/bench_quality.py " + " ".join(sys.argv[1:])
-    args.mla = str(Path(sys.executable).with_name("mla-convert"))
     args.texts = args.texts.split(",")
     if unknown := [t for t in args.texts if t not in TEXTS] + ([args.calib] if args.calib not in CALIBS else []):
         raise SystemExit(f"unknown text or calibration {unknown[0]}: choose from {', '.join([*TEXTS, *CALIBS])}")
@@ -444,8 +424,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     def record(row: dict) -> None:
-        with args.results.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        harness.append_jsonl(args.results, row)
         write_report(args)
 
     if args.report_only:
@@ -455,8 +434,10 @@ def main() -> None:
     done = {(r["method"], r.get("budget"), r["windows"], r.get("calib")): r for r in rows}
     source = done.get(("source", None, args.windows, None))
     if not args.no_source and (source is None or not all(t in source["texts"] for t in args.texts)):  # once
+        where = (source or {}).get("machine") or harness.machine()
         texts = evaluate_texts(None, args, work, "source", source["texts"] if source else None)
-        record({"method": "source", "budget": None, "windows": args.windows, "calib": None, "texts": texts})
+        record({"method": "source", "budget": None, "windows": args.windows, "calib": None, "texts": texts,
+                "machine": where})
     calib = str(CALIBS[args.calib])
     for budget in [int(b) for b in args.budgets.split(",")]:
         for method in filter(None, args.methods.split(",")):
@@ -466,16 +447,15 @@ def main() -> None:
             name = f"{method.replace(':', '_').replace(' ', '_').replace('-', '')[:60]}-{budget}-{args.calib}"
             out = args.folder or work / name
             options = [] if args.folder else method_options(method, budget)
-            wall, rss = 0.0, 0
+            wall, rss, where = 0.0, 0, harness.machine()
             reuse = args.reuse and (out / "provenance.json").is_file()
             if not (have and out.is_dir()) and not args.folder and not reuse:  # a row lacking a text: from its folder
-                cmd = [args.mla, "llama", "--calib-data", calib, "-o", str(out), "--overwrite", "--dtype", "float32",
-                       "-q", *options]  # fmt: skip
-                code, wall, rss = timed(cmd, work / f"{name}.convert.log")
-                if code:
+                conv = harness.convert(["llama", "--calib-data", calib, "--overwrite", "--dtype", "float32", "-q",
+                                        *options], out, log=work / f"{name}.convert.log", check=False)  # fmt: skip
+                if conv.run.code:
                     print(f"{method} at {budget}: conversion failed, see {work / (name + '.convert.log')}")
                     continue
-                have = None
+                wall, rss, have = conv.run.wall_s, conv.run.peak_rss, None
             prov = json.loads((out / "provenance.json").read_text())
             while "plan" not in prov and prov.get("parent"):  # a fine-tuned folder: the conversion is further up
                 prov = prov["parent"]
@@ -486,13 +466,13 @@ def main() -> None:
                            "d_r": prov["plan"]["rope_dims"], "convert_s": round(wall, 1),
                            "convert_rss_mb": round(rss / 2**20), "options": prov["options"],
                            "command": shown(" ".join(["mla-convert llama", *options, "--calib-data", calib]))
-                           if not args.folder else f"{method} ({args.folder.name})"}  # fmt: skip
+                           if not args.folder else f"{method} ({args.folder.name})", "machine": where}  # fmt: skip
             row["texts"] = texts
             record(row)
             print(f"{method} at {budget} ({args.calib}): " + ", ".join(f"{t} {v['perplexity']:.2f}" for t, v in texts.items()),
                   flush=True)  # fmt: skip
             if not args.keep and method != "mla-convert" and not args.folder:  # the default's serve bench_convert.py
-                subprocess.run(["rm", "-rf", str(out)])
+                shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ There is no real Qwen3 checkpoint offline, so this script trains one: a small Qw
 learned q/k norm weights) with a byte-level BPE tokenizer, both fit on WikiText-2 validation text (wiki.valid.tokens),
 on the CPU. It then converts it with both --qk-norm modes at full rank and at 50% / 25% of the source's KV cache
 (calibration on the same validation text) and measures perplexity on the test split (wiki.test.tokens, never trained
-or calibrated on). Writes benchmarks/qwen3/README.md and benchmarks/qwen3/qwen3.json.
+or calibrated on). Each conversion is one `mla-convert qwen` process (scripts/harness.py). Writes
+benchmarks/qwen3/README.md and benchmarks/qwen3/qwen3.json (with the machine record).
 
     PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_qwen3.py [--steps 300]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +22,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import harness  # noqa: E402  (mla-convert processes, the machine record)
+
 BENCH = ROOT / "benchmarks" / "qwen3"  # this benchmark's folder: README.md (the report) and its data
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -65,8 +70,7 @@ def train_source(folder: Path, steps: int, seq_len: int, batch: int, seed: int) 
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mla_convert.checkpoint import open_source
-    from mla_convert.convert import ConvertOptions, convert, max_rank
+    from mla_convert.convert import max_rank
     from mla_convert.evaluate import perplexity
 
     parser = argparse.ArgumentParser()
@@ -94,20 +98,20 @@ def main() -> None:
 
     config = AutoModelForCausalLM.from_pretrained(source).config
     groups, head_dim = config.num_key_value_heads, config.head_dim
-    full = dict(rank=max_rank(config), rope_dims=groups * head_dim, force=True)
+    full = ["--rank", max_rank(config), "--rope-dims", groups * head_dim, "--force"]
     rows = [{"model": "source Qwen3", "cache": 1.0, "qk_norm": "-", "perplexity": ppl(source)}]
     print(training, rows[0], flush=True)
-    for label, cache, sizing in (("full rank, every RoPE pair", 1.0, full), ("50% cache", 0.5, dict(kv_budget=0.5)),
-                                 ("25% cache", 0.25, dict(kv_budget=0.25))):  # fmt: skip
+    for label, cache, sizing in (("full rank, every RoPE pair", 1.0, full), ("50% cache", 0.5, ["--kv-budget", 0.5]),
+                                 ("25% cache", 0.25, ["--kv-budget", 0.25])):  # fmt: skip
         for mode in ("exact", "calibrated"):
             out = work / f"{mode}-{cache}"
-            options = ConvertOptions(**sizing, qk_norm=mode, calib_data=str(DATA / "wiki.valid.tokens"),
-                                     calib_samples=8, calib_seq_len=args.seq_len, dtype="float32")  # fmt: skip
-            convert(open_source(str(source)), out, options, progress=False)
+            harness.convert(["qwen", source, *sizing, "--qk-norm", mode, "--calib-data", DATA / "wiki.valid.tokens",
+                             "--calib-samples", 8, "--calib-seq-len", args.seq_len, "--dtype", "float32", "-q"], out)
             rows.append({"model": label, "cache": cache, "qk_norm": mode, "perplexity": ppl(out), **resolved(out)})
             print(rows[-1], flush=True)
     result = {"shape": SHAPE, "training": training, "eval": {"data": "wiki.test.tokens", "seq_len": args.seq_len,
-              "windows": args.windows}, "rows": rows, "torch_threads": torch.get_num_threads()}  # fmt: skip
+              "windows": args.windows}, "rows": rows, "torch_threads": torch.get_num_threads(),
+              "machine": harness.machine()}  # fmt: skip
     (BENCH / "qwen3.json").write_text(json.dumps(result, indent=1) + "\n")
     write_report(result, args)
 

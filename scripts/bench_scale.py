@@ -20,8 +20,9 @@ the quality is meaningless and not measured here.
 The 70B row is a plan only: a config and shards that are all hole (headers declare every tensor, the data is a
 sparse file: 0 bytes on disk), enough for `--dry-run`.
 
-Each run is one `mla-convert` process (`scripts/bench_convert.timed`: wall time, ru_maxrss of the child); the
-estimate is the one it printed. Results merge into benchmarks/scale/scale.json by case name.
+Each run is one `mla-convert` process (`scripts/harness.py`: wall time, ru_maxrss of the child); the estimate is
+the one it printed; each row records the machine (`harness.machine`). Results merge into
+benchmarks/scale/scale.json by case name.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import sys
@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_convert import timed  # noqa: E402  (one timed subprocess runner for the benchmarks)
+import harness  # noqa: E402  (timed mla-convert processes, the machine record)
 
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 WORK = ROOT / "out" / "scale"
@@ -187,10 +187,11 @@ def unchanged_identical(src: Path, out: Path, trained: list[int]) -> dict:
     return counts
 
 
-def mla_command(family: str, src: Path, args, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "mla_convert.cli", family, str(src), "--kv-budget", str(args.kv_budget),
-            "--calib-data", str(args.calib_file), "--calib-samples", str(args.samples),
-            "--calib-seq-len", str(args.seq_len), "--device", args.device, *extra]  # fmt: skip
+def mla_args(family: str, src: Path, args, *extra: str) -> list[str]:
+    """`mla-convert` arguments of a case (without -o)."""
+    return [family, str(src), "--kv-budget", str(args.kv_budget), "--calib-data", str(args.calib_file),
+            "--calib-samples", str(args.samples), "--calib-seq-len", str(args.seq_len), "--device", args.device,
+            *extra]  # fmt: skip
 
 
 def parse_plan(output: str) -> dict:
@@ -200,12 +201,6 @@ def parse_plan(output: str) -> dict:
     return {"refine_steps": [int(steps.group(1)), int(steps.group(2))] if steps else None,
             "estimate_gib": float(estimate.group(1)) if estimate else None,
             "attn_params": [int(attn.group(1).replace(",", "")), int(attn.group(2).replace(",", ""))] if attn else None}
-
-
-def machine() -> dict:
-    return {"machine": platform.machine(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_before": [round(x, 2) for x in os.getloadavg()],
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}  # fmt: skip
 
 
 def save(case: str, row: dict) -> None:
@@ -220,14 +215,14 @@ def run(args) -> None:
     case = f"{args.shape} {layers} layers, {args.samples} x {args.seq_len}, {args.device}"
     src, out = WORK / f"{args.shape}-L{layers}", WORK / f"{args.shape}-L{layers}-mla"
     row = {"shape": args.shape, "layers": layers, "calibration": f"{args.samples} x {args.seq_len}",
-           "device": args.device, "kv_budget": args.kv_budget, **machine()}  # fmt: skip
+           "device": args.device, "kv_budget": args.kv_budget, **harness.machine()}  # fmt: skip
     start = time.perf_counter()
     if not (args.keep and src.exists()):
         build(args.shape, layers, src, tokenizer_from=args.tokenizer)
     row["build_s"] = round(time.perf_counter() - start, 1)
     row["source_bytes"] = folder_bytes(src)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    output, wall, rss = timed(mla_command(SHAPES[args.shape]["family"], src, args, "-o", str(out), "--overwrite"), env)
+    conv = harness.convert(mla_args(SHAPES[args.shape]["family"], src, args, "--overwrite"), out).run
+    output, wall, rss = conv.output, conv.wall_s, conv.peak_rss
     row.update(parse_plan(output), wall_s=round(wall, 1), peak_rss_bytes=rss, output_bytes=folder_bytes(out),
                load_after=[round(x, 2) for x in os.getloadavg()])
     row["peak_over_estimate"] = round(rss / (row["estimate_gib"] * 2**30), 3) if row["estimate_gib"] else None
@@ -245,8 +240,7 @@ def run(args) -> None:
 
 def plan(args) -> None:
     src = build(args.shape, SHAPES[args.shape]["num_hidden_layers"], WORK / f"{args.shape}-plan", sparse=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    output, _, _ = timed(mla_command(SHAPES[args.shape]["family"], src, args, "--dry-run"), env)
+    output = harness.convert(mla_args(SHAPES[args.shape]["family"], src, args, "--dry-run"), None).run.output
     shutil.rmtree(src)
     lines = [line for line in output.splitlines()
              if not line.startswith(("warning", "dry run", "not refining", "no model stage"))]

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,19 +26,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "serving"  # this benchmark's folder: README.md (the report) and its data
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+import harness  # noqa: E402  (mla-convert processes, the machine record)
 
 from mla_convert import evaluate  # noqa: E402
 from mla_convert.serving import engine  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-CLI = [sys.executable, "-m", "mla_convert.cli"]
 
 
-def run(cmd: list[str]) -> float:
-    print("+", " ".join(cmd), flush=True)
-    t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return time.time() - t0
+def run(cmd: list[str]) -> None:
+    """`mla-convert ...` (cmd as recorded: its first word is mla-convert), its output shown as it comes."""
+    harness.timed(harness.mla(*cmd[1:]), echo=True, tee=True)
 
 
 def source_folder(out: Path) -> Path:
@@ -93,7 +90,7 @@ def main() -> None:
                                        decode=decode)
             row["vllm_bfloat16"]["decode_tokens_per_s"] = res["decode_tokens_per_s"]
             print(row["label"], res["decode_tokens_per_s"], flush=True)
-        result["decode"], result["decode_separate_run"] = decode, True
+        result["decode"], result["decode_separate_run"], result["decode_machine"] = decode, True, harness.machine()
         path.write_text(json.dumps(result, indent=1))
         write_report(result, BENCH / "README.md")
         return
@@ -106,7 +103,7 @@ def main() -> None:
     windows = windows_of(src, args.windows, args.seq_len)
     prompts = [w[:32] for w in windows[:3]]
     decode = {"batch": args.decode_batch, "prompt_tokens": args.decode_prompt, "new_tokens": args.decode_tokens}
-    rows, commands, result_meta = [], [], {}
+    rows, commands, result_meta = [], [], {"machine": harness.machine()}
 
     def measure(label: str, folder: Path, budget: float | None, route: str) -> dict:
         row = {"label": label, "folder": str(folder.relative_to(ROOT)), "budget": budget, "route": route}
@@ -143,7 +140,7 @@ def main() -> None:
     def save() -> dict:
         result = {"rows": rows, "commands": commands, "windows": args.windows, "seq_len": args.seq_len,
                   "decode": decode, "vllm_version": result_meta.get("vllm_version"),
-                  "torch_threads": torch.get_num_threads()}
+                  "torch_threads": torch.get_num_threads(), "machine": result_meta["machine"]}
         text = json.dumps(result, indent=1).replace(str(ROOT) + "/", "").replace(str(ROOT.parent / "shared"), "../shared")
         (bench / "serving.json").write_text(text)
         return json.loads(text)
@@ -157,7 +154,7 @@ def main() -> None:
         folder = args.out / f"native-{int(budget * 1000)}"
         cmd = ["mla-convert", "llama", "--kv-budget", str(budget), "--calib-data", calib, "-o", str(folder)]
         if not (folder / "config.json").exists():
-            run(CLI + cmd[1:])
+            run(cmd)
         commands.append(" ".join(cmd))
         measure_once(f"mla-convert default, {budget:.0%} cache", folder, budget, "vLLM + mla-convert plugin")
         if args.deepseek and budget == args.budgets[0]:  # one budget shows what the route costs
@@ -168,8 +165,8 @@ def main() -> None:
                    "--dtype", "bfloat16", "-o", str(ds)]
             if not (ds / "config.json").exists():
                 if not (ds_native / "config.json").exists():
-                    run(CLI + conv[1:])
-                run(CLI + exp[1:])
+                    run(conv)
+                run(exp)
             commands += [" ".join(conv), " ".join(exp)]
             measure_once(f"--target deepseek export, {budget:.0%} cache", ds, budget, "vLLM DeepseekV3ForCausalLM")
     result = save()
@@ -182,7 +179,8 @@ def write_report(result: dict, path: Path) -> None:
     lines = [
         "# Serving in vLLM: the converted model against transformers, same folder, same tokens",
         "",
-        "Command (vLLM's CPU build 0.32.0 in `.venv-vllm` from `scripts/install-vllm.sh`; 2 CPU cores):",
+        "Command (vLLM's CPU build 0.32.0 in `.venv-vllm` from `scripts/install-vllm.sh`; "
+        f"{harness.describe(result['machine']) if result.get('machine') else '2 CPU cores'}):",
         "",
         "```",
         "python scripts/bench_serving.py " + ("--deepseek" if any("deepseek" in r["route"] for r in rows) else ""),
