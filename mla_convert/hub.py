@@ -1,6 +1,6 @@
 """Pushing output folders to the Hugging Face Hub.
 
-`push(folder, repo_id, ...)` verifies the folder (checkpoint.verify_checkpoint), refreshes the model card (card.py) with
+`push(folder, repo_id, ...)` verifies the folder (outputs.verify_checkpoint), refreshes the model card (card.py) with
 the repo id, creates the repo if needed and uploads the folder with `HfApi.upload_folder`. With `hf_xet` installed (the
 default) huggingface_hub streams the upload in batches and a re-run resumes it (committed files are skipped, uploaded
 chunks deduplicated); without it, LFS objects already on the Hub are skipped on a re-run. Every network or Hub failure
@@ -21,8 +21,9 @@ from pathlib import Path
 
 from mla_convert import provenance
 from mla_convert.card import CARD_FILENAME, render_model_card, write_model_card
-from mla_convert.checkpoint import AUX_FILES, OWN_FILES, _SHARD, glob_escape, verify_checkpoint
 from mla_convert.errors import UserError
+from mla_convert.outputs import OWN_FILES, _SHARD, glob_escape, verify_checkpoint
+from mla_convert.sources import AUX_FILES
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     (what provenance.json holds under "export", plus "measurements")."""
     from mla_convert import provenance
     from mla_convert.card import write_model_card
-    from mla_convert.checkpoint import SafetensorsSource, ShardedWriter, check_output, staged_output
+    from mla_convert.outputs import ShardedWriter, check_output, staged_output
+    from mla_convert.sources import SafetensorsSource
 
     folder = Path(model).expanduser()
     if not (folder / "config.json").is_file():

@@ -129,7 +129,7 @@ def tokenizer_meta(folder: Path, vocab_size: int) -> TokenizerMeta:
 
 def check_gguf_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> Path:
     """Refuse an output path the GGUF export must not write; returns it resolved."""
-    from mla_convert.checkpoint import check_location
+    from mla_convert.outputs import check_location
 
     given = out
     if out.suffix != ".gguf":
@@ -202,7 +202,7 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     import gguf
 
     from mla_convert import __version__, provenance
-    from mla_convert.checkpoint import SafetensorsSource
+    from mla_convert.sources import SafetensorsSource
     from mla_convert.export.layer import _round_to, export_layer, identity_norm_scale
     from mla_convert.export.plan import EXPORT_EPS, ExportOptions, make_plan
     from mla_convert.export.driver import native_config
