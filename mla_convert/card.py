@@ -68,7 +68,7 @@ def _base_model(source: dict) -> str | None:
 def _display_folder(folder: Path) -> Path:
     """Where the folder will live: convert and export write the card inside their hidden staging folder
     (`.NAME.incomplete-XXXX`, or `.NAME.incomplete` for a resumable conversion, beside the output, see
-    checkpoint.staged_output) before moving it to NAME."""
+    outputs.staged_output) before moving it to NAME."""
     folder = folder.resolve()
     staged = _STAGING_RE.match(folder.name)
     return folder.parent / staged.group(1) if staged else folder

@@ -57,7 +57,7 @@ def check_results_file(path: Path, overwrite: bool) -> None:
     folder, a path under a file, an existing file (without `overwrite`, or one that eval did not write)."""
     import tempfile
 
-    from mla_convert.checkpoint import check_location, nearest_existing
+    from mla_convert.outputs import check_location, nearest_existing
 
     if path.is_dir():
         raise UserError(f"--json {path} is a folder: give a file name, e.g. {path / 'eval.json'}")
@@ -143,7 +143,7 @@ def check_loadable_folder(folder: Path) -> None:
     as pytorch_model.bin / *.pt, an index naming shards outside the folder, or a config asking for custom code."""
     import json
 
-    from mla_convert.checkpoint import INDEX_NAME, read_weight_map, safetensors_files
+    from mla_convert.sources import INDEX_NAME, read_weight_map, safetensors_files
 
     if (folder / INDEX_NAME).is_file():
         shards = sorted(set(read_weight_map(folder / INDEX_NAME).values()))
@@ -177,7 +177,7 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
     import mla_convert  # noqa: F401  (registers the MLA model with the Auto classes)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mla_convert.checkpoint import default_model_path
+    from mla_convert.sources import default_model_path
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")

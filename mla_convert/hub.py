@@ -1,6 +1,6 @@
 """Pushing output folders to the Hugging Face Hub.
 
-`push(folder, repo_id, ...)` verifies the folder (checkpoint.verify_checkpoint), refreshes the model card (card.py) with
+`push(folder, repo_id, ...)` verifies the folder (outputs.verify_checkpoint), refreshes the model card (card.py) with
 the repo id, creates the repo if needed and uploads the folder with `HfApi.upload_folder`. With `hf_xet` installed (the
 default) huggingface_hub streams the upload in batches and a re-run resumes it (committed files are skipped, uploaded
 chunks deduplicated); without it, LFS objects already on the Hub are skipped on a re-run. Every network or Hub failure
@@ -21,8 +21,9 @@ from pathlib import Path
 
 from mla_convert import provenance
 from mla_convert.card import CARD_FILENAME, render_model_card, write_model_card
-from mla_convert.checkpoint import AUX_FILES, OWN_FILES, _SHARD, glob_escape, verify_checkpoint
 from mla_convert.errors import UserError
+from mla_convert.outputs import OWN_FILES, _SHARD, glob_escape, verify_checkpoint
+from mla_convert.sources import AUX_FILES
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,108 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+@dataclasses.dataclass
+class _Step:
+    """What a push is doing at the moment: named in the one line a Hub failure becomes."""
+
+    what: str
+
+
+def _check_repo_id(repo_id: str) -> None:
+    """Refuse a repo id the Hub would not take, or one without a namespace."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise _translate(e, repo_id, "", "checking the repo id") from None
+    if "/" not in repo_id:
+        raise UserError(f"repo id {repo_id!r} has no namespace: use NAMESPACE/NAME, e.g. my-user/{repo_id}")
+
+
+def _planned(folder: Path, repo_id: str, dry_run: bool, branch: str, private: bool) -> PushResult:
+    """Verify the folder and list what a push uploads (README.md with the size the refreshed card will have)."""
+    verify_checkpoint(folder)
+    # The card is (re)written with the repo id just before the upload: list it with the size it will have.
+    card_bytes = len(render_model_card(folder, repo_id).encode())
+    files = sorted([f for f in upload_files(folder) if f[0] != CARD_FILENAME] + [(CARD_FILENAME, card_bytes)])
+    return PushResult(repo_id=repo_id, files=files, dry_run=dry_run, revision=branch, private=private,
+                      hidden=hidden_entries(folder), foreign=left_out(folder))
+
+
+def _ensure_repo(api, repo_id: str, private: bool, result: PushResult, step: _Step) -> None:
+    """Create the model repo, or take an existing one the token may write to; sets `result.created`."""
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        api.create_repo(repo_id, private=private or None, repo_type="model", exist_ok=False)
+        result.created = True
+        log.info("created %s%s", repo_id, " (private)" if private else "")
+        return
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        if status == 409:
+            result.created = False
+        elif status == 403:  # a token without the create scope may still write to an existing repo
+            step.what = "checking the existing repo"
+            try:
+                api.repo_info(repo_id, repo_type="model")
+            except RepositoryNotFoundError:
+                raise UserError(f"cannot create {repo_id} (403 Forbidden: {_hub_message(e)}) and no repo of that "
+                                "name is visible to the token: check the namespace (your user or an organization "
+                                "you can write to)") from None
+            result.created = False
+        else:
+            raise
+    log.info("%s exists: updating it", repo_id)
+
+
+def _upload(api, folder: Path, repo_id: str, private: bool, branch: str, commit_message: str | None,
+            result: PushResult, step: _Step):
+    """Create the repo (and branch), refresh the card with the repo id, upload the files checked; returns the
+    commit info. `step` says what it is doing when something fails."""
+    from huggingface_hub import constants
+
+    _ensure_repo(api, repo_id, private, result, step)
+    if branch != constants.DEFAULT_REVISION:
+        step.what = f"creating branch {branch}"
+        api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True)
+    # The card names the repo in its loading examples: refreshed only now that the repo is known to be writable
+    # (a refused push leaves the folder as it was).
+    try:
+        write_model_card(folder, repo_id=repo_id)
+    except OSError as e:
+        raise UserError(f"cannot update the model card {folder / CARD_FILENAME} ({e.strerror or e}): push from a "
+                        "folder you can write to") from None
+    result.files = upload_files(folder)
+    step.what = "uploading"
+    message = commit_message or f"Upload MLA model ({(provenance.load(folder) or {}).get('kind', 'convert')}) " \
+                                "with mla-convert"
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        repo_type="model",
+        revision=branch,
+        commit_message=message,
+        allow_patterns=[glob_escape(rel) for rel, _ in result.files],  # only the files checked above
+        ignore_patterns=list(IGNORE_PATTERNS),
+        delete_patterns=list(STALE_WEIGHT_PATTERNS),
+    )
+
+
+def _hub_cause(err: BaseException, network: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The Hub, validation, offline or network error in `err`'s chain of causes, None if there is none:
+    huggingface_hub sometimes wraps the HTTP error (e.g. "Error while uploading 'x' to the Hub.")."""
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, (HfHubHTTPError, HFValidationError, OfflineModeIsEnabled,
+                                                       *network)):
+        cause = cause.__cause__ or cause.__context__
+    return cause
+
+
 def push(
     folder: str | os.PathLike,
     repo_id: str,
@@ -211,24 +314,12 @@ def push(
     one line that never contains the token; a push refused before the upload leaves the folder unchanged.
     """
     from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled, RepositoryNotFoundError
-    from huggingface_hub.utils import get_token, validate_repo_id
+    from huggingface_hub.utils import get_token
 
     folder = Path(folder)
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        raise _translate(e, repo_id, "", "checking the repo id") from None
-    if "/" not in repo_id:
-        raise UserError(f"repo id {repo_id!r} has no namespace: use NAMESPACE/NAME, e.g. my-user/{repo_id}")
+    _check_repo_id(repo_id)
     branch = revision or constants.DEFAULT_REVISION
-
-    verify_checkpoint(folder)
-    # The card is (re)written with the repo id just before the upload: list it with the size it will have.
-    card_bytes = len(render_model_card(folder, repo_id).encode())
-    files = sorted([f for f in upload_files(folder) if f[0] != CARD_FILENAME] + [(CARD_FILENAME, card_bytes)])
-    result = PushResult(repo_id=repo_id, files=files, dry_run=dry_run, revision=branch, private=private,
-                        hidden=hidden_entries(folder), foreign=left_out(folder))
+    result = _planned(folder, repo_id, dry_run, branch, private)
     if dry_run:
         return result
 
@@ -241,68 +332,17 @@ def push(
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     api = HfApi(endpoint=endpoint, token=token)
     network = _network_errors()
-    what = "creating the repo"
+    step = _Step("creating the repo")
     try:
-        try:
-            api.create_repo(repo_id, private=private or None, repo_type="model", exist_ok=False)
-            result.created = True
-            log.info("created %s%s", repo_id, " (private)" if private else "")
-        except HfHubHTTPError as e:
-            status = e.response.status_code if e.response is not None else None
-            if status == 409:
-                result.created = False
-            elif status == 403:  # a token without the create scope may still write to an existing repo
-                what = "checking the existing repo"
-                try:
-                    api.repo_info(repo_id, repo_type="model")
-                except RepositoryNotFoundError:
-                    raise UserError(f"cannot create {repo_id} (403 Forbidden: {_hub_message(e)}) and no repo of that "
-                                    "name is visible to the token: check the namespace (your user or an organization "
-                                    "you can write to)") from None
-                result.created = False
-            else:
-                raise
-            log.info("%s exists: updating it", repo_id)
-        if branch != constants.DEFAULT_REVISION:
-            what = f"creating branch {branch}"
-            api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True)
-        # The card names the repo in its loading examples: refreshed only now that the repo is known to be writable
-        # (a refused push leaves the folder as it was).
-        try:
-            write_model_card(folder, repo_id=repo_id)
-        except OSError as e:
-            raise UserError(f"cannot update the model card {folder / CARD_FILENAME} ({e.strerror or e}): push from a "
-                            "folder you can write to") from None
-        result.files = upload_files(folder)
-        what = "uploading"
-        message = commit_message or f"Upload MLA model ({(provenance.load(folder) or {}).get('kind', 'convert')}) " \
-                                    "with mla-convert"
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            repo_type="model",
-            revision=branch,
-            commit_message=message,
-            allow_patterns=[glob_escape(rel) for rel, _ in result.files],  # only the files checked above
-            ignore_patterns=list(IGNORE_PATTERNS),
-            delete_patterns=list(STALE_WEIGHT_PATTERNS),
-        )
+        info = _upload(api, folder, repo_id, private, branch, commit_message, result, step)
     except UserError:
         raise
     except Exception as e:
-        # huggingface_hub sometimes wraps the HTTP error (e.g. "Error while uploading 'x' to the Hub."): look through
-        # the chain of causes for the one to explain.
-        cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, (HfHubHTTPError, HFValidationError, OfflineModeIsEnabled,
-                                                           *network)):
-            cause = cause.__cause__ or cause.__context__
+        cause = _hub_cause(e, network)
         if cause is None:
             raise
-        raise _translate(cause, repo_id, endpoint, what) from None
+        raise _translate(cause, repo_id, endpoint, step.what) from None
     result.commit_oid = getattr(info, "oid", None)
     result.commit_url = getattr(info, "commit_url", None)
     log.debug("pushed %d files (%d bytes) to %s", len(result.files), result.total_bytes, repo_id)
     return result
-
-
-__all__ = ["PushResult", "push", "upload_files"]

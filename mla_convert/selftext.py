@@ -175,7 +175,7 @@ def cache_dir() -> Path:
 
 def source_fingerprint(source) -> dict:
     """What the sampled text depends on: the source's origin and its files (path, size, modification time)."""
-    from mla_convert.checkpoint import file_stamp
+    from mla_convert.sources import file_stamp
 
     return {"origin": source.origin, "files": [file_stamp(p) for p in source.files() if p.is_file()]}
 

@@ -33,6 +33,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -129,7 +130,7 @@ def tokenizer_meta(folder: Path, vocab_size: int) -> TokenizerMeta:
 
 def check_gguf_output(out: Path, overwrite: bool, inputs: tuple[Path, ...]) -> Path:
     """Refuse an output path the GGUF export must not write; returns it resolved."""
-    from mla_convert.checkpoint import check_location
+    from mla_convert.outputs import check_location
 
     given = out
     if out.suffix != ".gguf":
@@ -196,24 +197,31 @@ def _encode(array: np.ndarray, qtype):
     return gguf.quants.quantize(array, qtype)
 
 
-def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str = "f32",
-                overwrite: bool = False) -> dict:
-    """Write the native MLA checkpoint folder `model` as one llama.cpp GGUF `out`; returns the export record."""
-    import gguf
+class _QueryLayout(NamedTuple):
+    """How the query is laid out: `mode` None (attn_q, the Lite layer counts), "input" (attn_q_a the scaled identity
+    over the model width) or "output" (attn_q_a the scaled W_q, when the query is narrower); `lora_rank` is
+    attn_q_a's width, `rows` the query's."""
 
-    from mla_convert import __version__, provenance
-    from mla_convert.checkpoint import SafetensorsSource
-    from mla_convert.export.layer import _round_to, export_layer, identity_norm_scale
-    from mla_convert.export.plan import EXPORT_EPS, ExportOptions, make_plan
+    mode: str | None
+    lora_rank: int | None
+    rows: int
+
+
+def _query_layout(config, plan) -> _QueryLayout:
+    """The query's layout for this model (see `_QueryLayout`)."""
+    hidden = config.hidden_size
+    rows = plan.heads * (plan.nope + plan.rope_dims_out)
+    mode = None if lite_layout(config.num_hidden_layers, config.vocab_size) else ("output" if rows < hidden
+                                                                                  else "input")
+    lora_rank = None if mode is None else (rows if mode == "output" else hidden)
+    return _QueryLayout(mode, lora_rank, rows)
+
+
+def _exportable_config(folder: Path):
+    """The native config of `folder`, refused where llama.cpp's deepseek2 could not run it exactly."""
     from mla_convert.export.driver import native_config
     from mla_convert.serving.layout import check_servable
 
-    if gguf_type not in GGUF_TYPES:
-        raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type}")
-    folder = Path(model).expanduser()
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{folder} has no config.json: pass a native MLA checkpoint folder (mla-convert llama -o DIR)")
-    out = check_gguf_output(Path(out).expanduser(), overwrite, (folder,))
     config = native_config(folder, "the GGUF export")
     check_servable(config, "llama.cpp's deepseek2 attention")
     if getattr(config, "mlp_bias", False):
@@ -222,97 +230,150 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
         raise UserError(f"hidden_act {config.hidden_act}: llama.cpp's deepseek2 MLP is SiLU-gated only")
     if config.qk_nope_head_dim < 1:
         raise UserError("qk_nope_head_dim is 0: llama.cpp's deepseek2 loader needs at least one non-rope key dim")
+    return config
+
+
+def _check_weights(source, config) -> None:
+    """Refuse non-finite weights and attention biases (deepseek2 has no place for them) before the file is begun."""
+    from mla_convert.validate import check_checkpoint_finite
+
+    check_checkpoint_finite(source, "a GGUF export")
+    biased = sorted({n for layer in _attention_biases(source, config) for n in layer})
+    if biased:
+        raise UserError(f"this model has attention biases ({', '.join(biased)}), which llama.cpp's deepseek2 "
+                        "attention has no place for: serve the native checkpoint through the vLLM plugin or "
+                        "transformers instead (docs/serving.md)")
+
+
+def _export_record(folder: Path, gguf_type: str, plan, query: _QueryLayout, tok: TokenizerMeta, layers: int) -> dict:
+    """The export record (written into the file under MARKER_KEY and returned)."""
+    from mla_convert import __version__
+
+    return {
+        "format": "gguf", "gguf_type": gguf_type, "architecture": ARCH, "source": str(folder.resolve()),
+        "kv_lora_rank": plan.kv_lora_rank_out, "qk_rope_head_dim": plan.rope_dims_out,
+        "qk_nope_head_dim": plan.nope, "v_head_dim": plan.value, "rope_theta": plan.fit.base,
+        "q_lora_rank": query.lora_rank, "q_factorization": query.mode or "none (DeepSeek-V2-Lite layer count)",
+        "tokenizer_pre": tok.pre, "mla_convert_version": __version__,
+        # llama.cpp caches the latent and the rope key of every layer, f16 by default
+        "kv_cache_elements_per_token": layers * (plan.kv_lora_rank_out + plan.rope_dims_out),
+    }  # fmt: skip
+
+
+def _query_tensors(b: str, w_q: torch.Tensor, norm_weight: torch.Tensor, query: _QueryLayout, hidden: int):
+    """(GGUF name, tensor) of layer `b`'s query: attn_q, or attn_q_a, its identity norm and attn_q_b."""
+    from mla_convert.export.layer import _round_to, identity_norm_scale
+    from mla_convert.export.plan import EXPORT_EPS
+
+    if query.mode is None:
+        yield b + "attn_q.weight", w_q
+        return
+    a_q = identity_norm_scale(_query_mean_square_bound(w_q, norm_weight, query.mode))
+    q_norm = _round_to(math.sqrt(EXPORT_EPS) / a_q, torch.bfloat16)
+    correction = math.sqrt(EXPORT_EPS) / a_q / q_norm
+    if query.mode == "input":
+        q_a, q_b = a_q * torch.eye(hidden, dtype=torch.float64), correction * w_q
+    else:
+        q_a, q_b = a_q * w_q, correction * torch.eye(query.rows, dtype=torch.float64)
+    yield b + "attn_q_a.weight", q_a
+    yield b + "attn_q_a_norm.weight", torch.full((q_a.shape[0],), q_norm, dtype=torch.float64)
+    yield b + "attn_q_b.weight", q_b
+
+
+def _layer_tensors(source, plan, i: int, query: _QueryLayout, hidden: int):
+    """(GGUF name, tensor) of decoder layer `i`, in file order: the exported attention, then the dense MLP."""
+    from mla_convert.export.layer import export_layer
+
+    s = plan.residual_scale
+    p = f"model.layers.{i}."
+    norm_weight = source.get(p + "input_layernorm.weight")
+    attn = {f"{n}.weight": source.get(f"{p}self_attn.{n}.weight")
+            for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")}
+    t, _ = export_layer(attn, plan, i, norm_weight)
+    b = f"blk.{i}."
+    yield b + "attn_norm.weight", norm_weight
+    yield from _query_tensors(b, t["q_proj.weight"], norm_weight, query, hidden)
+    yield b + "attn_kv_a_mqa.weight", t["kv_a_proj_with_mqa.weight"]
+    yield b + "attn_kv_a_norm.weight", t["kv_a_layernorm.weight"]
+    kv_b = t["kv_b_proj.weight"].view(plan.heads, plan.nope + plan.value, plan.kv_lora_rank_out)
+    yield b + "attn_k_b.weight", kv_b[:, : plan.nope].transpose(1, 2).contiguous()
+    yield b + "attn_v_b.weight", kv_b[:, plan.nope :].contiguous()
+    yield b + "attn_output.weight", t["o_proj.weight"]
+    yield b + "ffn_norm.weight", source.get(p + "post_attention_layernorm.weight")
+    yield b + "ffn_gate.weight", source.get(p + "mlp.gate_proj.weight")
+    yield b + "ffn_up.weight", source.get(p + "mlp.up_proj.weight")
+    yield b + "ffn_down.weight", s * source.get(p + "mlp.down_proj.weight").double()
+
+
+def _model_tensors(source, config, plan, query: _QueryLayout):
+    """(GGUF name, tensor) of the whole model, in file order: embeddings, final norm, output, then every layer."""
+    s = plan.residual_scale
+    yield "token_embd.weight", s * source.get("model.embed_tokens.weight").double()
+    yield "output_norm.weight", source.get("model.norm.weight")
+    lm_head = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
+    yield "output.weight", source.get(lm_head)
+    for i in range(config.num_hidden_layers):
+        yield from _layer_tensors(source, plan, i, query, config.hidden_size)
+
+
+def _write_file(out: Path, write, recheck) -> None:
+    """Write `out` by `write(path)` under a temporary name beside it and rename it into place after `recheck()`;
+    the partial file is removed on any failure."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the file from other users
+        recheck()
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str = "f32",
+                overwrite: bool = False) -> dict:
+    """Write the native MLA checkpoint folder `model` as one llama.cpp GGUF `out`; returns the export record."""
+    import gguf
+
+    from mla_convert import provenance
+    from mla_convert.export.plan import ExportOptions, make_plan
+    from mla_convert.sources import SafetensorsSource
+
+    if gguf_type not in GGUF_TYPES:
+        raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type}")
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder} has no config.json: pass a native MLA checkpoint folder (mla-convert llama -o DIR)")
+    out = check_gguf_output(Path(out).expanduser(), overwrite, (folder,))
+    config = _exportable_config(folder)
     source = SafetensorsSource(config, str(folder), folder)
     try:
-        from mla_convert.validate import check_checkpoint_finite
-
-        check_checkpoint_finite(source, "a GGUF export")  # before the file is begun
-        biased = sorted({n for layer in _attention_biases(source, config) for n in layer})
-        if biased:
-            raise UserError(f"this model has attention biases ({', '.join(biased)}), which llama.cpp's deepseek2 "
-                            "attention has no place for: serve the native checkpoint through the vLLM plugin or "
-                            "transformers instead (docs/serving.md)")
+        _check_weights(source, config)
         plan = make_plan(config, [{} for _ in range(config.num_hidden_layers)], ExportOptions(verify=False))
-        layers, vocab = config.num_hidden_layers, config.vocab_size
-        lite = lite_layout(layers, vocab)
-        hidden = config.hidden_size
-        q_rows = plan.heads * (plan.nope + plan.rope_dims_out)
-        q_mode = None if lite else ("output" if q_rows < hidden else "input")
-        q_lora_rank = None if lite else (q_rows if q_mode == "output" else hidden)
-        tok = tokenizer_meta(folder, vocab)
-        special = gguf.SpecialVocab(folder, load_merges=False, n_vocab=vocab)
+        query = _query_layout(config, plan)
+        tok = tokenizer_meta(folder, config.vocab_size)
+        special = gguf.SpecialVocab(folder, load_merges=False, n_vocab=config.vocab_size)
+        record = _export_record(folder, gguf_type, plan, query, tok, config.num_hidden_layers)
 
-        record = {
-            "format": "gguf", "gguf_type": gguf_type, "architecture": ARCH, "source": str(folder.resolve()),
-            "kv_lora_rank": plan.kv_lora_rank_out, "qk_rope_head_dim": plan.rope_dims_out,
-            "qk_nope_head_dim": plan.nope, "v_head_dim": plan.value, "rope_theta": plan.fit.base,
-            "q_lora_rank": q_lora_rank, "q_factorization": q_mode or "none (DeepSeek-V2-Lite layer count)",
-            "tokenizer_pre": tok.pre, "mla_convert_version": __version__,
-            # llama.cpp caches the latent and the rope key of every layer, f16 by default
-            "kv_cache_elements_per_token": layers * (plan.kv_lora_rank_out + plan.rope_dims_out),
-        }  # fmt: skip
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
-            writer = gguf.GGUFWriter(str(tmp), ARCH)
-            _write_metadata(writer, config, plan, tok, special, gguf_type, q_lora_rank, record, folder)
-
-            def add(name: str, tensor: torch.Tensor):
+        def write(path: Path) -> None:
+            writer = gguf.GGUFWriter(str(path), ARCH)
+            _write_metadata(writer, config, plan, tok, special, gguf_type, query.lora_rank, record, folder)
+            for name, tensor in _model_tensors(source, config, plan, query):
                 array = tensor.detach().to(torch.float64).numpy().astype(np.float32)
                 qtype = _matrix_type(gguf_type, name, array.shape)
                 writer.add_tensor(name, _encode(array, qtype), raw_dtype=qtype)
-
-            s = plan.residual_scale
-            add("token_embd.weight", s * source.get("model.embed_tokens.weight").double())
-            add("output_norm.weight", source.get("model.norm.weight"))
-            lm_head = "lm_head.weight" if source.has("lm_head.weight") else "model.embed_tokens.weight"
-            add("output.weight", source.get(lm_head))
-            for i in range(layers):
-                p = f"model.layers.{i}."
-                norm_weight = source.get(p + "input_layernorm.weight")
-                attn = {f"{n}.weight": source.get(f"{p}self_attn.{n}.weight")
-                        for n in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")}
-                t, _ = export_layer(attn, plan, i, norm_weight)
-                b = f"blk.{i}."
-                add(b + "attn_norm.weight", norm_weight)
-                w_q = t["q_proj.weight"]
-                if q_mode is None:
-                    add(b + "attn_q.weight", w_q)
-                else:
-                    a_q = identity_norm_scale(_query_mean_square_bound(w_q, norm_weight, q_mode))
-                    q_norm = _round_to(math.sqrt(EXPORT_EPS) / a_q, torch.bfloat16)
-                    correction = math.sqrt(EXPORT_EPS) / a_q / q_norm
-                    if q_mode == "input":
-                        q_a, q_b = a_q * torch.eye(hidden, dtype=torch.float64), correction * w_q
-                    else:
-                        q_a, q_b = a_q * w_q, correction * torch.eye(q_rows, dtype=torch.float64)
-                    add(b + "attn_q_a.weight", q_a)
-                    add(b + "attn_q_a_norm.weight", torch.full((q_a.shape[0],), q_norm, dtype=torch.float64))
-                    add(b + "attn_q_b.weight", q_b)
-                add(b + "attn_kv_a_mqa.weight", t["kv_a_proj_with_mqa.weight"])
-                add(b + "attn_kv_a_norm.weight", t["kv_a_layernorm.weight"])
-                kv_b = t["kv_b_proj.weight"].view(plan.heads, plan.nope + plan.value, plan.kv_lora_rank_out)
-                add(b + "attn_k_b.weight", kv_b[:, : plan.nope].transpose(1, 2).contiguous())
-                add(b + "attn_v_b.weight", kv_b[:, plan.nope :].contiguous())
-                add(b + "attn_output.weight", t["o_proj.weight"])
-                add(b + "ffn_norm.weight", source.get(p + "post_attention_layernorm.weight"))
-                add(b + "ffn_gate.weight", source.get(p + "mlp.gate_proj.weight"))
-                add(b + "ffn_up.weight", source.get(p + "mlp.up_proj.weight"))
-                add(b + "ffn_down.weight", s * source.get(p + "mlp.down_proj.weight").double())
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
             writer.close()
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the file from other users
-            check_gguf_output(out, overwrite, (folder,))  # again: the path may have changed while writing
-            os.replace(tmp, out)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+
+        # the output is checked again before the rename: the path may have changed while writing
+        _write_file(out, write, lambda: check_gguf_output(out, overwrite, (folder,)))
     finally:
         source.close()
     record["parent_provenance_kind"] = (provenance.load(folder) or {}).get("kind")

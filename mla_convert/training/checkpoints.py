@@ -124,7 +124,7 @@ def load_trainer_state(folder: Path, rank: int) -> tuple[dict, dict, dict | None
 
 def _check_output(cfg: FinetuneConfig, out: Path) -> None:
     """Refuse an output folder that is the current directory (or holds it), or that is, holds or lies inside an input."""
-    from mla_convert.checkpoint import check_location
+    from mla_convert.outputs import check_location
 
     inputs = [(label, Path(spec)) for label, spec in (("student", cfg.model), ("training text", cfg.data),
                                                        ("eval_data", cfg.eval_data), ("teacher", cfg.teacher))
@@ -174,7 +174,7 @@ def _foreign_entries(out: Path) -> list[str]:
     """Entries of a run folder that the trainer does not write there (a user's files: never ours to delete), looked
     for inside the model folders it writes (final/, step_N/ and their known subfolders) as well, as paths relative to
     `out`."""
-    from mla_convert.checkpoint import foreign_files
+    from mla_convert.outputs import foreign_files
 
     foreign = []
     for entry in sorted(out.iterdir()):

@@ -38,7 +38,7 @@ def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -
     """data=self: a token stream sampled from the teacher (the source; mla_convert.selftext, cached) on `device`,
     long enough for the run's token budget (or data_tokens, when fewer) plus the held-out windows when eval_data is
     unset."""
-    from mla_convert.checkpoint import open_source
+    from mla_convert.sources import open_source
     from mla_convert.selftext import self_tokens
 
     spec = teacher_spec(cfg) if cfg.teacher is not None else None
