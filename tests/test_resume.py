@@ -72,8 +72,12 @@ def test_killed_conversion_resumes_to_the_same_bytes(four_layers, calib_text, tm
     assert f"{after + 1} of 4 layers were converted already" in result.output
     for name in OUTPUT_FILES:
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
-    again = json.loads((resumed / "provenance.json").read_text())["plan"]["refine_model"]
+    plans = [json.loads((folder / "provenance.json").read_text())["plan"] for folder in (straight, resumed)]
+    again = plans[1]["refine_model"]
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in staged.items() if k != "seconds"}
+    # the records of the layers the killed run converted come back from their files: the same record as straight
+    assert len(plans[1]["refine"]) == 4 and [{k: v for k, v in p.items() if k != "refine_model"} for p in plans] == [
+        {k: v for k, v in plans[0].items() if k != "refine_model"}] * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resumed", "straight"]  # staging folder gone
     assert not (resumed / ".resume").exists()
 

@@ -79,6 +79,14 @@ class RunRecord:
     refine: list = field(default_factory=list)
     refine_model: dict = field(default_factory=dict)
 
+    def add(self, layer_record: dict) -> None:
+        """One layer's record (its nope energy kept, its refinement's), in layer order: from the layer just
+        converted, or from a kept layer's file when resuming."""
+        if layer_record.get("nope_kept") is not None:
+            self.nope_kept.append(layer_record["nope_kept"])
+        if layer_record.get("refine") is not None:
+            self.refine.append(layer_record["refine"])
+
     def provenance(self, plan: Plan) -> dict:
         return {"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "nope_dims": plan.nope_dims,
                 "nope_kept": self.nope_kept, "rope_pairs": self.rope_pairs, "refine": self.refine,
@@ -242,6 +250,7 @@ class Conversion:
         kept, runner, record = self.kept, self.runner, self.record
         prefix = self.family.layer_prefix.format(i=i)
         record.rope_pairs[i] = store.read_layer(kept / store.layer_file(i), tensors=False)[1]
+        record.add(store.read_layer_record(kept / store.layer_file(i)))
         if runner is not None and i == 0:
             past = store.read_activations(kept)  # the hidden states after the last layer a run finished, if kept
             if past is not None and all(j in done for j in range(past[0] + 1)):
@@ -281,18 +290,17 @@ class Conversion:
         with torch.device(device):
             mla_tensors, record.rope_pairs[i], nope_kept = convert_attention(attn, plan, i, options,
                                                                              self.frequencies[i][1], *statistics)
-        if nope_kept is not None:
-            record.nope_kept.append({"layer": i, "kept": round(nope_kept, 6)})
+        layer_record = {"nope_kept": None if nope_kept is None else {"layer": i, "kept": round(nope_kept, 6)}}
         clock.lap("factorization")
         if targets is not None:
-            mla_tensors, trained, row = refined_layer(self.config, plan, self.family, record.rope_pairs, i,
-                                                      layer_tensors, mla_tensors, targets, runner.embeddings_at(i),
-                                                      options, device)
-            record.refine.append(row)
+            mla_tensors, trained, layer_record["refine"] = refined_layer(
+                self.config, plan, self.family, record.rope_pairs, i, layer_tensors, mla_tensors, targets,
+                runner.embeddings_at(i), options, device)
             layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
             targets = None
             clock.lap("refine")
-        self.keep_layer(i, prefix, layer_tensors, mla_tensors)
+        record.add(layer_record)
+        self.keep_layer(i, prefix, layer_tensors, mla_tensors, layer_record)
         if runner is not None:
             if options.calib_propagate == "converted":
                 runner.advance(converted_decoder_layer(self.config, plan, self.family, record.rope_pairs, i,
@@ -302,7 +310,7 @@ class Conversion:
             clock.lap("calibration")
         clock.report(bar, i)
 
-    def keep_layer(self, i: int, prefix: str, layer_tensors: dict, mla_tensors: dict) -> None:
+    def keep_layer(self, i: int, prefix: str, layer_tensors: dict, mla_tensors: dict, layer_record: dict) -> None:
         """Layer i's output tensors into the resume folder. Unchanged tensors (MLP, norms, unless refined with the
         layer) go out as read, in the source's dtype: never through float32. Kept in the output dtype (the cast the
         shards would make anyway), in float32 when the converted layers carry the calibration activations on (they
@@ -310,7 +318,8 @@ class Conversion:
         kept_dtype = torch.float32 if self.options.calib_propagate == "converted" else DTYPES[self.plan.dtype]
         out_tensors = {prefix + n: t for n, t in layer_tensors.items() if not n.startswith("self_attn.")}
         out_tensors.update({f"{prefix}self_attn.{n}": t.cpu() for n, t in mla_tensors.items()})
-        store.write_layer(self.kept / store.layer_file(i), out_tensors, self.record.rope_pairs[i], kept_dtype)
+        store.write_layer(self.kept / store.layer_file(i), out_tensors, self.record.rope_pairs[i], kept_dtype,
+                          layer_record)
 
     def train_model(self) -> dict[str, torch.Tensor]:
         """The model stage where it runs: the trained attention tensors, which replace the kept layers' in the

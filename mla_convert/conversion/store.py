@@ -18,13 +18,15 @@ def layer_file(i: int) -> str:
     return f"layer-{i:05d}.safetensors"
 
 
-def write_layer(path: Path, tensors: dict[str, torch.Tensor], rope_pairs: list[int], dtype: torch.dtype) -> None:
-    """One converted layer's output tensors (as `dtype`, in writing order) and its RoPE pairs, renamed into place
-    last."""
+def write_layer(path: Path, tensors: dict[str, torch.Tensor], rope_pairs: list[int], dtype: torch.dtype,
+                record: dict | None = None) -> None:
+    """One converted layer's output tensors (as `dtype`, in writing order), its RoPE pairs and what the run recorded
+    of it (`record`, JSON: a resumed run's provenance carries it on), renamed into place last."""
     from safetensors.torch import save_file
 
     tensors = {n: t.detach().to(dtype).contiguous().clone() for n, t in tensors.items()}  # clone: no shared storage
-    meta = {"order": json.dumps(list(tensors)), "rope_pairs": json.dumps([int(p) for p in rope_pairs])}
+    meta = {"order": json.dumps(list(tensors)), "rope_pairs": json.dumps([int(p) for p in rope_pairs]),
+            "record": json.dumps(record or {})}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     seal_kept_file(tmp, path)
@@ -38,6 +40,14 @@ def read_layer(path: Path, tensors: bool = True) -> tuple[dict[str, torch.Tensor
         meta = f.metadata()
         out = {name: f.get_tensor(name) for name in json.loads(meta["order"])} if tensors else {}
     return out, json.loads(meta["rope_pairs"])
+
+
+def read_layer_record(path: Path) -> dict:
+    """What the run that converted the layer recorded of it (`write_layer`'s `record`; {} in a file without one)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata().get("record", "{}"))
 
 
 ACTIVATIONS_FILE = "activations.safetensors"
