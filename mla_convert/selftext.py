@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from mla_convert.conversion.schema import DEFAULTS
 from mla_convert.errors import UserError
 from mla_convert.refine import WIDE_FROM
 
@@ -44,7 +45,7 @@ STYLES = {SELF: "chat", SELF_DOC: "document"}
 TEMPERATURE = 1.0
 CALIB_TEMPERATURE = 1.2  # below HOT_BELOW of the source's cache
 HOT_BELOW = WIDE_FROM  # the one threshold of every default by the cache kept
-SAMPLE_TOKENS = 256
+SAMPLE_TOKENS = DEFAULTS["calib_sample_tokens"]  # the option's default: mla_convert/conversion/schema.py
 BATCH = 16
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
 # On a CUDA device a batch is cheap in width and dear in steps: the samples of a whole calibration in one batch. Sample
