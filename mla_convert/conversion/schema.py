@@ -335,11 +335,12 @@ def check_options(options) -> None:
 
 
 def _default_text(option: Option) -> str:
-    value = option.flag_default
     if option.type is bool:
-        return f"`{option.flags[0].split('/')[0 if value else 1]}`" if "/" in option.flags[0] else f"`{value}`".lower()
-    if value is None or not option.show_default:
-        return "see description" if "Default" in option.help or option.cli_default is not _SAME else "none"
+        pair = option.flags[0].split("/")
+        return f"`{pair[0] if option.default else pair[1]}`" if len(pair) == 2 else "off"
+    value = option.default if option.flag_default is None else option.flag_default
+    if value is None:
+        return "see description" if "Default" in option.help else "none"
     return f"`{value}`"
 
 
@@ -361,7 +362,8 @@ def markdown() -> str:
     ]
     for o in OPTIONS:
         flags = ", ".join(f"`{f}`" for f in o.flags)
-        values = ", ".join(o.choices) if o.choices else {bool: "flag", Path: "path"}.get(o.type, o.type.__name__)
+        values = ", ".join(o.choices) if o.choices else {bool: "flag", Path: "path", str: "text"}.get(o.type, o.type.__name__)
+        values = f"auto, {values}" if o.parse is _steps else values
         field = "cli only" if o.cli_only else f"`{o.name}`"
         lines.append(f"| {flags} | {field} | {_default_text(o)} | {values} | {o.help.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
