@@ -85,3 +85,25 @@ def test_schema_imports_no_torch():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert imported <= {"__future__", "dataclasses", "math", "sys", "pathlib", "typing", "mla_convert.errors"}, imported
+
+
+def test_kv_balance_none_reaches_the_conversion(sources, calib_text, tmp_path):
+    """`--kv-balance none`: the joint factorization of the unscaled key and value blocks (ConvertOptions(kv_balance=
+    None)), recorded as such; a word that is neither a number nor none is one clear line."""
+    import json
+
+    from conftest import assert_user_error
+    from typer.testing import CliRunner
+
+    option = schema.BY_NAME["kv_balance"]
+    assert (option.from_flag(None), option.from_flag("none"), option.from_flag("0.5")) == (1.0, None, 0.5)
+    args = ["llama", str(sources["llama-gqa"]), "--rank", "16", "--rope-dims", "8", "--calib-data", str(calib_text),
+            "--calib-samples", "2", "--calib-seq-len", "16", "--refine-steps", "0", "--refine-model-steps", "0"]
+    bad = CliRunner().invoke(app, [*args, "--kv-balance", "some", "--dry-run"])
+    assert_user_error(bad.exit_code, bad.output, "--kv-balance must be a number or none, got 'some'")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [*args, "--kv-balance", "none", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "provenance.json").read_text())
+    assert record["options"]["kv_balance"] is None
+    assert "balanced" not in json.dumps(record)  # describe_method names a balance only where there is one

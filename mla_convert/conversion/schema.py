@@ -121,6 +121,18 @@ def _steps(opt: Option, value: str | None) -> int | None:
         raise UserError(f"{opt.flag} must be auto or a number of steps, got {value!r}") from None
 
 
+def _balance(opt: Option, value: str | None) -> float | None:
+    """A number, `none` (None: the blocks unscaled), or the default where the flag is not given."""
+    if value is None:
+        return opt.default
+    if value.lower() == "none":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"{opt.flag} must be a number or none, got {value!r}") from None
+
+
 def _calib_data(opt: Option, value: list[str] | None) -> str | None:
     """Repeated --calib-data options are the parts of one weighted mixture; `none`: no calibration text."""
     joined = ",".join(value or ["self"])
@@ -162,7 +174,8 @@ OPTIONS: tuple[Option, ...] = (
            "score error, values by their own). Default: kv (docs/decisions.md#closed-form-options).",
            choices=("kv", "attention", "scores"), cli_default=None),
     Option("kv_balance", float, 1.0, ("--kv-balance",), "Scale the key block so its energy is this multiple of the "
-           "value block's before a joint factorization. Default: 1 (balanced).", nullable=True, cli_default=None,
+           "value block's before a joint factorization; none: no scaling (keys and values as the source makes them). "
+           "Default: 1 (balanced).", nullable=True, cli_default=None, cli_type=Optional[str], parse=_balance,
            check=_kv_balance),
     Option("dropped_rope", str, "expected", ("--dropped-rope",), "Pairs that lose RoPE: unrotated (plain nope dims) or "
            "expected (the query keeps the rotation expected under the head's calibration attention over distances). "
