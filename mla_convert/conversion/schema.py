@@ -48,8 +48,7 @@ class Option:
         """The CLI parameter's annotation (typer reads the flag's type from it)."""
         if self.cli_type is not None:
             return self.cli_type
-        given = self.cli_default if self.cli_default is not _SAME else self.default
-        return Optional[self.type] if self.nullable or given is None else self.type
+        return Optional[self.type] if self.nullable or self.flag_default is None else self.type
 
     @property
     def flag_default(self) -> Any:
