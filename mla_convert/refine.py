@@ -20,6 +20,7 @@ import os
 import torch
 
 from mla_convert import policy
+from mla_convert.schema import DEFAULTS, choices
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +30,9 @@ EXACT = 1e-9  # relative error below which a layer is already exact (float32 rou
 # Windows start at each sequence's first token: crops that start mid-sequence put the attention sink on an arbitrary
 # token and train the layer on a pattern it never meets. The steps by the cache kept: mla_convert.policy.
 DEFAULT_STEPS, WIDE_STEPS = policy.REFINE_STEPS
-DEFAULT_LR = 1e-3
+DEFAULT_LR = DEFAULTS["refine_lr"]  # the options' defaults: mla_convert/schema.py
 STEP_TOKENS = 2048  # tokens a step: a shorter window (`--refine-seq-len`) takes more sequences a step
-SEQ_LEN = 2048
+SEQ_LEN = DEFAULTS["refine_seq_len"]
 BATCH = STEP_TOKENS // SEQ_LEN
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS: the
 # embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores sustain, rounded down
@@ -42,16 +43,16 @@ CPU_BF16_FLOPS = 2.4e11  # the same cores computing the steps in bfloat16 (AMX /
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
 # back what the attention lost. MLP_LR_SCALE (`--refine-mlp-lr-scale`): the MLP's and norms' learning rate / the
 # attention's. Both chosen on the development split: docs/decisions.md#refinement-scope-and-the-mlps-rate.
-SCOPES = ("attention", "layer")
-DEFAULT_SCOPE = "layer"
-MLP_LR_SCALE = 1.0
+SCOPES = choices("refine_scope")
+DEFAULT_SCOPE = DEFAULTS["refine_scope"]
+MLP_LR_SCALE = DEFAULTS["refine_mlp_lr_scale"]
 AUTO_CPU_SECONDS = 5400
 # `--refine-precision`: what the training steps of both stages compute in (the weights, the targets and the held-out
 # checks stay float32). auto: bfloat16 (autocast) on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX),
 # float32 elsewhere. The default stays float32 until bfloat16's quality is measured on a whole conversion
 # (docs/decisions.md#refinement-precision).
-PRECISIONS = ("auto", "float32", "bfloat16")
-DEFAULT_PRECISION = "float32"
+PRECISIONS = choices("refine_precision")
+DEFAULT_PRECISION = DEFAULTS["refine_precision"]
 
 
 def resolve_precision(requested: str, device: str) -> str:
@@ -241,14 +242,14 @@ def refine_module(
 # and needs the source's final hidden states only, which the calibration stream already computed: no second model.
 # Steps and rate chosen on the development split, one rate for both budgets: docs/decisions.md#the-model-stage.
 MODEL_STEPS = 64
-MODEL_LR = 1e-4
+MODEL_LR = DEFAULTS["refine_model_lr"]
 MODEL_WARMUP = 0.1  # of the steps, linear, then cosine to zero
 LOGIT_CHUNK = 512  # positions whose logits are formed at once: memory does not grow with vocabulary x window
 MODEL_CHECKS = 8  # held-out evaluations during the stage: the best weights seen are kept (early stopping)
 # what the stage trains: every converted attention, or every decoder layer whole (attention, MLP, norms; embeddings,
 # the final norm and the head stay the source's either way)
-MODEL_SCOPES = ("attention", "layer")
-MODEL_SCOPE = "attention"
+MODEL_SCOPES = choices("refine_model_scope")
+MODEL_SCOPE = DEFAULTS["refine_model_scope"]
 
 
 AUTO_MODEL_CPU_SECONDS = 1800  # `--refine-model-steps auto` on the CPU: at most this estimate (see resolve_model_steps)

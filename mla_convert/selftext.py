@@ -32,6 +32,7 @@ import torch
 
 from mla_convert import policy
 from mla_convert.errors import UserError
+from mla_convert.schema import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ STYLES = {SELF: "chat", SELF_DOC: "document"}
 # keeps. Temperature, length and batch: docs/decisions.md#self-text-temperature-length-and-batch.
 TEMPERATURE = 1.0
 CALIB_TEMPERATURE = policy.CALIB_TEMPERATURE[0]  # the narrow latents' (the wide ones': TEMPERATURE)
-SAMPLE_TOKENS = 256
+SAMPLE_TOKENS = DEFAULTS["calib_sample_tokens"]  # the option's default: mla_convert/schema.py
 BATCH = 16
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
 # On a CUDA device a batch is cheap in width and dear in steps: the samples of a whole calibration in one batch. Sample

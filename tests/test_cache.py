@@ -62,7 +62,7 @@ def test_output_folder_contents(sources, convert_tiny):
 def test_sharded_writer_splits_and_indexes(tmp_path):
     from safetensors.torch import load_file
 
-    from mla_convert.checkpoint import ShardedWriter
+    from mla_convert.outputs import ShardedWriter
 
     writer = ShardedWriter(tmp_path, torch.float32, max_shard_bytes=1000)
     tensors = {f"t{i}": torch.randn(100) for i in range(5)}  # 400 bytes each -> 3 shards

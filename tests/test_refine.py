@@ -233,8 +233,8 @@ def test_refine_without_calibration_text_is_refused(sources, tmp_path):
 
 
 def test_cli_defaults_are_the_library_defaults():
-    """cli.py spells out the defaults of ConvertOptions (it does not import torch): every option it sets must equal the
-    library's (None: left to the library, resolved per family; `auto` refinement is the library's None)."""
+    """The convert commands' defaults (made from the option schema) equal ConvertOptions' and refine's and selftext's
+    constants (None: left to the library, resolved per family; `auto` refinement is the library's None)."""
     import dataclasses
 
     import typer

@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
 from mla_convert import refine
-from mla_convert.checkpoint import ShardedWriter, open_source
+from mla_convert.checkpoint import open_source
+from mla_convert.outputs import ShardedWriter
 from mla_convert.cli import app
 from mla_convert.convert import ConvertOptions, convert, max_rank
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mla_convert import rope
-from mla_convert.checkpoint import Source
+from mla_convert.sources import Source
 from mla_convert.conversion.plan import Plan
 from mla_convert.errors import UserError
 from mla_convert.families import Family

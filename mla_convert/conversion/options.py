@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
-from mla_convert import refine, selftext
+from mla_convert import schema
 
 log = logging.getLogger(__name__)
 
 
-RANK_ALLOCATIONS = ("uniform", "energy")
-INPUT_KINDS = ("token", "attended")  # --value-inputs, --key-inputs
+RANK_ALLOCATIONS = schema.choices("rank_allocation")
+INPUT_KINDS = schema.choices("value_inputs")  # --value-inputs, --key-inputs
 
 
-QK_NORM_MODES = ("exact", "calibrated")
+QK_NORM_MODES = schema.choices("qk_norm")
 QK_NORM_TEXT = {
     "exact": "exact (the key is normalized per token from the latent and the pre-norm rope key: expanded attention "
     "at every step, no absorbed decode, not servable in vLLM or as DeepSeek-V3)",
@@ -25,60 +24,8 @@ QK_NORM_TEXT = {
 }
 
 
-@dataclass
-class ConvertOptions:
-    """Resolved conversion options (also recorded in provenance.json)."""
-
-    rank: int | None = None  # latent dims d_c per layer; None: from kv_budget
-    kv_budget: float | None = None  # elements per token per layer (>1) or a fraction of the source's cache (<=1)
-    rope_dims: int | None = None  # d_r, dims of the shared rope key; None: see default_rope_dims
-    nope_dims: int | None = None  # d_n, nope query/key dims per head; None: see default_nope_dims
-    rope_strategy: str = "attention"
-    rope_merge: bool = True
-    factorization: str = "joint"  # joint | split
-    method: str = "activation"  # weight | activation
-    objective: str = "kv"  # kv: error in K/V | attention: keys by query-key score error, values by error after o_proj
-    kv_balance: float | None = 1.0  # scale the key block so its energy is this multiple of the value block's
-    dropped_rope: str = "expected"  # unrotated | expected: dropped pairs keep E[rotation] under the head's attention
-    calib_data: str | None = "self"  # text sampled from the source (data-free); files/datasets, weighted: see calibration
-    # None: default_calib_samples of the share of the source's cache kept; the refinement trains on the first SEQ_LEN
-    # tokens of all but one window
-    calib_samples: int | None = None
-    calib_seq_len: int = 2048  # as long as the evaluation windows: the attention profiles see those distances
-    # `self` text (mla_convert.selftext): the sampling temperature (None: selftext.calib_temperature of the share of
-    # the cache kept, resolved in `convert`) and the new tokens per sampled answer (self-doc: per window):
-    # docs/decisions.md#self-text-temperature-length-and-batch
-    calib_temperature: float | None = None
-    calib_sample_tokens: int = selftext.SAMPLE_TOKENS
-    calib_propagate: str = "source"  # source | converted: which activations later layers calibrate on
-    # uniform | energy: share the latent dims among layers by their spectra; None: energy with calibration text,
-    # else uniform (resolve_allocation, in `convert`): docs/decisions.md#rank-allocation
-    rank_allocation: str | None = None
-    value_inputs: str = "attended"  # token | attended: fit the value up-projection on the inputs attention averages
-    key_inputs: str = "attended"  # token | attended: weight each calibration token by the attention its key receives
-    latent_rounds: int = 0  # with value_inputs attended: rounds refining the shared latent for both input kinds
-    # gradient steps per layer matching the source attention's outputs (mla_convert.refine); None: auto (see
-    # refine.resolve_steps), resolved in `convert` so that provenance records the number that ran
-    refine_steps: int | None = None
-    refine_lr: float = refine.DEFAULT_LR
-    refine_seq_len: int = refine.SEQ_LEN  # tokens per refinement window (from each sequence's start)
-    refine_scope: str = refine.DEFAULT_SCOPE  # attention | layer: what refinement trains (mla_convert.refine.SCOPES)
-    refine_mlp_lr_scale: float = refine.MLP_LR_SCALE  # layer scope: the MLP's and norms' learning rate / refine_lr
-    # the model stage (mla_convert.refine.refine_model): Adam steps training every converted attention end to end to
-    # the source's next-token distributions on the calibration windows, after the layers; None: auto (see
-    # refine.resolve_model_steps), resolved in `convert`
-    refine_model_steps: int | None = None
-    refine_model_lr: float = refine.MODEL_LR
-    refine_model_scope: str = refine.MODEL_SCOPE  # attention | layer: what the model stage trains (refine.MODEL_SCOPES)
-    # what both stages' training steps compute in (refine.PRECISIONS); auto resolved in `convert` (refine.resolve_precision)
-    refine_precision: str = refine.DEFAULT_PRECISION
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str | None = None  # output dtype; None: the source's (float32 for GGUF)
-    force: bool = False  # allow a cache that is not smaller than the source's
-    # sources with per-head q/k RMS norms (Qwen3): exact | calibrated (the key's per-token RMS replaced by its
-    # calibration RMS per layer and kv group, which makes the key linear: absorbed decode). Ignored for other sources.
-    qk_norm: str = "exact"
+class _Needs:
+    """What a conversion with these options must collect (the methods of `ConvertOptions`)."""
 
     def needs_statistics(self) -> bool:
         return (
@@ -99,6 +46,17 @@ class ConvertOptions:
 
     def needs_attention_statistics(self) -> bool:
         return self.needs_attention_profile() or self.value_inputs == "attended" or self.key_inputs == "attended"
+
+
+# One field per conversion option of the schema (mla_convert/schema.py: name, type, default, what it
+# means, in that order); dataclasses.asdict of it is what provenance.json and the resume fingerprint record.
+ConvertOptions = dataclasses.make_dataclass(
+    "ConvertOptions",
+    schema.dataclass_fields(),
+    bases=(_Needs,),
+    namespace={"__module__": __name__, "__doc__": "Resolved conversion options (also recorded in provenance.json); "
+               "the fields, their defaults and meaning: mla_convert.schema.OPTIONS, docs/options.md."},
+)
 
 
 def resolve_allocation(options: ConvertOptions) -> ConvertOptions:

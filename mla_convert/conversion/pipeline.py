@@ -16,7 +16,8 @@ import torch
 
 from mla_convert import provenance, refine, rope, selftext
 from mla_convert.card import write_model_card
-from mla_convert.checkpoint import SHARD_BYTES, ShardedWriter, Source, kept_file_intact, resume_dir, staged_output
+from mla_convert.outputs import SHARD_BYTES, ShardedWriter, kept_file_intact, resume_dir, staged_output
+from mla_convert.sources import Source
 from mla_convert.conversion import store
 from mla_convert.conversion.method import convert_attention, layer_spectrum
 from mla_convert.conversion.modules import (attention_tensors, converted_decoder_layer, float32_on, gemma_fields,

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
-from mla_convert import lowrank, policy, refine, rope
-from mla_convert.checkpoint import SHARD_BYTES, Source
-from mla_convert.conversion.options import INPUT_KINDS, QK_NORM_MODES, QK_NORM_TEXT, RANK_ALLOCATIONS, ConvertOptions
+from mla_convert import lowrank, policy, refine
+from mla_convert.outputs import SHARD_BYTES
+from mla_convert.sources import Source
+from mla_convert.conversion.options import QK_NORM_TEXT, ConvertOptions
+from mla_convert.schema import check_options
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.families import Family
@@ -258,16 +260,25 @@ def default_nope_dims(options: ConvertOptions, head_dim: int, d_r: int, qk_norm:
     return head_dim - d_r
 
 
+def _nope_dims(options: ConvertOptions, head_dim: int, d_r: int, qk_norm: str | None) -> int:
+    """--nope-dims checked against the source's head_dim, or its default (`default_nope_dims`)."""
+    if options.nope_dims is None:
+        return default_nope_dims(options, head_dim, d_r, qk_norm)
+    d_n = options.nope_dims
+    if not 0 < d_n <= head_dim:
+        raise UserError(f"--nope-dims must be between 1 and head_dim ({head_dim}), got {d_n}")
+    if qk_norm and d_n != head_dim:
+        raise UserError(f"--nope-dims {d_n}: this model normalizes each query and key head, whose nope key must "
+                        f"keep head_dim ({head_dim}) dims: drop --nope-dims")
+    return d_n
+
+
 def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
-    """Validate the options against the source config and compute the plan (nothing heavy, nothing written)."""
+    """Validate the options (`schema.check_options`, then against the source config) and compute the plan (nothing
+    heavy, nothing written)."""
     config = source.config
     layers, hidden, heads, groups, head_dim = _dims(config)
-    if options.rank is not None and options.kv_budget is not None:
-        raise UserError("give --rank (latent dims) or --kv-budget (cache per token per layer), not both")
-    if options.kv_budget is not None and not (math.isfinite(options.kv_budget) and options.kv_budget > 0):
-        raise UserError(f"--kv-budget must be a positive number (elements, or a fraction <= 1), got {options.kv_budget}")
-    if options.kv_balance is not None and not math.isfinite(options.kv_balance):
-        raise UserError(f"--kv-balance must be a positive number, got {options.kv_balance}")
+    check_options(options)  # each option on its own, and the rules between options (mla_convert.schema)
     d_r = default_rope_dims(options, groups, head_dim) if options.rope_dims is None else options.rope_dims
     if d_r <= 0 or d_r % 2 or d_r > groups * head_dim:
         raise UserError(
@@ -281,8 +292,6 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         )
     top = max_rank(config)
     if options.rank is None:
-        if options.kv_budget is None:
-            raise UserError("give --rank (latent dims) or --kv-budget (elements per token per layer, or a fraction)")
         budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
         rank = int(round(budget)) - d_r
     else:
@@ -291,88 +300,12 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"the latent rank must be positive (got {rank}); raise --rank/--kv-budget or lower --rope-dims")
     if rank > top:
         raise UserError(f"--rank {rank} exceeds the maximum {top} (min of 2 x kv heads x head_dim and hidden size)")
-    if options.factorization not in ("joint", "split"):
-        raise UserError(f"--factorization must be joint or split, got {options.factorization}")
-    if options.method not in lowrank.METHODS:
-        raise UserError(f"--method must be one of {', '.join(lowrank.METHODS)}, got {options.method}")
-    if options.rope_strategy not in rope.STRATEGIES:
-        raise UserError(f"--rope-strategy must be one of {', '.join(rope.STRATEGIES)}, got {options.rope_strategy}")
-    if options.objective not in lowrank.OBJECTIVES:
-        raise UserError(f"--objective must be one of {', '.join(lowrank.OBJECTIVES)}, got {options.objective}")
-    if options.dropped_rope not in ("unrotated", "expected"):
-        raise UserError(f"--dropped-rope must be unrotated or expected, got {options.dropped_rope}")
-    if options.kv_balance is not None and not options.kv_balance > 0:
-        raise UserError(f"--kv-balance must be positive, got {options.kv_balance}")
-    if options.calib_data is None and options.objective != "kv":
-        raise UserError(f"--objective {options.objective} needs calibration text: pass --calib-data FILE or --objective kv")
-    if options.calib_propagate not in ("source", "converted"):
-        raise UserError(f"--calib-propagate must be source or converted, got {options.calib_propagate}")
-    if options.value_inputs not in INPUT_KINDS:
-        raise UserError(f"--value-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.value_inputs}")
-    if options.latent_rounds < 0:
-        raise UserError(f"--latent-rounds must be 0 or more, got {options.latent_rounds}")
-    if options.latent_rounds and (options.value_inputs != "attended" or options.factorization != "joint"):
-        raise UserError("--latent-rounds refines a joint latent for attended values: use it with --value-inputs "
-                        "attended and --factorization joint (or drop it)")
-    if options.refine_steps is not None and options.refine_steps < 0:
-        raise UserError(f"--refine-steps must be 0 or more, got {options.refine_steps}")
-    if not options.refine_lr > 0:
-        raise UserError(f"--refine-lr must be positive, got {options.refine_lr}")
-    if options.refine_scope not in refine.SCOPES:
-        raise UserError(f"--refine-scope must be one of {', '.join(refine.SCOPES)}, got {options.refine_scope}")
-    if options.refine_precision not in refine.PRECISIONS:
-        raise UserError(f"--refine-precision must be one of {', '.join(refine.PRECISIONS)}, got "
-                        f"{options.refine_precision}")
-    if not options.refine_mlp_lr_scale >= 0:
-        raise UserError(f"--refine-mlp-lr-scale must be 0 or more, got {options.refine_mlp_lr_scale}")
-    if options.refine_seq_len < 16:
-        raise UserError(f"--refine-seq-len must be at least 16 tokens, got {options.refine_seq_len}")
-    if options.refine_steps and options.calib_data is None:
-        raise UserError("--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)")
-    if options.refine_model_steps is not None and options.refine_model_steps < 0:
-        raise UserError(f"--refine-model-steps must be 0 or more, got {options.refine_model_steps}")
-    if not options.refine_model_lr > 0:
-        raise UserError(f"--refine-model-lr must be positive, got {options.refine_model_lr}")
-    if options.refine_model_scope not in refine.MODEL_SCOPES:
-        raise UserError(f"--refine-model-scope must be one of {', '.join(refine.MODEL_SCOPES)}, got "
-                        f"{options.refine_model_scope}")
-    if options.refine_model_steps and options.calib_data is None:
-        raise UserError("--refine-model-steps trains on calibration text: pass --calib-data (or --refine-model-steps 0)")
-    if options.refine_model_steps and options.calib_propagate != "source":
-        raise UserError("--refine-model-steps distils the source's outputs on the calibration stream, which "
-                        "--calib-propagate converted does not carry: use --calib-propagate source (or "
-                        "--refine-model-steps 0)")
-    if options.key_inputs not in INPUT_KINDS:
-        raise UserError(f"--key-inputs must be one of {', '.join(INPUT_KINDS)}, got {options.key_inputs}")
-    if options.rank_allocation not in (*RANK_ALLOCATIONS, None):
-        raise UserError(f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {options.rank_allocation}")
-    if options.qk_norm not in QK_NORM_MODES:
-        raise UserError(f"--qk-norm must be one of {', '.join(QK_NORM_MODES)}, got {options.qk_norm}")
     qk_norm = options.qk_norm if family.has_qk_norm(config) else None
     if qk_norm == "calibrated" and options.calib_data is None:
         raise UserError("--qk-norm calibrated takes each key's RMS from calibration text: pass --calib-data "
                         "(or use --qk-norm exact)")
-    if (options.calib_samples is not None and options.calib_samples <= 0) or options.calib_seq_len <= 0:
-        raise UserError("--calib-samples and --calib-seq-len must be positive")
-    if options.calib_seq_len < 2:
-        raise UserError("--calib-seq-len must be at least 2 (a window's attention needs a key before its query)")
-    if options.calib_temperature is not None and not (options.calib_temperature > 0
-                                                      and math.isfinite(options.calib_temperature)):
-        raise UserError(f"--calib-temperature must be positive, got {options.calib_temperature}")
-    if options.calib_sample_tokens <= 0:
-        raise UserError(f"--calib-sample-tokens must be positive, got {options.calib_sample_tokens}")
-    if options.nope_dims is None:
-        d_n = default_nope_dims(options, head_dim, d_r, qk_norm)
-    else:
-        d_n = options.nope_dims
-        if not 0 < d_n <= head_dim:
-            raise UserError(f"--nope-dims must be between 1 and head_dim ({head_dim}), got {d_n}")
-        if qk_norm and d_n != head_dim:
-            raise UserError(f"--nope-dims {d_n}: this model normalizes each query and key head, whose nope key must "
-                            f"keep head_dim ({head_dim}) dims: drop --nope-dims")
+    d_n = _nope_dims(options, head_dim, d_r, qk_norm)
     dtype = options.dtype or _source_dtype(config)
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
     qkv_bias, o_bias = family.attention_biases(config)
     ranks = [rank] * layers
     plan = Plan(

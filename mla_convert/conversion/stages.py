@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from mla_convert import refine
-from mla_convert.checkpoint import Source, kept_file_intact, seal_kept_file
+from mla_convert.outputs import kept_file_intact, seal_kept_file
+from mla_convert.sources import Source
 from mla_convert.conversion.modules import converted_decoder_layer, mla_config, other_tensor_names
 from mla_convert.conversion.options import ConvertOptions
 from mla_convert.conversion.plan import Plan

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from mla_convert.checkpoint import AUX_FILES, Source, file_stamp, kept_file_intact, seal_kept_file
+from mla_convert.outputs import kept_file_intact, seal_kept_file
+from mla_convert.sources import AUX_FILES, Source, file_stamp
 from mla_convert.conversion.options import ConvertOptions
 from mla_convert.conversion.plan import Plan
 

@@ -1,0 +1,192 @@
+"""The `mla-convert eval` and `generate` commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from mla_convert.cli.base import QuietOpt, VerboseOpt, app, friendly, setup_logging
+from mla_convert.errors import UserError
+
+
+# ---------------------------------------------------------------------------------------------------------- eval
+
+
+@app.command("eval")
+@friendly
+def eval_command(
+    model: Optional[str] = typer.Argument(
+        None, help="A model folder (source or converted) or a .gguf file. Default: the embedded SmolLM2-135M."
+    ),
+    data: str = typer.Option(
+        ..., "--data", help="Evaluation text: a local file or datasets name[:config[:split]] (never calibration text)."
+    ),
+    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per window."),
+    windows: int = typer.Option(16, "--windows", help="Number of non-overlapping windows from the start."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON to this file."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing --json file (only one that `mla-convert eval` wrote)."
+    ),
+    record: bool = typer.Option(
+        False, "--record", help="Add the perplexity to the model folder's provenance.json and card."
+    ),
+    engine: str = typer.Option(
+        "transformers", "--engine", help="transformers (default), vllm: score the folder in vLLM, as it is served "
+        "(needs scripts/install-vllm.sh), or llamacpp: score a .gguf in llama.cpp (needs scripts/install-llamacpp.sh), "
+        "from the same token ids; the KV-cache bytes are then what the engine allocates."
+    ),
+    verbose: int = VerboseOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Perplexity over fixed windows and the KV-cache bytes per token the model really stores."""
+    setup_logging(verbose, quiet)
+    from mla_convert import evaluate
+    from mla_convert.data import load_text
+
+    evaluate.check_device(device)
+    if json_out is not None:
+        evaluate.check_results_file(json_out, overwrite)
+    if record:
+        _check_record(model)
+    text = load_text(data)
+    warning = evaluate.calibration_overlap(model, data, text)
+    if warning:
+        typer.echo(f"warning: {warning}", err=True)
+    result, label = _score(engine, model, text, seq_len, windows, dtype, device, quiet)
+    result.update(model=label, data=data, dtype=dtype)
+    typer.echo(
+        f"{label}: perplexity {result['perplexity']:.3f} over {result['windows']} x {seq_len} tokens ({data}); "
+        f"KV cache {format(kv, 'g') if (kv := result['kv_cache_bytes_per_token']) is not None else 'unknown'} "
+        f"bytes/token ({dtype}"
+        + (f", as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else
+           ", as llama.cpp allocates it)" if engine == "llamacpp" else ")")
+    )
+    if json_out is not None:
+        evaluate.write_results_file(json_out, result, overwrite)
+    if record:
+        _record(model, result, data, seq_len, dtype, engine)
+
+
+def _check_record(model: Optional[str]) -> None:
+    """`eval --record` needs a folder mla-convert wrote whose card can be rewritten: checked before any scoring."""
+    from mla_convert.card import render_model_card
+    from mla_convert.provenance import FILENAME
+
+    if model is None or not (Path(model) / FILENAME).is_file():
+        raise UserError(f"--record writes into the {FILENAME} of a folder mla-convert wrote; "
+                        f"{model or 'the embedded default'} has none: drop --record")
+    render_model_card(model)  # a card that cannot be rewritten fails now, before provenance.json is changed
+
+
+def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: int, dtype: str, device: str,
+           quiet: bool) -> tuple[dict, str]:
+    """The perplexity result of `model` on `text` in `engine`, and the model's label."""
+    from mla_convert import evaluate
+
+    if engine == "vllm":
+        from transformers import AutoTokenizer
+
+        from mla_convert.serving.engine import vllm_perplexity
+
+        if model is None or not Path(model).is_dir() or not (Path(model) / "config.json").is_file():
+            raise UserError("--engine vllm needs a model folder with config.json (vLLM does not read the embedded "
+                            "GGUF default)")
+        if device != "cpu":
+            raise UserError("--device applies to --engine transformers; vLLM runs on its own platform (drop --device)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=False)
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"cannot load the tokenizer of {model} ({type(e).__name__}): the folder needs its "
+                            "tokenizer files") from None
+        return vllm_perplexity(model, evaluate.tokenize(tokenizer, text), seq_len, windows, dtype), str(model)
+    if engine == "llamacpp":
+        from mla_convert.serving.llamacpp import gguf_tokenizer, llamacpp_perplexity
+
+        if model is None or Path(model).suffix != ".gguf" or not Path(model).is_file():
+            raise UserError("--engine llamacpp needs a .gguf file (mla-convert export OUT --format gguf -o NAME.gguf)")
+        if device != "cpu" or dtype != "float32":
+            raise UserError("--device and --dtype apply to --engine transformers; llama.cpp runs the GGUF's own "
+                            "tensor types on the CPU (drop them)")
+        return llamacpp_perplexity(model, evaluate.tokenize(gguf_tokenizer(model), text), seq_len, windows), str(model)
+    if engine == "transformers":
+        import torch
+
+        with torch.inference_mode():
+            net, tokenizer, label = evaluate.load_model(model, dtype, device)
+            result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
+            result["kv_cache_bytes_per_token"] = evaluate.kv_cache_bytes_per_token(net)
+        return result, label
+    raise UserError(f"--engine must be transformers, vllm or llamacpp, got {engine}")
+
+
+def _record(model: str, result: dict, data: str, seq_len: int, dtype: str, engine: str) -> None:
+    """`eval --record`: the perplexity into the folder's provenance.json, and its card rewritten."""
+    from mla_convert import provenance
+
+    kind = (provenance.load(model) or {}).get("kind", "converted")
+    key = {"convert": "converted", "finetune": "finetuned", "export": "exported"}.get(kind, kind)
+    protocol = f"{data}, {result['windows']} x {seq_len} windows, {dtype}" + (", vLLM" if engine == "vllm" else "")
+    if provenance.add_measurements(model, perplexity={key: result["perplexity"], "protocol": protocol}):
+        from mla_convert.card import write_model_card
+
+        write_model_card(Path(model))
+
+
+# ------------------------------------------------------------------------------------------------------ generate
+
+
+@app.command("generate")
+@friendly
+def generate_command(
+    model: Optional[str] = typer.Argument(
+        None, help="A model folder (converted or source) or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."
+    ),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue (or the user message with --chat)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens to generate (stops at EOS)."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the tokenizer's chat template."),
+    sample: bool = typer.Option(False, "--sample", help="Sample (with the model's generation_config settings) instead of greedy decoding."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (needs --sample)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --sample."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N."),
+    cache: str = typer.Option(
+        "dynamic", "--cache", help="dynamic (grows by a row each step) or static (preallocated for the prompt and "
+        "--max-new-tokens; on CUDA transformers compiles the decode step into CUDA graphs: the first decode step "
+        "takes tens of seconds, the rest run much faster than dynamic; docs/decisions.md#static-cache-in-generate)."
+    ),
+    verbose: int = VerboseOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Generate text, and print tokens per second and the KV-cache size the model really holds."""
+    setup_logging(verbose, quiet)
+    from mla_convert.generate import check_settings
+
+    check_settings(max_new_tokens, sample, temperature, prompt, cache)
+    from mla_convert import evaluate
+    from mla_convert.generate import encode_prompt, generate
+
+    evaluate.check_device(device)
+    net, tokenizer, label = evaluate.load_model(model, dtype, device)
+    evaluate.check_generation_config(net, label)
+    ids = encode_prompt(tokenizer, prompt, label, chat, device)
+    run = generate(net, tokenizer, ids, max_new_tokens, sample=sample, temperature=temperature, seed=seed, cache=cache)
+    typer.echo(run.text)
+    typer.echo("---")
+    line = (f"{label} ({net.config.model_type}, {dtype}, {device}): prompt {run.prompt_tokens} tokens, generated "
+            f"{run.new_tokens} in {run.seconds:.2f} s = {run.new_tokens / run.seconds:.1f} tokens/s")
+    if run.decode_rate is not None:
+        line += f" (first token {run.first_token_seconds:.2f} s, then {run.decode_rate:.1f} tokens/s decode"
+        line += ", after the compiling first decode step)" if run.compiled_first_step else ")"
+    typer.echo(line)
+    total = run.cache_bytes
+    if run.capacity is None:
+        typer.echo(f"KV cache: {run.bytes_per_token} bytes/token ({dtype}, all layers); {run.cached_tokens} tokens "
+                   f"cached = {total} bytes ({total / 2**20:.2f} MiB)")
+    else:  # preallocated: the bytes are the capacity's, whatever was written
+        typer.echo(f"KV cache: {run.bytes_per_token} bytes/token ({dtype}, all layers); {run.cached_tokens} tokens "
+                   f"cached in a static cache of {run.capacity} tokens = {total} bytes ({total / 2**20:.2f} MiB)")
+

@@ -1,0 +1,109 @@
+"""The option schema (mla_convert/schema.py): ConvertOptions, the convert commands' options, their checks
+and docs/options.md are all made from it."""
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import typer
+
+from mla_convert.cli import app
+from mla_convert import schema
+from mla_convert.convert import ConvertOptions
+from mla_convert.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ("convert", "llama", "qwen", "phi3", "gemma", "olmo2")
+
+
+def test_docs_options_is_current():
+    """docs/options.md is generated: regenerate it with `python -m mla_convert.schema --markdown`."""
+    assert (ROOT / "docs" / "options.md").read_text() == schema.markdown(), (
+        "docs/options.md is stale: python -m mla_convert.schema --markdown > docs/options.md")
+
+
+def test_convert_options_are_the_schema():
+    fields = dataclasses.fields(ConvertOptions)
+    assert [f.name for f in fields] == [o.name for o in schema.OPTIONS if not o.cli_only]
+    assert {f.name: f.default for f in fields} == schema.DEFAULTS
+    # the order and defaults provenance.json and the resume fingerprint record (dataclasses.asdict)
+    assert list(dataclasses.asdict(ConvertOptions())) == list(schema.DEFAULTS)
+
+
+def test_choices_are_the_librarys():
+    from mla_convert import lowrank, refine, rope
+    from mla_convert.dtypes import DTYPES
+
+    assert schema.choices("rope_strategy") == rope.STRATEGIES
+    assert schema.choices("method") == lowrank.METHODS and schema.choices("objective") == lowrank.OBJECTIVES
+    assert schema.choices("dtype") == tuple(DTYPES)
+    assert (refine.SCOPES, refine.MODEL_SCOPES, refine.PRECISIONS) == (
+        schema.choices("refine_scope"), schema.choices("refine_model_scope"), schema.choices("refine_precision"))
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_commands_take_every_schema_option(name):
+    command = typer.main.get_command(app).commands[name]
+    params = {p.name: p for p in command.params}
+    assert list(params) == ["model", *(o.name for o in schema.OPTIONS), "verbose", "quiet"]
+    for option in schema.OPTIONS:
+        param = params[option.name]
+        assert param.help == option.help and param.default == option.flag_default, option.name
+        spelled = [*param.opts, *param.secondary_opts]
+        assert spelled == [s for flag in option.flags for s in flag.split("/")], option.name
+
+
+@pytest.mark.parametrize("changes, line", [
+    (dict(factorization="both"), "--factorization must be one of joint, split, got both"),
+    (dict(kv_budget=-1.0), "--kv-budget must be a positive number (elements, or a fraction <= 1), got -1.0"),
+    (dict(kv_balance=float("inf")), "--kv-balance must be a positive number, got inf"),
+    (dict(kv_balance=0.0), "--kv-balance must be positive, got 0.0"),
+    (dict(calib_seq_len=1), "--calib-seq-len must be at least 2"),
+    (dict(refine_mlp_lr_scale=float("nan")), "--refine-mlp-lr-scale must be 0 or more, got nan"),
+    (dict(dtype="int8"), "--dtype must be one of float32, bfloat16, float16, got int8"),
+    (dict(rank=8), "give --rank (latent dims) or --kv-budget (cache per token per layer), not both"),
+    (dict(kv_budget=None), "give --rank (latent dims) or --kv-budget (elements per token per layer, or a fraction)"),
+    (dict(calib_data=None, objective="scores"), "--objective scores needs calibration text"),
+    (dict(refine_model_steps=4, calib_propagate="converted"), "--calib-propagate converted does not carry"),
+])
+def test_check_options_names_the_flag(changes, line):
+    options = dataclasses.replace(ConvertOptions(kv_budget=0.5), **changes)
+    with pytest.raises(UserError) as e:
+        schema.check_options(options)
+    assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def test_good_options_pass():
+    schema.check_options(ConvertOptions(kv_budget=0.5))
+    schema.check_options(ConvertOptions(rank=32, calib_data=None, refine_steps=0, refine_model_steps=0))
+
+
+def test_schema_imports_no_torch():
+    """The CLI builds its options from the schema: it imports nothing heavy (only the standard library and errors)."""
+    tree = ast.parse((ROOT / "mla_convert" / "conversion" / "schema.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= {"__future__", "dataclasses", "math", "sys", "pathlib", "typing", "mla_convert.errors"}, imported
+
+
+def test_kv_balance_none_reaches_the_conversion(sources, calib_text, tmp_path):
+    """`--kv-balance none`: the joint factorization of the unscaled key and value blocks (ConvertOptions(kv_balance=
+    None)), recorded as such; a word that is neither a number nor none is one clear line."""
+    import json
+
+    from conftest import assert_user_error
+    from typer.testing import CliRunner
+
+    option = schema.BY_NAME["kv_balance"]
+    assert (option.from_flag(None), option.from_flag("none"), option.from_flag("0.5")) == (1.0, None, 0.5)
+    args = ["llama", str(sources["llama-gqa"]), "--rank", "16", "--rope-dims", "8", "--calib-data", str(calib_text),
+            "--calib-samples", "2", "--calib-seq-len", "16", "--refine-steps", "0", "--refine-model-steps", "0"]
+    bad = CliRunner().invoke(app, [*args, "--kv-balance", "some", "--dry-run"])
+    assert_user_error(bad.exit_code, bad.output, "--kv-balance must be a number or none, got 'some'")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [*args, "--kv-balance", "none", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "provenance.json").read_text())
+    assert record["options"]["kv_balance"] is None
+    assert "balanced" not in json.dumps(record)  # describe_method names a balance only where there is one
