@@ -87,3 +87,88 @@ def test_readme_for_a_newcomer():
     for command in ("bash scripts/install.sh && bash scripts/main.sh",
                     "bash scripts/install.sh && bash scripts/install-vllm.sh && bash scripts/test.sh"):
         assert f"\n{command}\n" in readme, f"README.md lost its command {command!r} (CI and the main job run it)"
+
+
+# The house's limits (docs/architecture.md): a module reads in one sitting, a function on one screen.
+MODULE_LINES = 700
+FUNCTION_LINES = 80
+
+
+def test_house_limits():
+    import ast
+
+    long_modules, long_functions = [], []
+    for path in sorted((ROOT / "mla_convert").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        name = str(path.relative_to(ROOT))
+        if len(text.splitlines()) > MODULE_LINES:
+            long_modules.append(f"{name} ({len(text.splitlines())})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > FUNCTION_LINES:
+                    long_functions.append(f"{name}:{node.lineno} {node.name} ({lines})")
+    assert not long_modules, f"modules over {MODULE_LINES} lines: {long_modules}"
+    assert not long_functions, f"functions over {FUNCTION_LINES} lines: {long_functions}"
+
+
+def rooms() -> dict[str, set[str]]:
+    """{room: the rooms it imports}: a room is a top-level module (`name.py`) or subpackage (`name/`) of mla_convert."""
+    import ast
+
+    package = ROOT / "mla_convert"
+
+    def room(module: str) -> str | None:
+        parts = module.split(".")
+        if parts[0] != "mla_convert" or len(parts) < 2:
+            return None
+        if (package / parts[1]).is_dir():
+            return parts[1] + "/"
+        return parts[1] + ".py" if (package / (parts[1] + ".py")).is_file() else None
+
+    out = {}
+    for path in sorted(package.iterdir()):
+        if path.name.startswith("_") or not (path.is_dir() or path.suffix == ".py"):
+            continue
+        name = path.name + ("/" if path.is_dir() else "")
+        imports = set()
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                elif isinstance(node, ast.Import):
+                    modules = [a.name for a in node.names]
+                else:
+                    continue
+                imports |= {r for r in map(room, modules) if r and r != name}
+        out[name] = imports
+    return out
+
+
+def test_architecture_rooms_are_current():
+    """docs/architecture.md's table of rooms lists every room with the rooms it imports, as the code has them, and
+    the rooms import one another without a cycle."""
+    table = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 3:
+            imports = cells[-1]
+            table[cells[0].strip("`")] = set() if imports == "-" else {i.strip().strip("`") for i in imports.split(",")}
+    actual = rooms()
+    assert table == actual, "docs/architecture.md's rooms differ from the code: " + "; ".join(
+        f"{r}: table {sorted(table.get(r, []))}, code {sorted(actual.get(r, []))}"
+        for r in sorted(set(table) | set(actual)) if table.get(r) != actual.get(r))
+    done, visiting = set(), []
+
+    def visit(r: str) -> None:
+        assert r not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(r):] + [r])}"
+        if r in done:
+            return
+        visiting.append(r)
+        for other in sorted(actual[r]):
+            visit(other)
+        visiting.pop()
+        done.add(r)
+
+    for r in sorted(actual):
+        visit(r)
