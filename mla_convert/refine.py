@@ -49,8 +49,7 @@ MLP_LR_SCALE = DEFAULTS["refine_mlp_lr_scale"]
 AUTO_CPU_SECONDS = 5400
 # `--refine-precision`: what the training steps of both stages compute in (the weights, the targets and the held-out
 # checks stay float32). auto: bfloat16 (autocast) on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX),
-# float32 elsewhere. The default stays float32 until bfloat16's quality is measured on a whole conversion
-# (docs/decisions.md#refinement-precision).
+# float32 elsewhere. The default and the rule that would change it: docs/decisions.md#refinement-precision.
 PRECISIONS = choices("refine_precision")
 DEFAULT_PRECISION = DEFAULTS["refine_precision"]
 
