@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import typer
 
+from mla_convert import policy
 from mla_convert.cli.base import QuietOpt, VerboseOpt, app, friendly, setup_logging
 from mla_convert.schema import BY_NAME, CONVERSION, OPTIONS
 from mla_convert.errors import UserError
@@ -30,8 +31,8 @@ def _warn_test_split(calib_data: str | None, calib_samples: int | None) -> None:
     from mla_convert.calibration import check_calib_spec
     from mla_convert.data import looks_like_test_split
 
-    # by default at least 16 windows (conversion.plan.default_calib_samples)
-    for name, _ in check_calib_spec(calib_data, calib_samples or 16):
+    # by default at least the narrow latents' windows (policy.CALIB_SAMPLES)
+    for name, _ in check_calib_spec(calib_data, calib_samples or policy.CALIB_SAMPLES[0]):
         if looks_like_test_split(name):
             typer.echo(f"warning: --calib-data {name} looks like a test split: calibrate on other text than "
                        "you evaluate on (e.g. wiki.valid.tokens), or a later perplexity on it flatters the result",

@@ -250,8 +250,8 @@ class Conversion:
         activations where they reach past it). Returns the last layer whose output activations were kept."""
         kept, runner, record = self.kept, self.runner, self.record
         prefix = self.family.layer_prefix.format(i=i)
-        record.rope_pairs[i] = store.read_layer(kept / store.layer_file(i), tensors=False)[1]
-        record.add(store.read_layer_record(kept / store.layer_file(i)))
+        record.rope_pairs[i], layer_record = store.read_layer_meta(kept / store.layer_file(i))
+        record.add(layer_record)
         if runner is not None and i == 0:
             past = store.read_activations(kept)  # the hidden states after the last layer a run finished, if kept
             if past is not None and all(j in done for j in range(past[0] + 1)):
@@ -259,7 +259,7 @@ class Conversion:
         if runner is not None and i > skip_through:
             if self.options.calib_propagate == "converted":  # the layer as kept (its MLP too, if refined)
                 kept_tensors = {n[len(prefix) :]: t.to(self.device)
-                                for n, t in store.read_layer(kept / store.layer_file(i))[0].items()}
+                                for n, t in store.read_layer(kept / store.layer_file(i)).items()}
                 mla_tensors = {n[len("self_attn.") :]: t for n, t in kept_tensors.items() if n.startswith("self_attn.")}
                 runner.advance(converted_decoder_layer(self.config, self.plan, self.family, record.rope_pairs, i,
                                                        kept_tensors, mla_tensors))
@@ -341,7 +341,7 @@ class Conversion:
         for name in other_tensor_names(source, self.family):
             writer.add(name, source.get_raw(name))  # as stored: cast only when --dtype differs
         for i in range(plan.layers):
-            for name, tensor in store.read_layer(self.kept / store.layer_file(i))[0].items():
+            for name, tensor in store.read_layer(self.kept / store.layer_file(i)).items():
                 writer.add(name, trained.get(name, tensor))
         writer.finalize()
         mla_config(config, plan, self.family, self.record.rope_pairs, plan.dtype).save_pretrained(stage)

@@ -70,7 +70,7 @@ def model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs, 
     clock = time.perf_counter()
     state = {name: source.get_raw(name).float() for name in other_tensor_names(source, family)}
     for i in range(plan.layers):
-        state.update({n: t.float() for n, t in read_layer(kept / layer_file(i))[0].items()})
+        state.update({n: t.float() for n, t in read_layer(kept / layer_file(i)).items()})
     with torch.device(device):
         model = MLAForCausalLM(mla_config(config, plan, family, rope_pairs, "float32"))
     missing, unexpected = model.load_state_dict(state, strict=False)

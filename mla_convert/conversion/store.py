@@ -33,22 +33,22 @@ def write_layer(path: Path, tensors: dict[str, torch.Tensor], rope_pairs: list[i
     seal_kept_file(tmp, path)
 
 
-def read_layer(path: Path, tensors: bool = True) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """(the layer's tensors in writing order, or {} without `tensors`; its RoPE pairs) from `write_layer`'s file."""
+def read_layer(path: Path) -> dict[str, torch.Tensor]:
+    """The layer's tensors from `write_layer`'s file, in writing order."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in json.loads(f.metadata()["order"])}
+
+
+def read_layer_meta(path: Path) -> tuple[list[int], dict]:
+    """(the layer's RoPE pairs, what the run that converted it recorded of it: {} in a file without a record) from
+    `write_layer`'s file, without reading its tensors."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-        out = {name: f.get_tensor(name) for name in json.loads(meta["order"])} if tensors else {}
-    return out, json.loads(meta["rope_pairs"])
-
-
-def read_layer_record(path: Path) -> dict:
-    """What the run that converted the layer recorded of it (`write_layer`'s `record`; {} in a file without one)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata().get("record", "{}"))
+    return json.loads(meta["rope_pairs"]), json.loads(meta.get("record", "{}"))
 
 
 ACTIVATIONS_FILE = "activations.safetensors"
