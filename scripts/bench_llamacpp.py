@@ -43,6 +43,7 @@ from mla_convert.serving import engine, llamacpp  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 OUT = ROOT / "benchmarks" / "llamacpp"
+QUIET_LOAD = 2.5  # 1-minute load average on the 2-core machine at or under which a decode run counts as quiet
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
@@ -167,6 +168,9 @@ def decode(args, results: dict, src: Path, text: str) -> None:
     models = {"source": str(src)}
     for b in args.decode_budgets or args.budgets:
         models[label(b)] = str((args.work / f"smol-{int(b * 1000)}.gguf").resolve())
+    for spec in args.decode_extra:  # LABEL=PATH
+        name, path = spec.split("=", 1)
+        models[name] = str(Path(path).resolve())
     limit = {}
     for spec in args.max_context:  # LABEL=N
         name, n = spec.rsplit("=", 1)
@@ -174,7 +178,7 @@ def decode(args, results: dict, src: Path, text: str) -> None:
     n_ctx = max(args.contexts) + len(args.contexts) * args.rounds * args.decode_tokens + 256
     request = {"models": models, "n_ctx": n_ctx, "threads": args.threads, "contexts": args.contexts,
                "tokens": args.decode_tokens, "rounds": args.rounds, "ids": ids, "max_context": limit,
-               "flash_attn": args.flash_attn}  # fmt: skip
+               "flash_attn": args.flash_attn, "fill_threads": args.fill_threads or args.threads}  # fmt: skip
     tag = args.decode_tag
     req, res, log = (args.work / f"decode-{tag}-{x}" for x in ("request.json", "result.json", "log.txt"))
     req.write_text(json.dumps(request))
@@ -211,7 +215,8 @@ def decode(args, results: dict, src: Path, text: str) -> None:
                          "weights_read_mib": weights_read_mib(models[name])}  # fmt: skip
     fresh = json.loads((OUT / "results.json").read_text()).get("decode", {}) if (OUT / "results.json").exists() else {}
     results["decode"] = {**fresh, tag: {
-        "command": results["commands"][-1], "threads": args.threads, "tokens": args.decode_tokens,
+        "command": results["commands"][-1], "threads": args.threads, "fill_threads": args.fill_threads or args.threads,
+        "tokens": args.decode_tokens,
         "rounds": args.rounds, "n_ctx": n_ctx, "contexts": args.contexts, "flash_attn": args.flash_attn,
         "max_context": limit, "models": summary, "load_average_start": load_start,
         "load_average_end": os.getloadavg(), "exit": proc.returncode}}  # fmt: skip
@@ -257,6 +262,8 @@ def main() -> None:
     p.add_argument("--decode-budgets", type=float, nargs="+", help="budgets timed in decode (default: --budgets)")
     p.add_argument("--max-context", nargs="*", default=[], metavar="LABEL=N",
                    help="a model timed only up to context N (e.g. 50%%=8192), where the longest fill takes too long")
+    p.add_argument("--decode-extra", nargs="*", default=[], metavar="LABEL=PATH",
+                   help="more GGUF files timed in the decode run (e.g. 25%%-pad64=out/smol-250-pad.gguf)")
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--decode-tag", default="main", help="name of this decode run in results.json (runs side by side)")
     p.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention in the decode run")
@@ -264,6 +271,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="llama.cpp threads (1 by default: on a shared machine OpenMP's spinning threads are slowed "
                         "most by other work)")  # fmt: skip
+    p.add_argument("--fill-threads", type=int,
+                   help="llama.cpp batch threads growing the sequences in the decode run (default: --threads); the "
+                        "timed single-token steps use --threads")  # fmt: skip
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--redo-source", action="store_true")
     p.add_argument("--work", type=Path, default=ROOT / "out")
@@ -414,6 +424,9 @@ def profile_section(tag: str, p: dict) -> list[str]:
 
 def write_readme(r: dict) -> None:
     runs = r.get("decode") or {}
+    quiet = [tag for tag, d in runs.items()
+             if max(x for m in d["models"].values() for c in m["contexts"].values() for pair in c["load"] for x in pair)
+             <= QUIET_LOAD]  # fmt: skip
     lines = [
         "# llama.cpp: the GGUF export against transformers, and decode speed against the source GGUF",
         "",
@@ -426,9 +439,10 @@ def write_readme(r: dict) -> None:
         "with `mla-convert export OUT --format gguf` (f32). The source GGUF is the embedded SmolLM2-135M-Instruct Q4_1 "
         "file re-typed to f32 by llama.cpp's own quantizer (the weights transformers de-quantizes).",
         "",
-        "**All times were taken on a shared 2-core machine under other engineers' load** (the 1-minute load average "
-        "is recorded before and after every timing, below): they compare models measured side by side in one "
-        "process, interleaved, not absolute speeds.",
+        f"**Quiet-machine decode runs: {', '.join(f'`{t}`' for t in quiet) or 'none'}** (every timing's 1-minute load "
+        f"average at most {QUIET_LOAD}, the fill's threads included). The others ran under other engineers' load (the "
+        "load average is recorded before and after every timing, below): they compare models measured side by side "
+        "in one process, interleaved, not absolute speeds.",
         "",
         "## Engine parity",
         "",
@@ -472,10 +486,10 @@ def write_readme(r: dict) -> None:
                   "process, each with its own f16 KV cache; each sequence grown (WikiText-2 test tokens) to each "
                   "context length in turn, then single-token decode steps timed per model in rounds, the model "
                   "order reversed every other round, the 1-minute load average read before and after every timing. "
-                  "Same type (f32 weights, f16 cache), same threads (1), same process. Runs in the order of their "
-                  "weight for issue 48: the 25% GGUF against the source at 8K first."]
-    order = ["fa", "no-fa-8k", "no-fa", "fa-50-12.5"]
-    for tag in sorted(runs, key=lambda t: order.index(t) if t in order else len(order)):
+                  "Same type (f32 weights, f16 cache), same threads (1), same process. The quiet-machine runs first, "
+                  "then the others in the order of their weight for issue 48 (the 25% GGUF against the source)."]
+    order = ["no-fa-8k", "fa", "no-fa", "fa-50-12.5"]
+    for tag in sorted(runs, key=lambda t: (t not in quiet, order.index(t) if t in order else len(order))):
         lines += decode_section(tag, runs[tag])
     for tag, p in (r.get("profile") or {}).items():
         lines += profile_section(tag, p)

@@ -5,7 +5,8 @@ REQUEST is JSON: models ({label: gguf path}, loaded in that order, each with its
 threads, contexts (increasing), tokens (single-token steps per timing), rounds (timings per model per context),
 ids (token ids the sequences are filled with, repeated), optionally max_context ({label: n}: that model stops
 after context n, where growing every model to the longest context would not fit the time at hand), flash_attn
-(llama.cpp's flash attention, as llama-cli's and llama-server's default `-fa auto` picks on CPU). Every model's sequence is grown to each context length in
+(llama.cpp's flash attention, as llama-cli's and llama-server's default `-fa auto` picks on CPU), optionally
+fill_threads (llama.cpp's batch threads, which grow the sequences; the timed single-token steps use `threads`). Every model's sequence is grown to each context length in
 turn (the fill is timed too), then the models are timed in rounds, the order reversed every other round, so a load
 that comes and goes on a shared machine falls on all of them alike; the 1-minute load average is read before and
 after every timing. The RESULT (rewritten after every context, so a run cut short keeps what it measured) is
@@ -33,11 +34,12 @@ def main(request_path: str, result_path: str) -> None:
 
     req = json.loads(Path(request_path).read_text())
     threads, steps, ids = int(req["threads"]), int(req["tokens"]), list(req["ids"])
+    fill_threads = int(req.get("fill_threads") or threads)
     no_extra_buffers(llama_cpp)
     models = {}
     for label, path in req["models"].items():
         models[label] = llama_cpp.Llama(model_path=path, n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
-                                        n_threads=threads, n_threads_batch=threads, verbose=True,
+                                        n_threads=threads, n_threads_batch=fill_threads, verbose=True,
                                         flash_attn=bool(req.get("flash_attn")))  # fmt: skip
         print(f"loaded {label}", file=sys.stderr, flush=True)
     out = {"order": list(models), "steps": [], "fills": []}

@@ -131,7 +131,8 @@ def test_refusals_before_writing(tmp_path):
         (grouped, "m.gguf", [], "not exportable exactly"),
         (native, "m.safetensors", [], "must end in .gguf"),
         (native, "m.gguf", ["--gguf-type", "q4_0"], "--gguf-type must be one of"),
-        (native, "m.gguf", ["--pad-latent", "vllm"], "--pad-latent apply to --format deepseek"),
+        (native, "m.gguf", ["--pad-latent", "vllm"], "a GGUF takes --pad-latent none or llamacpp"),
+        (native, "m.gguf", ["--drop-biases"], "--drop-biases apply to --format deepseek"),
     ]
     for folder, name, extra, needle in cases:
         result = CliRunner().invoke(app, ["export", str(folder), "--format", "gguf", "-o", str(out / name), *extra])
@@ -181,14 +182,17 @@ def test_unknown_type_refused(tmp_path):
     ("llama-gqa", {}),  # q_a = a I (input mode)
     ("llama-mha", {"rope_dims": 4}),  # query narrower than the model: q_a = a W_q, q_b = I (output mode)
     ("mistral", {"num_hidden_layers": 26, "hidden_size": 32, "intermediate_size": 32}),  # lite count: attn_q
+    ("llama-gqa", {"pad_latent": "llamacpp"}),  # latent 24 + rope 8 zero-padded to 56 + 8: a row of 64 values
 ])  # fmt: skip
 def test_llamacpp_runs_the_export_exactly(kind, options, tmp_path):
     """f32 GGUF in llama.cpp vs the native checkpoint in transformers, from the same token ids: per-token log-probs
     and greedy tokens (llama.cpp's own cached decode)."""
     options = dict(options)
-    rope_dims = options.pop("rope_dims", 8)
+    rope_dims, pad = options.pop("rope_dims", 8), options.pop("pad_latent", "none")
     _, native = convert_tiny(kind, tmp_path, rope_dims=rope_dims, **options)
-    record = export_gguf(native, tmp_path / "m.gguf", "f32")
+    record = export_gguf(native, tmp_path / "m.gguf", "f32", pad_latent=pad)
+    assert (record["kv_lora_rank"] + record["qk_rope_head_dim"]) % 64 == 0 if pad == "llamacpp" else (
+        record["kv_lora_rank"] == 24)
     gen = torch.Generator().manual_seed(4)
     windows = torch.randint(3, VOCAB, (2, 64), generator=gen).tolist()
     prompts = torch.randint(3, VOCAB, (3, 8), generator=gen).tolist()

@@ -41,8 +41,9 @@ def export_command(
         "skip them silently). Default: refused; serve such models through the vLLM plugin (docs/serving.md)."
     ),
     pad_latent: str = typer.Option(
-        "none", "--pad-latent", help="none, vllm (kv_lora_rank + rope dims = 320 or 576) or flashmla (512 + 64): "
-        "exact zero padding to a layout the engines' MLA kernels accept; the cache grows."
+        "none", "--pad-latent", help="none, vllm (kv_lora_rank + rope dims = 320 or 576), flashmla (512 + 64) or "
+        "llamacpp (kv_lora_rank + rope dims a multiple of 64, whole steps of llama.cpp's CPU dot product): exact zero "
+        "padding to a layout the engines' MLA kernels take faster or at all; the cache grows."
     ),
     verify: bool = typer.Option(
         True, "--verify/--no-verify", help="Load the export in stock transformers (subprocess) and compare its logits "
@@ -60,11 +61,12 @@ def export_command(
         from mla_convert.export.gguf import export_gguf, report_gguf
 
         given = {"--dtype": dtype != "auto", "--allow-approx": allow_approx, "--drop-biases": drop_biases,
-                 "--keep-biases": keep_biases, "--pad-latent": pad_latent != "none"}
+                 "--keep-biases": keep_biases}
         if any(given.values()):
             raise UserError(f"{', '.join(k for k, v in given.items() if v)} apply to --format deepseek; the GGUF "
                             "export is exact or refused (types: --gguf-type)")
-        report_gguf(export_gguf(model, output, gguf_type, overwrite=overwrite), output, typer.echo)
+        report_gguf(export_gguf(model, output, gguf_type, overwrite=overwrite, pad_latent=pad_latent), output,
+                    typer.echo)
         return
 
     options = ExportOptions(

@@ -336,8 +336,9 @@ def _write_file(out: Path, write, recheck) -> None:
 
 
 def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str = "f32",
-                overwrite: bool = False) -> dict:
-    """Write the native MLA checkpoint folder `model` as one llama.cpp GGUF `out`; returns the export record."""
+                overwrite: bool = False, pad_latent: str = "none") -> dict:
+    """Write the native MLA checkpoint folder `model` as one llama.cpp GGUF `out`; returns the export record.
+    `pad_latent` "llamacpp" zero-pads kv_lora_rank so that a cached row is a multiple of 64 values (exact)."""
     import gguf
 
     from mla_convert import provenance
@@ -346,6 +347,8 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
 
     if gguf_type not in GGUF_TYPES:
         raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type}")
+    if pad_latent not in ("none", "llamacpp"):
+        raise UserError(f"--pad-latent {pad_latent} is a vLLM/FlashMLA layout; a GGUF takes --pad-latent none or llamacpp")
     folder = Path(model).expanduser()
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder} has no config.json: pass a native MLA checkpoint folder (mla-convert llama -o DIR)")
@@ -354,7 +357,8 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     source = SafetensorsSource(config, str(folder), folder)
     try:
         _check_weights(source, config)
-        plan = make_plan(config, [{} for _ in range(config.num_hidden_layers)], ExportOptions(verify=False))
+        layers = [{} for _ in range(config.num_hidden_layers)]
+        plan = make_plan(config, layers, ExportOptions(verify=False, pad_latent=pad_latent))
         query = _query_layout(config, plan)
         tok = tokenizer_meta(folder, config.vocab_size)
         special = gguf.SpecialVocab(folder, load_merges=False, n_vocab=config.vocab_size)

@@ -22,7 +22,8 @@ FORMATS = ("deepseek",)
 EXPORT_EPS = 1e-6
 VLLM_MLA_HEAD_SIZES = (320, 576)  # kv_lora_rank + qk_rope_head_dim accepted by vLLM's MLA backends
 FLASHMLA_LAYOUT = (512, 64)  # (kv_lora_rank, qk_rope_head_dim) of FlashMLA
-PAD_CHOICES = ("none", "vllm", "flashmla")
+LLAMACPP_ROW = 64  # values per step of ggml's f16 dot product with AVX-512 (no AVX512-FP16)
+PAD_CHOICES = ("none", "vllm", "flashmla", "llamacpp")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
@@ -35,7 +36,7 @@ class ExportOptions:
     allow_approx: bool = False  # accept measured approximations (RoPE frequencies, dropped biases)
     drop_biases: bool = False  # drop biases the engines ignore (vLLM/SGLang load no attention bias); needs allow_approx
     keep_biases: bool = False  # keep them although only transformers applies them (vLLM/SGLang skip them silently)
-    pad_latent: str = "none"  # none | vllm (kv_lora_rank + d_r in 320/576) | flashmla (512 + 64); exact, larger cache
+    pad_latent: str = "none"  # none | vllm (320/576) | flashmla (512 + 64) | llamacpp (multiple of 64); exact, larger cache
     verify: bool = True
     verify_tokens: int = 64
     verify_batch: int = 2
@@ -95,6 +96,8 @@ def _pad_layout(options: ExportOptions, kv_lora_rank: int, rope_dims: int) -> tu
         return kv_lora_rank, rope_dims
     if options.pad_latent not in PAD_CHOICES:
         raise UserError(f"--pad-latent must be one of {', '.join(PAD_CHOICES)}, got {options.pad_latent}")
+    if options.pad_latent == "llamacpp":  # a cached row of whole 64-value steps of ggml's f16 dot product
+        return -(-(kv_lora_rank + rope_dims) // LLAMACPP_ROW) * LLAMACPP_ROW - rope_dims, rope_dims
     rope_dims_out = FLASHMLA_LAYOUT[1]
     if rope_dims > rope_dims_out or (rope_dims_out // 2) % (rope_dims // 2):
         raise UserError(
