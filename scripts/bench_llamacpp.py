@@ -422,11 +422,16 @@ def profile_section(tag: str, p: dict) -> list[str]:
     return lines
 
 
+def quiet_runs(runs: dict) -> list[str]:
+    """The decode runs whose every timing saw a 1-minute load average at most QUIET_LOAD."""
+    return [tag for tag, d in runs.items()
+            if max(x for m in d["models"].values() for c in m["contexts"].values() for pair in c["load"] for x in pair)
+            <= QUIET_LOAD]  # fmt: skip
+
+
 def write_readme(r: dict) -> None:
     runs = r.get("decode") or {}
-    quiet = [tag for tag, d in runs.items()
-             if max(x for m in d["models"].values() for c in m["contexts"].values() for pair in c["load"] for x in pair)
-             <= QUIET_LOAD]  # fmt: skip
+    quiet = quiet_runs(runs)
     lines = [
         "# llama.cpp: the GGUF export against transformers, and decode speed against the source GGUF",
         "",
@@ -517,6 +522,8 @@ def plot(r: dict) -> None:
     a.legend()
     colors = {"source": "black", "50%": "tab:blue", "25%": "tab:orange", "12.5%": "tab:green"}
     runs = r.get("decode") or {}
+    quiet = {tag: d for tag, d in runs.items() if tag in quiet_runs(runs)}
+    runs = quiet or runs  # the quiet-machine runs where there are some: the others only compare models side by side
     markers = "os^vD"
     for i, (tag, d) in enumerate(runs.items()):
         for name, m in d["models"].items():
@@ -526,7 +533,7 @@ def plot(r: dict) -> None:
     b.set_xscale("log", base=2)
     b.set_xlabel("context (tokens)")
     b.set_ylabel("decode tokens/s (best of rounds)")
-    b.set_title(f"llama.cpp decode, f32, {r.get('threads')} thread(s), shared machine")
+    b.set_title(f"llama.cpp decode, f32, {r.get('threads')} thread(s), {'quiet' if quiet else 'shared'} machine")
     b.legend(fontsize=7)
     for tag, p in (r.get("profile") or {}).items():
         style = "-" if p["flash_attn"] else ":"
