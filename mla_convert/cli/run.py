@@ -61,9 +61,9 @@ def eval_command(
     typer.echo(
         f"{label}: perplexity {result['perplexity']:.3f} over {result['windows']} x {seq_len} tokens ({data}); "
         f"KV cache {format(kv, 'g') if (kv := result['kv_cache_bytes_per_token']) is not None else 'unknown'} "
-        f"bytes/token ({dtype}"
-        + (f", as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else
-           ", as llama.cpp allocates it)" if engine == "llamacpp" else ")")
+        + (f"bytes/token ({dtype}, as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else
+           f"bytes/token ({(result.get('kv_cache_log') or {}).get('k_type', 'unknown')} cache, as llama.cpp "
+           "allocates it)" if engine == "llamacpp" else f"bytes/token ({dtype})")
     )
     if json_out is not None:
         evaluate.write_results_file(json_out, result, overwrite)
