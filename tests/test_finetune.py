@@ -16,6 +16,7 @@ import yaml
 
 from mla_convert import data, finetune, provenance
 from mla_convert.errors import UserError
+from test_serving import _compare_in_vllm, needs_vllm
 from tiny import tiny_source, tiny_text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,6 +175,23 @@ def test_one_process_distillation_writes_a_complete_checkpoint(tiny_run):
     (final / "notes.md").write_text("mine")
     (step / "trainer" / "extra.bin").write_bytes(b"mine")
     assert _foreign_entries(out) == ["final/notes.md", f"{step.name}/trainer/extra.bin"]  # overwrite=true refuses
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_finetuned_folder_serves_exactly_in_vllm(tiny_run):
+    """What finetune writes is a native checkpoint the plugin serves: vLLM computes what transformers computes on it."""
+    from accelerate.state import AcceleratorState
+
+    out = tiny_run["root"] / "served"
+    cfg = finetune.load_config(tiny_run["recipe"], [f"output={out}", "max_steps=2", "kd_weight=0.5", "teacher=auto",
+                                                   "eval_every=0"])  # fmt: skip
+    try:
+        final = finetune.run(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert provenance.load(final)["kind"] == "finetune"
+    assert _compare_in_vllm(Path(final))["attention_backend"] == "CPU_MLA"
 
 
 def _free_port() -> int:
