@@ -148,8 +148,8 @@ OPTIONS: tuple[Option, ...] = (
            "(d_c + d_r), or a fraction <= 1 of the source's cache (e.g. 0.25).", nullable=True, check=_kv_budget),
     # None: conversion.plan.default_rope_dims (docs/decisions.md#rope-key-width)
     Option("rope_dims", int, None, ("--rope-dims",), "Dims d_r of the shared RoPE key (even). Default: a third of "
-           "--kv-budget (at most head_dim and at most 64, the rope width vLLM's MLA kernels take), head_dim/2 (same "
-           "caps) with --rank.", nullable=True),
+           "--kv-budget, at most three quarters of head_dim (with --target deepseek half of it as a power of "
+           "two, up to all of head_dim), and at most 64, the rope width vLLM's MLA kernels take; head_dim/2 (same caps) with --rank.", nullable=True),
     # None: conversion.plan.default_nope_dims (docs/decisions.md#nope-key-width)
     Option("nope_dims", int, None, ("--nope-dims",), "Dims d_n of each head's nope query/key (the value keeps "
            "head_dim). Default: head_dim - d_r where d_r <= head_dim/2 with merged pairs (query/key as wide as the "
@@ -159,7 +159,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("rope_strategy", str, "attention", ("--rope-strategy",), "Which frequency pairs keep RoPE: high, low, "
            "uniform, 2-norm or attention (the pairs whose score would suffer most under the calibration attention). "
            "Default: attention (2-norm without calibration text; docs/decisions.md#closed-form-options); with "
-           "--target deepseek uniform (high when uniform does not fit).",
+           "--target deepseek high, the fastest pairs (uniform when those do not fit).",
            choices=("high", "low", "uniform", "2-norm", "attention"), cli_default=None),  # rope.STRATEGIES
     Option("rope_merge", bool, True, ("--rope-merge/--no-rope-merge",), "Merge RoPE pairs across kv heads (PCA per "
            "frequency)."),

@@ -42,19 +42,32 @@ def llama_config(**overrides):
 # ---------------------------------------------------------------------------------------------------- resolver
 
 
-def test_target_picks_uniform_then_high():
+def test_target_picks_the_fastest_pairs():
     options, notes = deepseek_convert_options(llama_config(), ConvertOptions(rank=8))
-    assert (options.rope_strategy, options.rope_dims, options.rope_merge) == ("uniform", 8, True)
-    assert "[0, 2, 4, 6]" in notes[0] and "rope_theta 10000" in notes[0]
-    # 6 pairs do not divide head_dim/2 = 8 evenly: the default falls back to the fastest pairs
+    assert (options.rope_strategy, options.rope_dims, options.rope_merge) == ("high", 8, True)
+    assert "[0, 1, 2, 3]" in notes[0] and notes[0].endswith("rope_theta 100")  # 10000^(8/16)
     options, notes = deepseek_convert_options(llama_config(), ConvertOptions(rank=8, rope_dims=12), {"rope_dims"})
     assert options.rope_strategy == "high" and "[0, 1, 2, 3, 4, 5]" in notes[0]
+    # uniform on request: every second pair, the source's base
+    options, notes = deepseek_convert_options(llama_config(), ConvertOptions(rank=8, rope_strategy="uniform"),
+                                              {"rope_strategy"})  # fmt: skip
+    assert options.rope_strategy == "uniform" and "[0, 2, 4, 6]" in notes[0] and notes[0].endswith("rope_theta 10000")
+    # with a budget the rope key takes half of it as a power of two, up to the whole head (the native default: a
+    # third, at most 3/4 of the head): 25% of 2 kv heads x 16 x 2 = 16 values -> 8 (native 6); 40% -> 12.8 -> 8
+    # (native 8); 50% -> 16 (native 10)
+    for budget, d_r in ((0.25, 8), (0.4, 8), (0.5, 16)):
+        options, _ = deepseek_convert_options(llama_config(), ConvertOptions(kv_budget=budget))
+        assert (options.rope_strategy, options.rope_dims) == ("high", d_r)
     # llama3 scaling bends the slow frequencies that uniform reaches: high keeps the unbent fast ones
     llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
     config = llama_config(hidden_size=256, head_dim=64, rope_parameters=llama3)
     options, _ = deepseek_convert_options(config, ConvertOptions(rank=8, rope_dims=16), {"rope_dims"})
     assert options.rope_strategy == "high"
+    # the default width (32) halves to fit in the 15 unbent pairs (wavelength under 8192 / 4 tokens), and says so
+    options, notes = deepseek_convert_options(config, ConvertOptions(rank=8))
+    assert (options.rope_strategy, options.rope_dims) == ("high", 16)
+    assert "not the default 32" in notes[1] and "bends the slower pairs" in notes[1]
     with pytest.raises(UserError, match="--target native"):  # 32 dims reach into the bent pairs either way
         deepseek_convert_options(config, ConvertOptions(rank=8, rope_dims=32), {"rope_dims"})
 
@@ -78,7 +91,7 @@ def test_target_refuses_explicit_choices(config, options, explicit, needle):
 
 def test_target_allows_unmerged_single_kv_head():
     options, _ = deepseek_convert_options(llama_config(num_key_value_heads=1), ConvertOptions(rank=8, rope_merge=False))
-    assert options.rope_strategy == "uniform" and not options.rope_merge
+    assert options.rope_strategy == "high" and not options.rope_merge
 
 
 def test_serving_notes():
@@ -99,7 +112,7 @@ def test_cli_target_dry_run_resolves_and_warns(sources, tmp_path, calib):
     code, output = run("llama", sources["llama-gqa"], "--rank", 16, "--target", "deepseek", "--format", "deepseek",
                        "-o", out, "--dry-run", *calib)  # fmt: skip
     assert code == 0, output
-    assert "--target deepseek: --rope-strategy uniform --rope-dims 8 --rope-merge keeps frequency pairs [0, 2, 4, 6]" in output
+    assert "--target deepseek: --rope-strategy high --rope-dims 8 --rope-merge keeps frequency pairs [0, 1, 2, 3]" in output
     assert "warning: kv_lora_rank + qk_rope_head_dim = 24" in output and "--pad-latent vllm" in output
     assert f"native MLA to {out}-native, DeepSeek-V3 export to {out}" in output
     assert not out.exists() and not (tmp_path / "out-native").exists()
@@ -136,7 +149,7 @@ def test_cli_target_deepseek_native_output_is_exportable(sources, tmp_path, cali
     code, output = run("llama", sources["llama-mha"], "--kv-budget", 0.5, "--target", "deepseek", "-o", out, *calib)
     assert code == 0, output
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "mla" and config["rope_pairs"] == [[0, 2, 4, 6]] * 2
+    assert config["model_type"] == "mla" and config["rope_pairs"] == [list(range(8))] * 2  # a third of 50%: all 8 pairs
     assert check_exportable(out) == [] and "will not export" not in output
 
 

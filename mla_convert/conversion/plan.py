@@ -217,10 +217,12 @@ def max_rank(config) -> int:
     return min(2 * groups * head_dim, hidden)
 
 
-def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> int:
-    """d_r when --rope-dims is not given: a third of the cache budget, at most three quarters of head_dim and at most
-    64 (the rope key width of vLLM's MLA kernels, `SERVED_ROPE_MAX`: a wider key cannot be served there); head_dim/2
-    (same cap) with --rank.
+def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int, budget_share: float = 1 / 3,
+                      head_share: float = 0.75) -> int:
+    """d_r when --rope-dims is not given: `budget_share` of the cache budget, at most `head_share` of head_dim and at
+    most 64 (the rope key width of vLLM's MLA kernels, `SERVED_ROPE_MAX`: a wider key cannot be served there);
+    head_dim/2 (same cap) with --rank. The native model: a third of the budget, three quarters of head_dim at most;
+    --target deepseek, whose rope key holds one pair per frequency: half of the budget, up to all of head_dim.
 
     The RoPE pairs lose more than the rank until the latent gets small, so the rope key takes a large share, but not
     the whole head: chosen on the development split, docs/decisions.md#rope-key-width."""
@@ -230,9 +232,9 @@ def default_rope_dims(options: ConvertOptions, groups: int, head_dim: int) -> in
     cap = min(head_dim, max(step, SERVED_ROPE_MAX // step * step))
     if options.kv_budget is None:
         return min(head_dim // 2, cap)
-    cap = min(cap, max(step, 3 * head_dim // 4 // step * step))
+    cap = min(cap, max(step, int(head_share * head_dim) // step * step))
     budget = options.kv_budget * 2 * groups * head_dim if options.kv_budget <= 1 else options.kv_budget
-    return int(min(cap, max(step, step * round(budget / 3 / step))))
+    return int(min(cap, max(step, step * round(budget * budget_share / step))))
 
 
 # Calibration windows by the share of the source's cache a conversion keeps (`--calib-samples`, default): a wider

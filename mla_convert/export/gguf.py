@@ -348,7 +348,8 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     if gguf_type not in GGUF_TYPES:
         raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type}")
     if pad_latent not in ("none", "llamacpp"):
-        raise UserError(f"--pad-latent {pad_latent} is a vLLM/FlashMLA layout; a GGUF takes --pad-latent none or llamacpp")
+        raise UserError(f"--pad-latent {pad_latent} is a vLLM/FlashMLA layout; a GGUF takes --pad-latent none or "
+                        "llamacpp")
     folder = Path(model).expanduser()
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder} has no config.json: pass a native MLA checkpoint folder (mla-convert llama -o DIR)")

@@ -36,7 +36,7 @@ class ExportOptions:
     allow_approx: bool = False  # accept measured approximations (RoPE frequencies, dropped biases)
     drop_biases: bool = False  # drop biases the engines ignore (vLLM/SGLang load no attention bias); needs allow_approx
     keep_biases: bool = False  # keep them although only transformers applies them (vLLM/SGLang skip them silently)
-    pad_latent: str = "none"  # none | vllm (320/576) | flashmla (512 + 64) | llamacpp (multiple of 64); exact, larger cache
+    pad_latent: str = "none"  # none | vllm (320/576) | flashmla (512 + 64) | llamacpp (x64); exact, larger cache
     verify: bool = True
     verify_tokens: int = 64
     verify_batch: int = 2

@@ -112,7 +112,9 @@ def deepseek_compatible_rope_pairs(
     return pairs
 
 
-TARGET_STRATEGIES = ("uniform", "high")  # data-free choices that keep one geometric frequency set for all layers
+# data-free choices that keep one geometric frequency set for all layers, in the order --target deepseek tries them:
+# the fastest pairs first (docs/decisions.md#the-deepseek-v3-targets-rope-pairs-issue-47)
+TARGET_STRATEGIES = ("high", "uniform")
 
 
 def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str] = frozenset()):
@@ -122,17 +124,21 @@ def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str
     the fields the user set (e.g. {"rope_strategy", "rope_dims"}): an explicit choice the format cannot hold is
     refused with a UserError naming the fix, a default is replaced by an exportable one. Exportable means: one kv
     component per frequency (merged across kv heads, or a single kv head), at most head_dim rope dims, and a data-free
-    pair choice ("uniform", else "high") whose frequencies, after the source's RoPE scaling, form a geometric set
+    pair choice ("high", else "uniform") whose frequencies, after the source's RoPE scaling, form a geometric set
     starting at the fastest pair. Returns (resolved options, notes saying what was chosen).
     """
     from mla_convert import rope as rope_lib
+    from mla_convert.conversion.plan import default_rope_dims
 
     if getattr(config, "mlp_bias", False):
         raise UserError("the MLP has biases, which DeepSeek-V3's dense MLP cannot hold: convert with --target native")
     heads = config.num_attention_heads
     groups = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    d_r = head_dim // 2 if options.rope_dims is None else options.rope_dims
+    d_r = options.rope_dims
+    if d_r is None:  # half the budget, as a power of two: vLLM's MLA layouts pad the rope key to 64 dims exactly
+        d_r = default_rope_dims(options, groups, head_dim, budget_share=0.5, head_share=1.0)
+        d_r = 1 << (d_r.bit_length() - 1)
     if d_r <= 0 or d_r % 2:
         raise UserError(f"--target deepseek needs an even, positive --rope-dims (a rope key), got {d_r}")
     if d_r > head_dim:
@@ -151,25 +157,32 @@ def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str
         candidates = list(TARGET_STRATEGIES)
     inv_freq, _ = source_frequencies(config)
     eye = torch.eye(groups, dtype=torch.float64).expand(head_dim // 2, groups, groups)
+    # a default width halves until the fastest pairs fit (RoPE scaling such as llama3 bends the slow ones)
+    widths = [d_r] if "rope_dims" in explicit else [d_r >> k for k in range(d_r.bit_length() - 1)]
+    tries = [(s, w) for s in candidates for w in (widths if s == "high" else [d_r])]
     problems = []
-    for strategy in candidates:
+    for strategy, width in tries:
         # The pairs the converter keeps with this data-free strategy (identity key statistics stand in for data).
-        plan = rope_lib.plan_rope(d_r, strategy, options.rope_merge, heads, groups, head_dim,
+        plan = rope_lib.plan_rope(width, strategy, options.rope_merge, heads, groups, head_dim,
                                   q_energy=torch.ones(heads, head_dim // 2, dtype=torch.float64), k_cov=eye)
         pairs = plan.frequencies
         fit = fit_deepseek_rope(inv_freq, [pairs])
         if fit.exact:
             # DeepSeek-V3 has one kv_lora_rank: per-layer ranks would export padded to the largest, a larger cache
             allocation = options.rank_allocation or "uniform"
-            resolved = dataclasses.replace(options, rope_dims=d_r, rope_strategy=strategy, rank_allocation=allocation)
-            notes = [f"--target deepseek: --rope-strategy {strategy} --rope-dims {d_r}"
+            resolved = dataclasses.replace(options, rope_dims=width, rope_strategy=strategy, rank_allocation=allocation)
+            notes = [f"--target deepseek: --rope-strategy {strategy} --rope-dims {width}"
                      f"{' --rope-merge' if options.rope_merge else ''} keeps frequency pairs {pairs}, exported with "
                      f"rope_theta {fit.base:.6g}"]
+            if width < d_r:
+                notes.append(f"--rope-dims {width}, not the default {d_r}: the source's RoPE scaling bends the "
+                             "slower pairs, which one geometric frequency set cannot hold")
             if allocation == "energy":
                 notes.append("--rank-allocation energy: DeepSeek-V3 has one kv_lora_rank, so the export pads every "
                              "layer's latent to the largest (a larger cache than the native checkpoint's)")
             return resolved, notes
-        problems.append(f"--rope-strategy {strategy} keeps pairs {pairs}: {fit.problems[0]}")
+        if width == d_r:
+            problems.append(f"--rope-strategy {strategy} keeps pairs {pairs}: {fit.problems[0]}")
     if "rope_strategy" in explicit and options.rope_strategy == "uniform":
         fix = "pass --rope-strategy high, or a --rope-dims whose pair count divides head_dim/2"
     else:
