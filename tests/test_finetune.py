@@ -47,6 +47,16 @@ def tiny_run(tmp_path_factory):
     return {"root": root, "teacher": teacher, "student": student, "text": text, "recipe": recipe}
 
 
+def run_in_process(cfg):
+    """finetune.run in this process; accelerate's process-wide state is reset after it, so the next run sets its own."""
+    from accelerate.state import AcceleratorState
+
+    try:
+        return finetune.run(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_run_folder_files_of_ours_and_of_a_user(tmp_path):
     """overwrite=true deletes a run folder only if everything in it is the trainer's, the tokenizer's named chat
     templates (additional_chat_templates/*.jinja, which transformers writes for tokenizers with several) included."""
@@ -142,17 +152,13 @@ def _train_losses(out: Path) -> list[float]:
 
 
 def test_one_process_distillation_writes_a_complete_checkpoint(tiny_run):
-    from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM
 
     out = tiny_run["root"] / "one"
     cfg = finetune.load_config(tiny_run["recipe"], [
         f"output={out}", "max_steps=5", "kd_weight=0.5", "teacher=auto", "save_every=2", "keep_last_n=1",
     ])
-    try:
-        final = finetune.run(cfg)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    final = run_in_process(cfg)
     assert [p.name for p in sorted(out.glob("step_*"))] == ["step_4"]  # step_2 pruned by keep_last_n=1
     assert (out / "step_4" / "trainer_state.json").is_file() and (out / "step_4" / "config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(final)
@@ -181,15 +187,10 @@ def test_one_process_distillation_writes_a_complete_checkpoint(tiny_run):
 @pytest.mark.slow
 def test_finetuned_folder_serves_exactly_in_vllm(tiny_run):
     """What finetune writes is a native checkpoint the plugin serves: vLLM computes what transformers computes on it."""
-    from accelerate.state import AcceleratorState
-
     out = tiny_run["root"] / "served"
     cfg = finetune.load_config(tiny_run["recipe"], [f"output={out}", "max_steps=2", "kd_weight=0.5", "teacher=auto",
                                                    "eval_every=0"])  # fmt: skip
-    try:
-        final = finetune.run(cfg)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    final = run_in_process(cfg)
     assert provenance.load(final)["kind"] == "finetune"
     assert _compare_in_vllm(Path(final))["attention_backend"] == "CPU_MLA"
 
@@ -244,16 +245,11 @@ def test_resume_reads_no_pickle_and_repeats_losses(tiny_run):
     holds pickle files (as accelerate's save_state writes them) is refused, never unpickled."""
     import shutil
 
-    from accelerate.state import AcceleratorState
-
     def train(out: Path) -> Path:
         cfg = finetune.load_config(tiny_run["recipe"], [
             f"output={out}", "max_steps=4", "save_every=2", "keep_last_n=0", "eval_every=0", "kd_weight=0",
         ])
-        try:
-            return finetune.run(cfg)
-        finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
+        return run_in_process(cfg)
 
     straight = tiny_run["root"] / "single"
     train(straight)
@@ -277,8 +273,6 @@ def test_resume_reads_no_pickle_and_repeats_losses(tiny_run):
 def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
     """data=self: the training text is sampled from the teacher (no data set): enough tokens for the budget plus the
     held-out windows, a run on it writes a model, and a run that cannot say how much text it needs is refused."""
-    from accelerate.state import AcceleratorState
-
     from mla_convert import selftext
 
     monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
@@ -291,10 +285,7 @@ def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
 
     stream = selftext.self_tokens(open_source(str(tiny_run["teacher"])), 1, seed=0)  # the cache: the same text
     assert torch.equal(train[0], stream[:32])
-    try:
-        final = finetune.run(cfg)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    final = run_in_process(cfg)
     assert provenance.load(final)["measurements"]["finetune"]["tokens"] == 2 * 32 * 2 * 2
     with pytest.raises(UserError, match="max_tokens"):
         finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self"]), tokenizer)
@@ -327,10 +318,7 @@ def test_report_texts_scored_at_every_evaluation(tiny_run, tmp_path, monkeypatch
     calls = []
     real = selftext.sample_batch
     monkeypatch.setattr(selftext, "sample_batch", lambda *a: calls.append(a[6]) or real(*a))
-    try:
-        final = finetune.run(cfg)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    final = run_in_process(cfg)
     assert calls and set(calls) == {3}  # batches of sample_batch sequences
     settings, path = selftext.cache_entry(open_source(str(tiny_run["teacher"])), 0, selftext.TEMPERATURE,
                                           selftext.SAMPLE_TOKENS, 3)
@@ -397,16 +385,11 @@ def test_self_text_pool_smaller_than_the_budget_repeats(tiny_run, tmp_path, monk
 def test_time_budget_stops_the_run_and_drives_the_schedule(tiny_run, tmp_path):
     """max_seconds: the run stops once the training time is spent and still writes a complete final/ whose
     provenance says so; the schedule decays with the time share when it runs ahead of the step share."""
-    from accelerate.state import AcceleratorState
-
     from mla_convert.training.models import lr_lambda
 
     cfg = finetune.load_config(tiny_run["recipe"], [f"output={tmp_path / 'run'}", "max_steps=50", "save_every=0",
                                                     "max_seconds=1e-9"])  # fmt: skip
-    try:
-        final = finetune.run(cfg)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    final = run_in_process(cfg)
     m = provenance.load(final)["measurements"]["finetune"]
     assert m["steps"] == 1 and m["stopped_for_time"] is True and m["tokens"] == 32 * 2 * 2
     records = [json.loads(x) for x in (final / "metrics.jsonl").read_text().splitlines()]
@@ -423,7 +406,6 @@ def test_time_budget_stops_the_run_and_drives_the_schedule(tiny_run, tmp_path):
 def test_keep_best_holds_the_best_evaluated_weights(tiny_run, tmp_path, monkeypatch):
     """keep_best: final/ holds the weights of the evaluation with the lowest held-out perplexity (here step 3 of 6, its
     scores set by the test, the weights checked against the step_3 checkpoint), and provenance says which step."""
-    from accelerate.state import AcceleratorState
     from safetensors.torch import load_file
 
     from mla_convert.training import loop
@@ -438,10 +420,7 @@ def test_keep_best_holds_the_best_evaluated_weights(tiny_run, tmp_path, monkeypa
     out = tmp_path / "run"
     cfg = finetune.load_config(tiny_run["recipe"], [f"output={out}", "max_steps=6", "save_every=3", "keep_last_n=0",
                                                     "keep_best=true"])  # fmt: skip
-    try:
-        final = finetune.run(cfg)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    final = run_in_process(cfg)
     m = provenance.load(final)["measurements"]["finetune"]
     assert m["kept_step"] == 3 and m["steps"] == 6
     at3, kept = load_file(out / "step_3" / "model.safetensors"), load_file(final / "model.safetensors")

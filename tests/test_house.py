@@ -30,9 +30,8 @@ import pytest
 from conftest import needs_smollm2
 from tiny import tiny_source, tiny_text
 
-# The commit whose outputs the current code must reproduce. Move it forward only to a change that means to change
-# outputs (the next commit names it). History: 1c644ab, the last before issue 51's refactor; 2b8575f, --target
-# deepseek's fastest RoPE pairs (the main job's and the dry-run's bytes were checked equal to 1c644ab's there).
+# The commit whose outputs the current code must reproduce (2b8575f: --target deepseek's fastest RoPE pairs). Move it
+# forward only to a change that means to change outputs (the next commit names it).
 REFERENCE = "2b8575f2d49e5b1e20dca66cacba37022378b1fa"
 
 ROOT = Path(__file__).resolve().parents[1]

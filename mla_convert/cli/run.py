@@ -58,12 +58,15 @@ def eval_command(
         typer.echo(f"warning: {warning}", err=True)
     result, label = _score(engine, model, text, seq_len, windows, dtype, device, quiet)
     result.update(model=label, data=data, dtype=dtype)
+    cache = dtype
+    if engine == "vllm":
+        cache = f"{dtype}, as vLLM allocates it, {result['attention_backend']}"
+    elif engine == "llamacpp":
+        cache = f"{(result.get('kv_cache_log') or {}).get('k_type', 'unknown')} cache, as llama.cpp allocates it"
     typer.echo(
         f"{label}: perplexity {result['perplexity']:.3f} over {result['windows']} x {seq_len} tokens ({data}); "
         f"KV cache {format(kv, 'g') if (kv := result['kv_cache_bytes_per_token']) is not None else 'unknown'} "
-        + (f"bytes/token ({dtype}, as vLLM allocates it, {result['attention_backend']})" if engine == "vllm" else
-           f"bytes/token ({(result.get('kv_cache_log') or {}).get('k_type', 'unknown')} cache, as llama.cpp "
-           "allocates it)" if engine == "llamacpp" else f"bytes/token ({dtype})")
+        f"bytes/token ({cache})"
     )
     if json_out is not None:
         evaluate.write_results_file(json_out, result, overwrite)
