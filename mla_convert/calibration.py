@@ -13,7 +13,7 @@ import torch
 
 from mla_convert.data import load_text, tokenize, written_as_path  # one loader and one tokenizer for every text
 from mla_convert.errors import UserError
-from mla_convert.selftext import CALIB_TEMPERATURE, SAMPLE_TOKENS, SELF_DOC, STYLES, self_tokens
+from mla_convert.selftext import CALIB_TEMPERATURE, SAMPLE_TOKENS, SELF_DOC, STYLES, missing_tokens, self_tokens
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +82,34 @@ def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: in
     windows of text sampled from the source for `self` (chat answers of `sample_tokens` new tokens at most, joined)
     and `self-doc` (one document a window), sampled at `temperature`, in the weights' proportions, in the order
     given. Text is sampled on `device` (see `self_tokens`)."""
-    parts = check_calib_spec(spec, n_samples)
-    counts = window_counts([w for _, w in parts], n_samples)
     out = []
-    for (name, _), count in zip(parts, counts):
-        if name in STYLES:
-            length = dict(sample_tokens=seq_len, style=STYLES[name]) if name == SELF_DOC else dict(  # a doc a window
-                sample_tokens=sample_tokens)
+    for name, count, length in _parts(spec, n_samples, seq_len, sample_tokens):
+        if length is not None:
             ids = self_tokens(source, count * seq_len, seed, temperature=temperature, device=device, **length)
             out.append(ids[: count * seq_len].view(count, seq_len))
         else:
             out.append(token_windows(source.tokenizer(), load_text(name), count, seq_len, seed, label=name))
     return torch.cat(out)
+
+
+def _parts(spec: str, n_samples: int, seq_len: int, sample_tokens: int):
+    """(name, windows, the self text's length arguments or None for a text) of each part of a calibration spec."""
+    parts = check_calib_spec(spec, n_samples)
+    for (name, _), count in zip(parts, window_counts([w for _, w in parts], n_samples)):
+        length = None
+        if name in STYLES:  # a document a window; chat answers of sample_tokens at most
+            length = dict(sample_tokens=seq_len, style=STYLES[name]) if name == SELF_DOC else dict(
+                sample_tokens=sample_tokens)
+        yield name, count, length
+
+
+def self_tokens_to_sample(source, spec: str, n_samples: int, seq_len: int, seed: int,
+                          temperature: float = CALIB_TEMPERATURE, sample_tokens: int = SAMPLE_TOKENS,
+                          device: str = "cpu") -> int:
+    """The tokens `calibration_tokens` would sample for the same arguments (those its cache lacks), reading nothing
+    but the cache."""
+    return sum(missing_tokens(source, count * seq_len, seed, temperature=temperature, device=device, **length)
+               for _, count, length in _parts(spec, n_samples, seq_len, sample_tokens) if length is not None)
 
 
 def token_windows(tokenizer, text: str, n_samples: int, seq_len: int, seed: int, label: str = "") -> torch.Tensor:

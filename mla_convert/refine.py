@@ -35,10 +35,11 @@ STEP_TOKENS = 2048  # tokens a step: a shorter window (`--refine-seq-len`) takes
 SEQ_LEN = DEFAULTS["refine_seq_len"]
 BATCH = STEP_TOKENS // SEQ_LEN
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS: the
-# embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores sustain, rounded down
+# embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores sustain in the refinement's
+# float32 steps; CPU_BF16_FLOPS: in its bfloat16 steps (AMX / AVX512-BF16). Both measured on whole conversions
 # (docs/decisions.md#refinement-on-the-cpu-when-auto-refines).
-CPU_FLOPS = 1.5e11
-CPU_BF16_FLOPS = 2.4e11  # the same cores computing the steps in bfloat16 (AMX / AVX512-BF16; scripts/bench_refine_step.py)
+CPU_FLOPS = 2.0e11
+CPU_BF16_FLOPS = 3.0e11
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
 # back what the attention lost. MLP_LR_SCALE (`--refine-mlp-lr-scale`): the MLP's and norms' learning rate / the
@@ -48,8 +49,8 @@ DEFAULT_SCOPE = DEFAULTS["refine_scope"]
 MLP_LR_SCALE = DEFAULTS["refine_mlp_lr_scale"]
 AUTO_CPU_SECONDS = 5400
 # `--refine-precision`: what the training steps of both stages compute in (the weights, the targets and the held-out
-# checks stay float32). auto: bfloat16 (autocast) on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX),
-# float32 elsewhere. The default and the rule that would change it: docs/decisions.md#refinement-precision.
+# checks stay float32). auto (the default): bfloat16 (autocast) on CPUs with native bfloat16 arithmetic (AVX512-BF16
+# or AMX), float32 elsewhere and on GPUs. Chosen on the development split: docs/decisions.md#refinement-precision.
 PRECISIONS = choices("refine_precision")
 DEFAULT_PRECISION = DEFAULTS["refine_precision"]
 
@@ -263,8 +264,8 @@ def model_step_flops(plan, seq_len: int = SEQ_LEN) -> float:
 
 def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
     """The model stage's `steps` at `rate` flop/s, with its held-out passes (a forward, about a third of a step: one
-    before training and MODEL_CHECKS during it)."""
-    return (steps + (MODEL_CHECKS + 1) / 3) * model_step_flops(plan, seq_len) / rate
+    before training and MODEL_CHECKS during it); 0 without steps."""
+    return (steps + (MODEL_CHECKS + 1) / 3) * model_step_flops(plan, seq_len) / rate if steps else 0.0
 
 
 def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS) -> int:

@@ -264,13 +264,8 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
     document. On a CUDA `device` the source samples there in bfloat16: other random streams and rounding than on the
     CPU, so that text is cached under its own key."""
     on_cuda = torch.device(device).type == "cuda"
-    document = style == "document"
-    batch = batch or ((CUDA_DOC_BATCH if document else CUDA_BATCH) if on_cuda else (DOC_BATCH if document else BATCH))
-    temperature = TEMPERATURE if temperature is None else temperature
-    sample_tokens = SAMPLE_TOKENS if sample_tokens is None else sample_tokens
-    if not temperature > 0 or sample_tokens <= 0:
-        raise UserError("self-generated text needs a positive temperature and sample length")
-    settings, path = cache_entry(source, seed, temperature, sample_tokens, batch, style, "cuda" if on_cuda else None)
+    settings, path = _entry(source, seed, temperature, sample_tokens, batch, style, device)
+    temperature, sample_tokens, batch = settings["temperature"], settings["sample_tokens"], settings["batch"]
     batches = read_cache(path, settings)
     have = sum(len(s) for b in batches for s in b["tokens"])
     if have < n_tokens:
@@ -291,6 +286,27 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
             log.info("sampled %d of %d tokens", have, n_tokens)
         del model
     return torch.tensor([t for b in batches for s in b["tokens"] for t in s], dtype=torch.long)
+
+
+def _entry(source, seed: int, temperature: float | None, sample_tokens: int | None, batch: int | None, style: str,
+           device: str) -> tuple[dict, Path]:
+    """The cache settings and file of a `self_tokens` request, its defaults filled in."""
+    on_cuda = torch.device(device).type == "cuda"
+    document = style == "document"
+    batch = batch or ((CUDA_DOC_BATCH if document else CUDA_BATCH) if on_cuda else (DOC_BATCH if document else BATCH))
+    temperature = TEMPERATURE if temperature is None else temperature
+    sample_tokens = SAMPLE_TOKENS if sample_tokens is None else sample_tokens
+    if not temperature > 0 or sample_tokens <= 0:
+        raise UserError("self-generated text needs a positive temperature and sample length")
+    return cache_entry(source, seed, temperature, sample_tokens, batch, style, "cuda" if on_cuda else None)
+
+
+def missing_tokens(source, n_tokens: int, seed: int, temperature: float | None = None,
+                   sample_tokens: int | None = None, batch: int | None = None, style: str = "chat",
+                   device: str = "cpu") -> int:
+    """How many of the `n_tokens` a `self_tokens` request asks for are not cached yet (what it would sample)."""
+    settings, path = _entry(source, seed, temperature, sample_tokens, batch, style, device)
+    return max(0, n_tokens - sum(len(s) for b in read_cache(path, settings) for s in b["tokens"]))
 
 
 def available_memory() -> int | None:

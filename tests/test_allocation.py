@@ -89,3 +89,21 @@ def test_split_factorization_records_per_token_values(sources, convert_tiny):
     record = json.loads((out / "provenance.json").read_text())
     assert record["options"]["value_inputs"] == "token"
     assert "attended inputs" not in record["method"]
+
+
+def test_statistics_kept_from_the_statistics_pass_convert_identically(steep_first_layer, convert_tiny, monkeypatch):
+    """The conversion pass reuses the statistics the energy allocation's pass took on the same source stream: the
+    output is the one that taking them again gives, tensor for tensor (refinement included)."""
+    from safetensors.torch import load_file
+
+    from mla_convert.conversion import pipeline
+
+    options = dict(rank=8, rope_dims=4, rank_allocation="energy", refine_steps=3, refine_model_steps=2)
+    kept = convert_tiny(steep_first_layer, **options)
+    monkeypatch.setattr(pipeline, "KEEP_STATISTICS_BYTES", 0)
+    taken_again = convert_tiny(steep_first_layer, **options)
+    a, b = (load_file(str(next(f.glob("*.safetensors")))) for f in (kept, taken_again))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert json.loads((kept / "config.json").read_text()) == json.loads((taken_again / "config.json").read_text())

@@ -35,6 +35,26 @@ def test_dry_run_prints_plan_and_writes_nothing(sources, tmp_path, calib):
     assert not out.exists()
 
 
+def test_dry_run_prices_each_phase(sources, tmp_path, monkeypatch):
+    """The plan's time line: the total on a 2-core CPU and its phases, the self text only while it is not cached."""
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
+
+    def time_line(out, *extra):
+        code, output = run("llama", sources["llama-gqa"], "--rank", 16, "--rope-dims", 8, "-o", tmp_path / out,
+                           "--calib-samples", 2, "--calib-seq-len", 16, *extra)
+        assert code == 0, output
+        return next((t for t in output.splitlines() if t.startswith("time on a 2-core CPU: about")), output)
+
+    steps = ("--refine-steps", 5, "--refine-model-steps", 2)
+    line = time_line("a", *steps, "--dry-run")
+    assert all(phase in line for phase in ("self text", "calibration", "refinement", "model stage")), line
+    time_line("a", *steps)  # converts: samples the text and caches it
+    line = time_line("b", *steps, "--dry-run")
+    assert "self text" not in line and "calibration" in line and "refinement" in line, line
+    line = time_line("b", "--calib-data", "none", "--refine-steps", 0, "--refine-model-steps", 0, "--dry-run")
+    assert line == "time on a 2-core CPU: about 0 min", line
+
+
 @pytest.mark.parametrize("budget,windows", [(0.25, 16), (0.5, 32), (0.375, 32)])
 def test_default_calibration_windows_follow_the_cache_kept(sources, tmp_path, calib_text, budget, windows):
     """Without --calib-samples a conversion calibrates on 16 windows below 37.5% of the source's cache and on 32

@@ -113,6 +113,21 @@ def test_mixture_windows(sources, cache, calib_text):
     assert torch.equal(mixed[2:], stream[: 6 * 16].view(6, 16))
 
 
+def test_tokens_to_sample_are_what_the_cache_lacks(sources, cache, calib_text):
+    """What `--dry-run` prices as sampling: the self text's windows the cache does not hold yet, none of a file's."""
+    from mla_convert.calibration import self_tokens_to_sample
+
+    src = open_source(str(sources["llama-gqa"]))
+    spec = f"{calib_text}:1,self:3"
+    assert self_tokens_to_sample(src, spec, 8, 16, seed=0) == 6 * 16  # nothing cached: the self part's 6 windows
+    assert self_tokens_to_sample(src, str(calib_text), 8, 16, seed=0) == 0
+    calibration_tokens(src, spec, 8, 16, seed=0)
+    assert self_tokens_to_sample(src, spec, 8, 16, seed=0) == 0
+    held = selftext.self_tokens(src, 6 * 16, seed=0, temperature=selftext.CALIB_TEMPERATURE).numel()
+    assert self_tokens_to_sample(src, "self", held // 16 + 4, 16, seed=0) == (held // 16 + 4) * 16 - held
+    assert self_tokens_to_sample(src, spec, 8, 16, seed=1) == 6 * 16  # another seed: other text
+
+
 def test_document_windows(sources, cache, monkeypatch):
     """`self-doc`: every window is one document sampled from the BOS token alone, as long as the window (EOS
     suppressed), cached apart from the chat text; mixed with `self` by weight."""

@@ -18,7 +18,7 @@ from mla_convert import provenance, refine, rope, selftext
 from mla_convert.card import write_model_card
 from mla_convert.outputs import SHARD_BYTES, ShardedWriter, kept_file_intact, resume_dir, staged_output
 from mla_convert.sources import Source
-from mla_convert.conversion import store
+from mla_convert.conversion import store, timing
 from mla_convert.conversion.method import convert_attention, layer_spectrum
 from mla_convert.conversion.modules import (attention_tensors, converted_decoder_layer, float32_on, gemma_fields,
                                             mla_config, other_tensor_names, raw_layer, source_decoder_layer)
@@ -32,6 +32,10 @@ from mla_convert.families import Family, family_for
 log = logging.getLogger(__name__)
 
 ATTENDED_EVERY = 4  # attended-input statistics on every 4th block of calibration queries (they cost a [T, T] x [T, D])
+# The statistics pass keeps each layer's statistics for the conversion pass (which would take the same ones again from
+# the same source stream) while they add up to at most this: a small model's (SmolLM2-135M: about 3 MB a layer), not an
+# 8B model's (about 1.3 GB a layer).
+KEEP_STATISTICS_BYTES = 1 << 30
 
 
 def resolve_device(device: str) -> str:
@@ -120,6 +124,15 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
     plan.refine_model_steps = model_steps
     plan.refine_model_scope = options.refine_model_scope
     plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window, rate)
+    plan.calibration_seconds = timing.calibration_seconds(plan, options.rank_allocation == "energy")
+    if options.calib_data:
+        from mla_convert.calibration import self_tokens_to_sample
+
+        to_sample = self_tokens_to_sample(source, options.calib_data, options.calib_samples, options.calib_seq_len,
+                                          options.seed, temperature=options.calib_temperature,
+                                          sample_tokens=options.calib_sample_tokens,
+                                          device=resolve_device(options.device))
+        plan.sample_seconds = timing.sample_seconds(plan.memory["parameters"], to_sample)
     return options, plan
 
 
@@ -175,6 +188,7 @@ class Conversion:
         self.runner = self.new_runner() if options.needs_statistics() and options.calib_data else None
         self.record = RunRecord([[0] * (plan.rope_dims // 2) for _ in range(plan.layers)])
         self.kept: Path | None = None
+        self.statistics: dict[int, tuple] = {}  # layer -> statistics the statistics pass kept for the conversion pass
 
     def new_runner(self):
         """A calibration stream at the embeddings, on the device (its hidden states stay there for the whole run)."""
@@ -187,7 +201,8 @@ class Conversion:
 
     def layer_inputs(self, i: int):
         """(prefix, the layer's tensors, its attention tensors, the source layer module or None, statistics =
-        (cov, phase, attended, keyed)): the statistics taken at the runner's current hidden states."""
+        (cov, phase, attended, keyed)): the statistics taken at the runner's current hidden states (or those the
+        statistics pass kept for layer i, taken at the same hidden states)."""
         options, device = self.options, self.device
         prefix = self.family.layer_prefix.format(i=i)
         layer_tensors = raw_layer(self.source, i, self.family)  # in the source's dtype: most of them pass through
@@ -197,6 +212,9 @@ class Conversion:
             from mla_convert.calibration import second_moment
 
             source_layer = source_decoder_layer(self.config, self.family, i, float32_on(layer_tensors, device))
+            if i in self.statistics:
+                statistics = tuple(None if t is None else t.to(device) for t in self.statistics.pop(i))
+                return prefix, layer_tensors, attn, source_layer, statistics
             with torch.device(device):  # factory calls (eye, zeros, ones) land beside their inputs
                 cov = second_moment(self.runner.attention_input(source_layer))
                 if options.needs_attention_statistics():
@@ -209,9 +227,10 @@ class Conversion:
 
     def allocate_ranks(self) -> None:
         """The statistics pass of the energy allocation: every layer's spectrum first (on the source's activations),
-        then the ranks. Only the spectra are kept: the conversion pass takes the statistics again from a second
-        calibration stream, so memory does not grow with depth (an 8B model's statistics are about 1.3 GB a layer)."""
-        plan, spectra = self.plan, []
+        then the ranks. The conversion pass takes the statistics again from a second calibration stream, so memory
+        does not grow with depth, except those kept here (`KEEP_STATISTICS_BYTES`) where that stream is the source's
+        too: the same hidden states, the same statistics."""
+        plan, spectra, room = self.plan, [], KEEP_STATISTICS_BYTES if self.options.calib_propagate == "source" else 0
         bar = self.bar("layers: statistics")
         for i in bar:
             clock = LayerClock(self.device)
@@ -219,6 +238,9 @@ class Conversion:
             clock.lap("calibration")
             with torch.device(self.device):
                 spectra.append(layer_spectrum(attn, plan, self.options, self.frequencies[i][1], *statistics).cpu())
+            size = sum(t.numel() * t.element_size() for t in statistics if t is not None)
+            if self.runner is not None and size <= room:
+                self.statistics[i], room = tuple(None if t is None else t.cpu() for t in statistics), room - size
             del attn, statistics
             if self.runner is not None:
                 self.runner.advance(source_layer)

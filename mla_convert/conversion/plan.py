@@ -14,6 +14,7 @@ import torch
 from mla_convert import lowrank, policy, refine
 from mla_convert.outputs import SHARD_BYTES
 from mla_convert.sources import Source
+from mla_convert.conversion import timing
 from mla_convert.conversion.options import QK_NORM_TEXT, ConvertOptions
 from mla_convert.schema import check_options
 from mla_convert.dtypes import DTYPES
@@ -59,6 +60,8 @@ class Plan:
     refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate
     refine_model_seconds: float = 0.0
     refine_model_scope: str = refine.MODEL_SCOPE
+    calibration_seconds: float = 0.0  # the calibration stream's forwards on a 2-core CPU (conversion.timing)
+    sample_seconds: float = 0.0  # the self text still to sample there
 
     def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
@@ -193,16 +196,23 @@ class Plan:
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
             (f"calibration: {self.memory['samples']} windows x {self.memory['seq_len']} tokens" if self.calib_tokens
              else "calibration: none (weight-only statistics)"),
-            f"refinement: {self.refine_steps} steps per layer" + (
-                f" (about {self.refine_seconds / 60:.0f} min on a 2-core CPU)" if self.refine_steps else "")
-            + f"; model stage: {self.refine_model_steps} steps" + (
-                f" (about {self.refine_model_seconds / 60:.0f} min)" if self.refine_model_steps else "")
+            f"refinement: {self.refine_steps} steps per layer; model stage: {self.refine_model_steps} steps"
             + (f"; training steps in {self.refine_precision}" if self.refine_steps or self.refine_model_steps else ""),
+            self.describe_time(),
             f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.2f} GiB"
             f" (x{MEMORY_SAFETY} of: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in self.memory_parts().items() if v)
             + ")",
         ]
         return "\n".join(lines)
+
+
+    def describe_time(self) -> str:
+        """The time estimate's line: the total on a 2-core CPU and its phases."""
+        phases = {"self text": self.sample_seconds, "calibration": self.calibration_seconds,
+                  "refinement": self.refine_seconds, "model stage": self.refine_model_seconds}
+        minutes = ", ".join(f"{k} {v / 60:.0f}" for k, v in phases.items() if v)
+        return f"time on a 2-core CPU: about {timing.total_seconds(self) / 60:.0f} min" + (
+            f" ({minutes} min)" if minutes else "")
 
 
 def _dims(config) -> tuple[int, int, int, int, int]:
@@ -337,6 +347,9 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     )
     per_layer_before = (2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias
     plan.attn_params_before = per_layer_before * layers
+    # what decoding a token reads: every layer and the head (the self text's sampling cost)
+    plan.memory["parameters"] = plan.attn_params_before + layers * 3 * hidden * plan.memory["intermediate"] + (
+        config.vocab_size * hidden)
     plan.qkv_bias = bool(qkv_bias)
     plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
     plan.qk_norm_scope = family.qk_norm_scope(config) or "head"

@@ -1,0 +1,52 @@
+"""What a conversion will take on a 2-core CPU, phase by phase, for `--dry-run` and the plan's record: the self text
+still to sample, the calibration stream's forwards (statistics and advancing the stream past each layer), the per-layer
+refinement and the model stage (those two: `mla_convert.refine`).
+
+Every phase is a flop count at a rate fitted on whole conversions on 2 CPU cores (the rates and the runs they come
+from: docs/decisions.md#conversion-time-on-2-cpu-cores-issue-52). On a GPU the phases take minutes; the estimate is
+what the CPU would take.
+"""
+
+from __future__ import annotations
+
+from mla_convert import refine
+
+# The calibration stream's work for one layer, in forwards of the source layer over all calibration windows at
+# refine.CPU_FLOPS: its statistics (second moments, attention statistics, float64 where they accumulate) and one
+# advance of the stream past it (the layer's forward, the hidden states kept for a resumed run).
+STATISTICS_FORWARDS = 1.75
+ADVANCE_FORWARDS = 1.8
+# Sampling the self text (batches of `selftext.BATCH` answers with transformers' `generate`, float32): the effective
+# rate in flop/s of 2 x parameters a sampled token (decoding is bound by reading the weights and by the loop's per-step
+# overhead, not by arithmetic).
+SAMPLE_FLOPS = 1.6e10
+
+
+def layer_forward_flops(plan) -> float:
+    """Flops of one source layer's forward over all the calibration windows: the projections (2 x tokens x the
+    attention's and the gated MLP's parameters) and the score and value products over causal windows."""
+    windows, seq_len = plan.memory.get("samples", 0), plan.memory.get("seq_len", 0)
+    tokens = windows * seq_len
+    params = plan.attn_params_before / plan.layers + 3 * plan.hidden * plan.memory.get("intermediate", 4 * plan.hidden)
+    scores = 2 * windows * plan.heads * seq_len**2 * plan.head_dim  # q.k and p.v, half of each score row causal
+    return 2 * tokens * params + scores
+
+
+def calibration_seconds(plan, statistics_pass: bool) -> float:
+    """The calibration stream's forwards of a conversion: each layer's statistics once (the statistics pass keeps
+    them for the conversion pass, `pipeline.KEEP_STATISTICS_BYTES`) and one advance past it per pass (two with the
+    energy allocation's `statistics_pass`)."""
+    if not plan.calib_tokens:
+        return 0.0
+    passes = 2 if statistics_pass else 1
+    return plan.layers * (STATISTICS_FORWARDS + passes * ADVANCE_FORWARDS) * layer_forward_flops(plan) / refine.CPU_FLOPS
+
+
+def sample_seconds(parameters: int, tokens: int) -> float:
+    """Sampling `tokens` of self text from a source of `parameters` parameters."""
+    return tokens * 2 * parameters / SAMPLE_FLOPS
+
+
+def total_seconds(plan) -> float:
+    """Every phase the plan estimates."""
+    return plan.sample_seconds + plan.calibration_seconds + plan.refine_seconds + plan.refine_model_seconds

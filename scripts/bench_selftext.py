@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Tokens a second of the self text's sampling (`--calib-data self`) on this machine, by batch size: what
+`selftext.BATCH` trades (docs/decisions.md#self-text-temperature-length-and-batch).
+
+    python scripts/bench_selftext.py [--batches 16 64] [--temperature 1.2] [--json benchmarks/selftext.json]
+
+Each batch size samples its first batch of chat answers from the embedded SmolLM2-135M (or MODEL) exactly as a
+conversion would (seed 0, `selftext.SAMPLE_TOKENS` new tokens at most), uncached, and reports the tokens the batch
+kept (prompt and answer, as the calibration stream reads them) per second of wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model", nargs="?", default=None, help="source (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--temperature", type=float, default=1.2)
+    parser.add_argument("--json", type=Path, default=None, help="append one record per batch size to this file")
+    args = parser.parse_args()
+
+    from mla_convert import selftext
+    from mla_convert.sources import open_source
+
+    source = open_source(args.model)
+    tokenizer = source.tokenizer()
+    model = selftext.causal_lm(source, "cpu", torch.float32)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    for batch in args.batches:
+        start = time.perf_counter()
+        samples = selftext.sample_batch(model, tokenizer, 0, 0, args.temperature, selftext.SAMPLE_TOKENS, batch)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(s) for s in samples)
+        record = {"batch": batch, "tokens": tokens, "seconds": round(seconds, 2),
+                  "tokens_per_s": round(tokens / seconds, 1), "threads": torch.get_num_threads(), "cpu": cpu,
+                  "load_average": round(os.getloadavg()[0], 2), "torch": torch.__version__}
+        print(json.dumps(record))
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
