@@ -2,11 +2,12 @@
 """Time of one whole-layer refinement step (forward, backward, Adam) at the embedded model's layer shape, in float32
 and under bfloat16 autocast: what `--refine-precision` trades (docs/decisions.md#refinement-precision).
 
-    python scripts/bench_refine_step.py [--steps 5] [--attention sdpa|eager]
+    python scripts/bench_refine_step.py [--steps 5] [--attention sdpa|eager] [--shape smollm2-135m|llama3-8b]
 
 The layer is a Llama decoder layer of SmolLM2-135M's shape (hidden 576, 9 query / 3 kv heads, head_dim 64,
-intermediate 1536) on one 2048-token window, the refinement's step; it prints seconds a step for each precision,
-measured twice in alternation after a warm-up step.
+intermediate 1536), or of Llama-3-8B's (hidden 4096, 32 / 8 heads, head_dim 128, intermediate 14336), on one
+2048-token window, the refinement's step; it prints seconds a step for each precision, measured twice in alternation
+after a warm-up step, and what `--refine-steps` (200 by default) would cost a layer at that rate.
 """
 
 from __future__ import annotations
@@ -19,15 +20,24 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 
+SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     parser.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--layer-steps", type=int, default=200, help="steps a layer for the per-layer cost line")
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                         head_dim=64, num_hidden_layers=1)
+    config = LlamaConfig(**SHAPES[args.shape], num_hidden_layers=1)
     config._attn_implementation = args.attention
     layer = LlamaDecoderLayer(config, 0)
     x = torch.randn(1, args.seq_len, config.hidden_size)
@@ -51,7 +61,9 @@ def main() -> None:
         start = time.perf_counter()
         for _ in range(args.steps):
             step(bf16)
-        print(f"{'bfloat16 autocast' if bf16 else 'float32'}: {(time.perf_counter() - start) / args.steps:.3f} s a step")
+        seconds = (time.perf_counter() - start) / args.steps
+        print(f"{'bfloat16 autocast' if bf16 else 'float32'}: {seconds:.3f} s a step, "
+              f"{args.layer_steps * seconds / 60:.1f} min for {args.layer_steps} steps of one layer")
 
 
 if __name__ == "__main__":
