@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (the machine record)
 
 
 def main() -> None:
@@ -35,16 +37,13 @@ def main() -> None:
     source = open_source(args.model)
     tokenizer = source.tokenizer()
     model = selftext.causal_lm(source, "cpu", torch.float32)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     for batch in args.batches:
         start = time.perf_counter()
         samples = selftext.sample_batch(model, tokenizer, 0, 0, args.temperature, selftext.SAMPLE_TOKENS, batch)
         seconds = time.perf_counter() - start
         tokens = sum(len(s) for s in samples)
         record = {"batch": batch, "tokens": tokens, "seconds": round(seconds, 2),
-                  "tokens_per_s": round(tokens / seconds, 1), "threads": torch.get_num_threads(), "cpu": cpu,
-                  "load_average": round(os.getloadavg()[0], 2), "torch": torch.__version__}
+                  "tokens_per_s": round(tokens / seconds, 1), "machine": harness.machine()}
         print(json.dumps(record))
         if args.json:
             with args.json.open("a") as f:

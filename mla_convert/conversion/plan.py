@@ -205,7 +205,6 @@ class Plan:
         ]
         return "\n".join(lines)
 
-
     def describe_time(self) -> str:
         """The time estimate's line: the total on a 2-core CPU and its phases."""
         phases = {"self text": self.sample_seconds, "calibration": self.calibration_seconds,

@@ -1,4 +1,4 @@
-"""What a conversion will take on a 2-core CPU, phase by phase, for `--dry-run` and the plan's record: the self text
+"""What a conversion will take on a 2-core CPU, phase by phase, as the plan prints it (`--dry-run`): the self text
 still to sample, the calibration stream's forwards (statistics and advancing the stream past each layer), the per-layer
 refinement and the model stage (those two: `mla_convert.refine`).
 
@@ -39,7 +39,8 @@ def calibration_seconds(plan, statistics_pass: bool) -> float:
     if not plan.calib_tokens:
         return 0.0
     passes = 2 if statistics_pass else 1
-    return plan.layers * (STATISTICS_FORWARDS + passes * ADVANCE_FORWARDS) * layer_forward_flops(plan) / refine.CPU_FLOPS
+    forwards = STATISTICS_FORWARDS + passes * ADVANCE_FORWARDS
+    return plan.layers * forwards * layer_forward_flops(plan) / refine.CPU_FLOPS
 
 
 def sample_seconds(parameters: int, tokens: int) -> float:
