@@ -2,11 +2,11 @@
 """Time of one whole-layer refinement step (forward, backward, Adam) at the embedded model's layer shape, in float32
 and under bfloat16 autocast: what `--refine-precision` trades (docs/decisions.md#refinement-precision).
 
-    python scripts/bench_refine_step.py [--steps 5] [--attention sdpa|eager] [--shape smollm2-135m|llama3-8b]
+    python scripts/bench_refine_step.py [--steps 5] [--attention sdpa|eager] [--shape NAME] [--seq-len 2048]
 
 The layer is a Llama decoder layer of SmolLM2-135M's shape (hidden 576, 9 query / 3 kv heads, head_dim 64,
-intermediate 1536), or of Llama-3-8B's (hidden 4096, 32 / 8 heads, head_dim 128, intermediate 14336), on one
-2048-token window, the refinement's step; it prints seconds a step for each precision, measured twice in alternation
+intermediate 1536), of Llama-3-8B's (hidden 4096, 32 / 8 heads, head_dim 128, intermediate 14336), of the tests'
+tiny models (hidden 64) or of a hidden-256 model, on one window (2048 tokens by default: the refinement's step); it prints seconds a step for each precision, measured twice in alternation
 after a warm-up step, and what `--refine-steps` (200 by default) would cost a layer at that rate.
 """
 
@@ -21,6 +21,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 
 SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "h256": dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                          head_dim=64),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,

@@ -147,10 +147,13 @@ def test_bfloat16_steps_fit_float32_weights(monkeypatch):
     assert torch.bfloat16 in seen and None in seen  # the steps autocast, the held-out checks do not
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert refine.resolve_precision("auto", "cpu") == "float32"
+    assert refine.resolve_precision("auto", "cpu", 576) == "float32"
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert refine.resolve_precision("auto", "cpu") == "bfloat16" and refine.resolve_precision("auto", "cuda") == "float32"
-    assert refine.resolve_precision("float32", "cpu") == "float32"
+    assert refine.resolve_precision("auto", "cpu", 576) == "bfloat16"
+    assert refine.resolve_precision("auto", "cuda", 576) == "float32"
+    assert refine.resolve_precision("auto", "cpu", 64) == "float32"  # tiny layers: the casts cost more than they save
+    assert refine.resolve_precision("float32", "cpu", 576) == "float32"
+    assert refine.resolve_precision("bfloat16", "cpu", 64) == "bfloat16"
 
 
 def test_refine_restores_the_weights_when_the_held_out_error_does_not_drop():

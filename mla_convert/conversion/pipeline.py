@@ -112,7 +112,7 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
         options = dataclasses.replace(options, calib_temperature=selftext.calib_temperature(plan.ratio))
     options = dataclasses.replace(options, calib_samples=plan.memory["samples"])  # the default by the cache kept
     window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
-    precision = refine.resolve_precision(options.refine_precision, options.device)
+    precision = refine.resolve_precision(options.refine_precision, options.device, plan.hidden)
     rate = refine.cpu_rate(precision)
     steps = refine.resolve_steps(options.refine_steps, plan, options.device, window, rate) if options.calib_data else 0
     options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window, refine_precision=precision)
