@@ -95,6 +95,10 @@ def test_overrides_typed_and_validated(tiny_run):
         finetune.load_config(tiny_run["recipe"], ["train=mlp"])
     with pytest.raises(UserError, match="key=value"):
         finetune.load_config(tiny_run["recipe"], ["max_steps"])
+    # `no` is one of mixed_precision's choices, which YAML reads as false, on the command line and in a file
+    assert finetune.load_config(tiny_run["recipe"], ["mixed_precision=no"]).mixed_precision == "no"
+    with pytest.raises(UserError, match="mixed_precision must be a text, got True"):
+        finetune.load_config(tiny_run["recipe"], ["mixed_precision=yes"])
 
 
 def test_data_order_is_a_pure_function_of_seed_and_step():
