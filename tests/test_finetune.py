@@ -403,6 +403,17 @@ def test_time_budget_stops_the_run_and_drives_the_schedule(tiny_run, tmp_path):
     assert factor(20) > 0.95  # early in both budgets
     share["now"] = 1.0
     assert factor(20) == pytest.approx(0.1)  # time spent: the floor (min_lr_ratio), whatever the step
+    # a time budget far shorter than the step budget: the warmup (10% of the steps) follows the time share too
+    factor = lr_lambda(finetune.load_config(tiny_run["recipe"], ["max_steps=1000", "warmup=0.1"]), 1000,
+                       lambda: share["now"])
+    share["now"] = 0.05
+    assert factor(5) == pytest.approx(0.5)  # halfway through the warmup's share of the time, at step 5 of 100
+    share["now"] = 0.1
+    assert factor(6) == pytest.approx(1.0)  # warmed up by time; the decay starts from there
+    share["now"] = 0.55
+    assert factor(40) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay's time: cosine at its middle
+    share["now"] = 0.0
+    assert factor(5) == pytest.approx(6 / 101) and factor(500) < 1.0  # without time spent: by the steps alone
     with pytest.raises(UserError, match="max_seconds"):
         finetune.load_config(tiny_run["recipe"], ["max_seconds=0"])
 

@@ -91,15 +91,19 @@ def select_trainable(model, which: str) -> list[str]:
 
 def lr_lambda(cfg: FinetuneConfig, total_steps: int, time_spent=lambda: 0.0):
     """The learning-rate factor of an optimizer step. time_spent() -> the share of the time budget used so far (0 without
-    one); past warmup, the decay follows the step share or the time share, whichever is larger."""
+    one). Warmup and decay each follow the step share or the time share, whichever is further along: a run bounded by
+    time warms up over the same share of its time as of its steps, and ends its decay when the time is spent."""
     warmup = int(cfg.warmup * total_steps) if cfg.warmup < 1 else int(cfg.warmup)
+    warmup_share = min(1.0, warmup / total_steps) if total_steps else 0.0
 
     def factor(step: int) -> float:  # step = optimizer steps done so far
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
+        spent = time_spent()
+        if step < warmup and spent < warmup_share:
+            return max((step + 1) / (warmup + 1), spent / warmup_share)
         if cfg.schedule == "constant" or total_steps <= warmup:
             return 1.0
-        progress = min(1.0, max((step - warmup) / max(1, total_steps - warmup), time_spent()))
+        by_time = (spent - warmup_share) / (1 - warmup_share)
+        progress = min(1.0, max((step - warmup) / max(1, total_steps - warmup), by_time, 0.0))
         shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
