@@ -296,6 +296,10 @@ def test_export_pad_latent_vllm_is_exact(tmp_path):
     record = export(native, tmp_path / "ds", ExportOptions(dtype="float32", pad_latent="vllm", verify=False))
     cfg = json.loads((tmp_path / "ds" / "config.json").read_text())
     assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (256, 64)
+    # nope and value dims padded with zeros to the smallest head layout vLLM's CUDA MLA prefill takes (64 / 128)
+    native_cfg = json.loads((native / "config.json").read_text())
+    assert native_cfg["qk_nope_head_dim"] < 64 and native_cfg["v_head_dim"] < 128
+    assert (cfg["qk_nope_head_dim"], cfg["v_head_dim"]) == (64, 128)
     assert not any("vLLM's MLA backends" in w for w in record["warnings"])
     ref, got = native_and_stock_logits(native, tmp_path / "ds")
     assert relative_error(ref, got) < 1e-5

@@ -50,9 +50,10 @@ QWEN3_CALIBRATED = {"qk_norm": "calibrated"}  # the per-head query norm in the s
 
 @pytest.mark.parametrize("kind,rope", [("llama-gqa", None), ("qwen2", None), ("llama-gqa", LLAMA3_ROPE),
                                        ("qwen3", QWEN3_CALIBRATED)])
-@pytest.mark.parametrize("kv_lora_rank,rope_dims", [(256, 64), (512, 64)])
-def test_served_layout_is_exact(tmp_path, convert_tiny, kind, rope, kv_lora_rank, rope_dims):
-    """Padding, group repetition and the bias fold change nothing: logits and cached greedy decode equal."""
+@pytest.mark.parametrize("kv_lora_rank,rope_dims,heads", [(256, 64, None), (512, 64, None), (256, 64, (64, 128))])
+def test_served_layout_is_exact(tmp_path, convert_tiny, kind, rope, kv_lora_rank, rope_dims, heads):
+    """Padding (latent, rope key and, as on a GPU, the nope and value head dims), group repetition and the bias fold
+    change nothing: logits and cached greedy decode equal."""
     from transformers import AutoModelForCausalLM
 
     from mla_convert.serving.layout import ServedLayout
@@ -62,7 +63,10 @@ def test_served_layout_is_exact(tmp_path, convert_tiny, kind, rope, kv_lora_rank
     src = tiny_source(kind, tmp_path / "src", seed=3, **overrides)
     out = convert_tiny(src, rank=24, rope_dims=8, **options)  # lossy, repeated rope pairs from the merge: any native model
     native = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    served = _served_model(out, ServedLayout(kv_lora_rank, rope_dims))
+    served = _served_model(out, ServedLayout(kv_lora_rank, rope_dims, *(heads or (None, None))))
+    if heads:
+        assert (served.config.qk_nope_head_dim, served.config.v_head_dim) == heads != (
+            native.config.qk_nope_head_dim, native.config.v_head_dim)
     ids = torch.randint(0, native.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = native(ids).logits, served(ids).logits
@@ -74,10 +78,17 @@ def test_served_layout_is_exact(tmp_path, convert_tiny, kind, rope, kv_lora_rank
 
 def test_served_layout_choice():
     from mla_convert.errors import UserError
-    from mla_convert.serving.layout import VLLM_LAYOUTS, ServedLayout, served_layout
+    from mla_convert.serving.layout import PREFILL_HEADS, VLLM_LAYOUTS, ServedLayout, served_layout
 
     assert served_layout([128] * 3, 64, VLLM_LAYOUTS["cuda"]) == ServedLayout(256, 64)
     assert served_layout([128, 300], 32, VLLM_LAYOUTS["cuda"]) == ServedLayout(512, 64)
+    # on a GPU the heads too: the smallest of the layouts vLLM's CUDA MLA prefill takes
+    heads = PREFILL_HEADS["cuda"]
+    assert served_layout([96], 32, VLLM_LAYOUTS["cuda"], (32, 64), heads) == ServedLayout(256, 64, 64, 128)
+    assert served_layout([96], 64, VLLM_LAYOUTS["cuda"], (64, 128), heads) == ServedLayout(256, 64, 64, 128)
+    assert served_layout([400], 64, VLLM_LAYOUTS["cuda"], (100, 128), heads) == ServedLayout(512, 64, 128, 128)
+    with pytest.raises(UserError, match="above every head layout"):
+        served_layout([96], 64, VLLM_LAYOUTS["cuda"], (256, 128), heads)
     assert served_layout([128], 64, VLLM_LAYOUTS["cpu"]) == ServedLayout(512, 64)
     with pytest.raises(UserError, match="--rank 512"):
         served_layout([600], 64, VLLM_LAYOUTS["cpu"])
@@ -163,6 +174,36 @@ def test_deepseek_export_serves_exactly_in_vllm(tmp_path, convert_tiny):
     export(native, tmp_path / "ds", ExportOptions(dtype="float32", pad_latent="flashmla", verify=False))
     served = _compare_in_vllm(tmp_path / "ds")
     assert served["attention_backend"] == "CPU_MLA"
+
+
+@needs_vllm
+def test_cuda_build_takes_the_served_and_exported_heads(tmp_path, convert_tiny):
+    """vLLM's CUDA selection code (its CPU wheel ships the same Python; tests/vllm_cuda_paths.py, compute capability
+    9.0): its MLA prefill refuses the 25% default's heads as converted (nope 32, value 64: vLLM stops at start-up)
+    and takes them as the plugin serves them on a GPU and as `--pad-latent vllm` / `flashmla` export them; the decode
+    kernels take the padded cache rows."""
+    from mla_convert.export import ExportOptions, export
+    from mla_convert.serving import engine
+    from mla_convert.serving.layout import PREFILL_HEADS, VLLM_LAYOUTS, served_layout
+
+    plugin = served_layout([96] * 30, 32, VLLM_LAYOUTS["cuda"], (32, 64), PREFILL_HEADS["cuda"])
+    layouts = [[256, 64, 32, 64], [plugin.kv_lora_rank, plugin.rope_dims, plugin.nope_dims, plugin.value_dims]]
+    native = convert_tiny(tiny_source("llama-gqa", tmp_path / "src", seed=3), rank=24, rope_dims=8,
+                          rope_strategy="uniform")
+    for pad in ("vllm", "flashmla"):
+        export(native, tmp_path / pad, ExportOptions(dtype="float32", pad_latent=pad, verify=False))
+        c = json.loads((tmp_path / pad / "config.json").read_text())
+        layouts.append([c["kv_lora_rank"], c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]])
+    script = Path(__file__).with_name("vllm_cuda_paths.py")
+    proc = subprocess.run([str(engine.vllm_python()), str(script), json.dumps(layouts)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    unpadded, *padded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "supported MLA dimensions" in " ".join(unpadded["prefill"])
+    assert layouts[1:] == [[256, 64, 64, 128], [256, 64, 64, 128], [512, 64, 64, 128]]
+    for result in padded:
+        assert result["prefill"] == [] and "TRITON_MLA" not in result["decode_head_size_refused"]
+    assert "FLASHMLA" not in padded[-1]["decode_head_size_refused"]  # 512 + 64: FlashMLA's row
 
 
 @needs_vllm

@@ -210,7 +210,7 @@ class _QueryLayout(NamedTuple):
 def _query_layout(config, plan) -> _QueryLayout:
     """The query's layout for this model (see `_QueryLayout`)."""
     hidden = config.hidden_size
-    rows = plan.heads * (plan.nope + plan.rope_dims_out)
+    rows = plan.heads * (plan.nope_out + plan.rope_dims_out)
     mode = None if lite_layout(config.num_hidden_layers, config.vocab_size) else ("output" if rows < hidden
                                                                                   else "input")
     lora_rank = None if mode is None else (rows if mode == "output" else hidden)
@@ -252,7 +252,7 @@ def _export_record(folder: Path, gguf_type: str, plan, query: _QueryLayout, tok:
     return {
         "format": "gguf", "gguf_type": gguf_type, "architecture": ARCH, "source": str(folder.resolve()),
         "kv_lora_rank": plan.kv_lora_rank_out, "qk_rope_head_dim": plan.rope_dims_out,
-        "qk_nope_head_dim": plan.nope, "v_head_dim": plan.value, "rope_theta": plan.fit.base,
+        "qk_nope_head_dim": plan.nope_out, "v_head_dim": plan.value_out, "rope_theta": plan.fit.base,
         "q_lora_rank": query.lora_rank, "q_factorization": query.mode or "none (DeepSeek-V2-Lite layer count)",
         "tokenizer_pre": tok.pre, "mla_convert_version": __version__,
         # llama.cpp caches the latent and the rope key of every layer, f16 by default
@@ -295,9 +295,9 @@ def _layer_tensors(source, plan, i: int, query: _QueryLayout, hidden: int):
     yield from _query_tensors(b, t["q_proj.weight"], norm_weight, query, hidden)
     yield b + "attn_kv_a_mqa.weight", t["kv_a_proj_with_mqa.weight"]
     yield b + "attn_kv_a_norm.weight", t["kv_a_layernorm.weight"]
-    kv_b = t["kv_b_proj.weight"].view(plan.heads, plan.nope + plan.value, plan.kv_lora_rank_out)
-    yield b + "attn_k_b.weight", kv_b[:, : plan.nope].transpose(1, 2).contiguous()
-    yield b + "attn_v_b.weight", kv_b[:, plan.nope :].contiguous()
+    kv_b = t["kv_b_proj.weight"].view(plan.heads, plan.nope_out + plan.value_out, plan.kv_lora_rank_out)
+    yield b + "attn_k_b.weight", kv_b[:, : plan.nope_out].transpose(1, 2).contiguous()
+    yield b + "attn_v_b.weight", kv_b[:, plan.nope_out :].contiguous()
     yield b + "attn_output.weight", t["o_proj.weight"]
     yield b + "ffn_norm.weight", source.get(p + "post_attention_layernorm.weight")
     yield b + "ffn_gate.weight", source.get(p + "mlp.gate_proj.weight")
@@ -422,8 +422,8 @@ def _write_metadata(writer, config, plan, tok: TokenizerMeta, special, gguf_type
     writer.add_kv_lora_rank(plan.kv_lora_rank_out)
     writer.add_key_length(plan.kv_lora_rank_out + plan.rope_dims_out)
     writer.add_value_length(plan.kv_lora_rank_out)
-    writer.add_key_length_mla(plan.nope + plan.rope_dims_out)
-    writer.add_value_length_mla(plan.value)
+    writer.add_key_length_mla(plan.nope_out + plan.rope_dims_out)
+    writer.add_value_length_mla(plan.value_out)
     writer.add_expert_feed_forward_length(config.intermediate_size)
     writer.add_expert_shared_count(0)
     writer.add_rope_dimension_count(plan.rope_dims_out)

@@ -58,13 +58,20 @@ def _fold_query(w_q: torch.Tensor, b_q: torch.Tensor | None, plan: ExportPlan, l
     b_q = (b_q if b_q is not None else w_q.new_zeros(H * (d_n + d_r))).view(H, d_n + d_r)
     rope_q = plan.q_scale * plan.rope_score_scale
     w_q_out = torch.cat(
-        (plan.q_scale * w_q[:, :d_n], rope_q * place_rope_rows(w_q[:, d_n:], order, d_r_out, stride)), dim=1
-    ).reshape(H * (d_n + d_r_out), hidden)
+        (_pad_rows(plan.q_scale * w_q[:, :d_n], plan.nope_out),
+         rope_q * place_rope_rows(w_q[:, d_n:], order, d_r_out, stride)), dim=1
+    ).reshape(H * (plan.nope_out + d_r_out), hidden)
     b_q_out = torch.cat(
-        (plan.q_scale * b_q[:, :d_n], rope_q * place_rope_rows(b_q[:, d_n:, None], order, d_r_out, stride)[..., 0]),
+        (_pad_rows(plan.q_scale * b_q[:, :d_n, None], plan.nope_out)[..., 0],
+         rope_q * place_rope_rows(b_q[:, d_n:, None], order, d_r_out, stride)[..., 0]),
         dim=1,
     ).reshape(-1)
     return w_q_out, b_q_out
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [H, r, n] with zero rows appended per head up to [H, rows, n] (padded nope and value dims: exact)."""
+    return torch.cat((x, x.new_zeros(x.shape[0], rows - x.shape[1], x.shape[2])), dim=1)
 
 
 def _output_bias(w_b: torch.Tensor, b_b: torch.Tensor | None, b_c: torch.Tensor | None, w_o: torch.Tensor,
@@ -102,12 +109,14 @@ def _latent_tensors(w_a: torch.Tensor, w_b: torch.Tensor, norm_weight: torch.Ten
     kv_a = w_a.new_zeros(d_c_out + d_r_out, w_a.shape[1])
     kv_a[:d_c] = a * w_c
     kv_a[d_c_out:] = place_rope_rows(w_r[None], plan.fit.order[layer], d_r_out, plan.rope_stride)[0]
-    kv_b = w_b.new_zeros(H, d_n + d_v, d_c_out)
-    kv_b[:, :, :d_c] = correction * w_b.repeat_interleave(H // plan.groups, dim=0)
+    kv_b = w_b.new_zeros(H, plan.nope_out + plan.value_out, d_c_out)
+    per_head = correction * w_b.repeat_interleave(H // plan.groups, dim=0)  # [H, d_n+d_v, d_c]
+    kv_b[:, :d_n, :d_c] = per_head[:, :d_n]
+    kv_b[:, plan.nope_out:plan.nope_out + d_v, :d_c] = per_head[:, d_n:]
     out = {
         "kv_a_proj_with_mqa.weight": kv_a,
         "kv_a_layernorm.weight": torch.full((d_c_out,), norm_w, dtype=torch.float64),
-        "kv_b_proj.weight": kv_b.reshape(H * (d_n + d_v), d_c_out),
+        "kv_b_proj.weight": kv_b.reshape(H * (plan.nope_out + plan.value_out), d_c_out),
     }
     return out, {"kv_a_scale": a, "latent_mean_square_bound": latent_ms}
 
@@ -160,7 +169,9 @@ def export_layer(t: dict[str, torch.Tensor], plan: ExportPlan, layer: int, norm_
     o_bias = _output_bias(w_b, get("kv_b_proj.bias"), b_c, w_o, get("o_proj.bias"), plan)
 
     out, stats = _latent_tensors(w_a, w_b, norm_weight, plan, layer)
-    out["o_proj.weight"] = plan.residual_scale * w_o
+    w_o_heads = w_o.view(w_o.shape[0], plan.heads, plan.value).transpose(0, 1)  # [H, D, d_v]: pad each head's columns
+    w_o_out = _pad_rows(w_o_heads.transpose(1, 2), plan.value_out).transpose(1, 2)  # [H, D, d_v_out]
+    out["o_proj.weight"] = plan.residual_scale * w_o_out.transpose(0, 1).reshape(w_o.shape[0], -1)
     if plan.attention_bias:
         k_bias = w_a.new_zeros(d_c_out + d_r_out)
         if plan.k_rope_bias:

@@ -37,6 +37,8 @@ class ExportOptions:
     drop_biases: bool = False  # drop biases the engines ignore (vLLM/SGLang load no attention bias); needs allow_approx
     keep_biases: bool = False  # keep them although only transformers applies them (vLLM/SGLang skip them silently)
     pad_latent: str = "none"  # none | vllm (320/576) | flashmla (512 + 64) | llamacpp (x64); exact, larger cache
+    # (vllm and flashmla also pad the head dims to what vLLM's CUDA MLA prefill takes, serving.layout.PREFILL_HEADS:
+    # more prefill compute, the same cache)
     verify: bool = True
     verify_tokens: int = 64
     verify_batch: int = 2
@@ -50,6 +52,8 @@ class ExportPlan:
     groups: int
     nope: int  # d_n
     value: int  # d_v
+    nope_out: int  # exported qk_nope_head_dim (d_n, or padded for vLLM's CUDA prefill)
+    value_out: int  # exported v_head_dim
     rope_dims: int  # native d_r
     rope_dims_out: int  # exported qk_rope_head_dim
     rope_stride: int  # DeepSeek pair index step between native pairs (rope padding)
@@ -114,6 +118,16 @@ def _pad_layout(options: ExportOptions, kv_lora_rank: int, rope_dims: int) -> tu
     return target, rope_dims_out
 
 
+def _pad_heads(options: ExportOptions, nope: int, value: int) -> tuple[int, int]:
+    """(qk_nope_head_dim, v_head_dim) after --pad-latent: for vllm and flashmla (the layouts of vLLM's CUDA build) the
+    smallest head layout its MLA prefill takes; refused when none holds them."""
+    from mla_convert.serving.layout import PREFILL_HEADS, padded_heads
+
+    if options.pad_latent not in ("vllm", "flashmla"):
+        return nope, value
+    return padded_heads(nope, value, PREFILL_HEADS["cuda"])
+
+
 def serving_notes(kv_lora_rank: int, rope_dims: int, native_per_token: float, heads: int, nope: int) -> list[str]:
     """Warnings about what vLLM/SGLang will do with a (kv_lora_rank, qk_rope_head_dim) layout."""
     notes = []
@@ -143,8 +157,7 @@ def deepseek_layout_notes(config, kv_lora_rank: list[int], rope_dims: int) -> li
     return serving_notes(max(kv_lora_rank), rope_dims, native_per_token, heads, head_dim)
 
 
-def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> ExportPlan:
-    """Decide the exported shapes, the RoPE mapping and which biases survive, from the config and the biases alone."""
+def _check_options(options: ExportOptions) -> None:
     if options.format not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {options.format}")
     if options.drop_biases and options.keep_biases:
@@ -153,6 +166,11 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
         raise UserError("--drop-biases changes the model: pass --allow-approx with it (the error is measured)")
     if options.allow_approx and not options.verify:
         raise UserError("--allow-approx exports are always measured: drop --no-verify")
+
+
+def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> ExportPlan:
+    """Decide the exported shapes, the RoPE mapping and which biases survive, from the config and the biases alone."""
+    _check_options(options)
     if getattr(config, "model_type", None) != "mla":
         raise UserError(f"export needs a native MLA checkpoint (model_type mla, made by `mla-convert llama ... -o DIR`), "
                         f"got model_type {getattr(config, 'model_type', None)}")
@@ -184,7 +202,8 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
             )
         approximations.append(message)
     kv_lora_rank = config.kv_lora_ranks
-    kv_lora_rank_out, rope_dims_out = _pad_layout(options, max(kv_lora_rank), rope_dims)
+    (kv_lora_rank_out, rope_dims_out), (nope_out, value_out) = (_pad_layout(options, max(kv_lora_rank), rope_dims),
+                                                                _pad_heads(options, nope, value))
     stride = rope_dims_out // rope_dims
     has = {key: any(_nonzero(b.get(key)) for b in layer_biases) for key in ("q", "k_rope", "o")}
     if any(has.values()):
@@ -206,7 +225,7 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
             )
     q_lora_rank = q_lora_mode = None
     if has["q"]:
-        hidden, q_rows = config.hidden_size, heads * (nope + rope_dims_out)
+        hidden, q_rows = config.hidden_size, heads * (nope_out + rope_dims_out)
         q_lora_mode = "input" if hidden + 1 <= q_rows else "output"
         q_lora_rank = hidden + 1 if q_lora_mode == "input" else q_rows
     native_per_token = sum(kv_lora_rank) / len(kv_lora_rank) + rope_dims
@@ -214,10 +233,10 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
     if config.hidden_act != "silu":
         warnings.append(f"hidden_act {config.hidden_act}: vLLM's DeepSeek MLP supports only silu")
     return ExportPlan(
-        heads=heads, groups=groups, nope=nope, value=value, rope_dims=rope_dims, rope_dims_out=rope_dims_out,
-        rope_stride=stride,
+        heads=heads, groups=groups, nope=nope, value=value, nope_out=nope_out, value_out=value_out,
+        rope_dims=rope_dims, rope_dims_out=rope_dims_out, rope_stride=stride,
         kv_lora_rank=kv_lora_rank, kv_lora_rank_out=kv_lora_rank_out,
-        q_scale=config.softmax_scale * math.sqrt(nope + rope_dims_out),
+        q_scale=config.softmax_scale * math.sqrt(nope_out + rope_dims_out),
         rope_score_scale=attention_scaling**2,
         residual_scale=math.sqrt(EXPORT_EPS / config.rms_norm_eps),
         fit=fit, q_bias=has["q"], k_rope_bias=has["k_rope"], o_bias=has["o"],
@@ -245,8 +264,8 @@ def deepseek_config(config, plan: ExportPlan, dtype: torch.dtype) -> dict:
         kv_lora_rank=plan.kv_lora_rank_out,
         q_lora_rank=plan.q_lora_rank,
         qk_rope_head_dim=plan.rope_dims_out,
-        qk_nope_head_dim=plan.nope,
-        v_head_dim=plan.value,
+        qk_nope_head_dim=plan.nope_out,
+        v_head_dim=plan.value_out,
         hidden_act=config.hidden_act,
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=EXPORT_EPS,

@@ -7,12 +7,13 @@ its CPU kernel only 576). A native layer maps onto that exactly, tensor by tenso
     q_proj [H*(d_n+d_r), D]        -> [H*(d_n+d_r'), D]   rope rows of each head padded with zero rows
     (qk_norm calibrated: q_proj [H*d_h, D] and q_norm as they are; q_head_proj [H*(d_n+d_r), d_h] padded likewise)
     kv_a_proj [d_c+d_r, D]         -> [d_c'+d_r', D]      zero latent rows, zero rope rows (bias alike)
-    kv_b_proj [G*(d_n+d_v), d_c]   -> [H*(d_n+d_v), d_c'] kv groups repeated per query head, zero columns; its bias
+    kv_b_proj [G*(d_n+d_v), d_c]   -> [H*(d_n'+d_v'), d_c'] kv groups repeated per query head, zero columns; its bias
                                                           is dropped: the nope-key part adds one constant per query
                                                           to every score (softmax cancels it), the value part ...
     o_proj [D, H*d_v] (+bias)      -> ... is folded into the o_proj bias (softmax rows sum to 1)
 
-Rope rows stay in rotate_half layout inside the padded width (pair j: rows j and j + d_r'/2); the padded pairs are
+On a GPU the nope and value head dims are padded too (d_n', d_v': zero query and key rows, zero value rows and o_proj
+columns), to a head layout vLLM's CUDA MLA prefill takes (PREFILL_HEADS). Rope rows stay in rotate_half layout inside the padded width (pair j: rows j and j + d_r'/2); the padded pairs are
 zero in query and key, so whatever frequency they get adds nothing. The result is itself a native MLA model (G = H,
 ranks d_c', rope dims d_r', `rope_pairs` padded with `PAD_PAIR`), which is how tests prove the mapping exact in
 transformers before any engine runs it.
@@ -31,6 +32,11 @@ from mla_convert.errors import UserError
 VLLM_LAYOUTS = {"cpu": ((512, 64),), "cuda": ((256, 64), (512, 64))}
 SERVED_ROPE_MAX = max(r for layouts in VLLM_LAYOUTS.values() for _, r in layouts)  # 64
 SERVED_LATENT_MAX = max(c for layouts in VLLM_LAYOUTS.values() for c, _ in layouts)  # 512
+# (qk_nope_head_dim, v_head_dim), with qk_rope_head_dim 64, that vLLM's CUDA MLA prefill takes: its FlashAttention
+# prefill backend, the only one on Hopper and older GPUs (vllm/v1/attention/backends/mla/prefill/flash_attn.py,
+# supports_mla_dimensions). Any other head layout stops vLLM at start-up ("No valid MLA prefill backend found"). The
+# CPU's prefill takes any.
+PREFILL_HEADS = {"cpu": None, "cuda": ((64, 128), (128, 128), (192, 256))}
 PAD_PAIR = 0  # source frequency index given to padded rope pairs (their rows are zero: any index is exact)
 # vLLM picks its AMX MLA backend on every CPU with AMX tiles (Intel Sapphire Rapids and later), whatever the model;
 # that backend packs W_uk and W_uv for AMX matrix products, which takes bfloat16/float16 weights whose input dims
@@ -44,6 +50,8 @@ AMX_MLA_DTYPES = ("bfloat16", "float16")
 class ServedLayout:
     kv_lora_rank: int  # d_c': kv_lora_rank of the engine's cache (every layer)
     rope_dims: int  # d_r': qk_rope_head_dim of the engine's cache
+    nope_dims: int | None = None  # d_n': qk_nope_head_dim of the served heads (None: the model's)
+    value_dims: int | None = None  # d_v': v_head_dim of the served heads (None: the model's)
 
     @property
     def elements_per_token_per_layer(self) -> int:
@@ -82,12 +90,25 @@ def check_servable(config, what: str = "vLLM's MLA kernels and the DeepSeek-V3 e
                         f"cannot hold: {fix}")
 
 
-def served_layout(kv_lora_rank: list[int], rope_dims: int, layouts: tuple[tuple[int, int], ...]) -> ServedLayout:
-    """The smallest layout of `layouts` that holds every layer's latent and the rope key (zero-padded, exact)."""
+def padded_heads(nope: int, value: int, head_layouts) -> tuple[int, int]:
+    """The smallest (qk_nope_head_dim, v_head_dim) of `head_layouts` (PREFILL_HEADS) that holds (nope, value)."""
+    for nope_out, value_out in head_layouts:
+        if nope <= nope_out and value <= value_out:
+            return nope_out, value_out
+    raise UserError(f"qk_nope_head_dim {nope} / v_head_dim {value} is above every head layout vLLM's CUDA MLA prefill "
+                    f"takes ({', '.join(f'{n}/{v}' for n, v in head_layouts)}): serve it on vLLM's CPU build or in "
+                    "transformers")
+
+
+def served_layout(kv_lora_rank: list[int], rope_dims: int, layouts: tuple[tuple[int, int], ...],
+                  heads: tuple[int, int] | None = None, head_layouts=None) -> ServedLayout:
+    """The smallest layout of `layouts` that holds every layer's latent and the rope key (zero-padded, exact); with
+    `heads` (the model's nope and value dims) and `head_layouts` (PREFILL_HEADS), the head dims padded to one too."""
     need = max(kv_lora_rank)
+    nope_out, value_out = padded_heads(*heads, head_layouts) if heads and head_layouts else (None, None)
     for kv_lora_rank_out, rope_dims_out in sorted(layouts, key=sum):
         if need <= kv_lora_rank_out and rope_dims <= rope_dims_out:
-            return ServedLayout(kv_lora_rank_out, rope_dims_out)
+            return ServedLayout(kv_lora_rank_out, rope_dims_out, nope_out, value_out)
     raise UserError(
         f"no MLA cache layout of the engine ({', '.join(f'{a}+{b}' for a, b in layouts)}) holds this model's latent "
         f"{need} + rope key {rope_dims}: convert with --rank {max(a for a, _ in layouts)} or less and --rope-dims "
@@ -109,6 +130,8 @@ def served_config(config, layout: ServedLayout) -> dict:
     pad = (layout.rope_dims - config.qk_rope_head_dim) // 2
     return {
         "num_key_value_heads": config.num_attention_heads,
+        "qk_nope_head_dim": layout.nope_dims or config.qk_nope_head_dim,
+        "v_head_dim": layout.value_dims or config.v_head_dim,
         "kv_lora_rank": [layout.kv_lora_rank] * config.num_hidden_layers,
         "qk_rope_head_dim": layout.rope_dims,
         "rope_pairs": [list(p) + [PAD_PAIR] * pad for p in config.rope_pairs],
@@ -126,6 +149,11 @@ def _pad_rope_rows(x: torch.Tensor, rope_dims: int, rope_dims_out: int) -> torch
     return out
 
 
+def _pad_end(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., n] -> [..., width] with zeros after the n values."""
+    return torch.cat((x, x.new_zeros(*x.shape[:-1], width - x.shape[-1])), dim=-1)
+
+
 def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: ServedLayout) -> dict[str, torch.Tensor]:
     """One native layer's attention tensors (keys `q_proj.weight`, `kv_a_proj.bias`, ...) -> the served layer's.
 
@@ -135,14 +163,15 @@ def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: S
     d_n, d_v, d_r = config.qk_nope_head_dim, config.v_head_dim, config.qk_rope_head_dim
     d_c = config.kv_lora_ranks[layer]
     d_c_out, d_r_out = layout.kv_lora_rank, layout.rope_dims
+    d_n_out, d_v_out = layout.nope_dims or d_n, layout.value_dims or d_v
     per_group = heads // groups
     t = {k: v.float() for k, v in tensors.items()}
     out = {}
 
-    def query(x):  # [H*(d_n+d_r), *] -> [H*(d_n+d_r'), *]
+    def query(x):  # [H*(d_n+d_r), *] -> [H*(d_n'+d_r'), *]
         x = x.reshape(heads, d_n + d_r, -1).transpose(1, 2)  # [H, *, d_n+d_r]
-        x = torch.cat((x[..., :d_n], _pad_rope_rows(x[..., d_n:], d_r, d_r_out)), dim=-1)
-        return x.transpose(1, 2).reshape(heads * (d_n + d_r_out), -1)
+        x = torch.cat((_pad_end(x[..., :d_n], d_n_out), _pad_rope_rows(x[..., d_n:], d_r, d_r_out)), dim=-1)
+        return x.transpose(1, 2).reshape(heads * (d_n_out + d_r_out), -1)
 
     def latent_rows(x):  # [d_c+d_r, *] -> [d_c'+d_r', *]
         x = x.reshape(d_c + d_r, -1)
@@ -165,11 +194,12 @@ def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: S
     if "kv_a_proj.bias" in t:
         out["kv_a_proj.bias"] = latent_rows(t["kv_a_proj.bias"])[:, 0]
     w_b = t["kv_b_proj.weight"].view(groups, d_n + d_v, d_c).repeat_interleave(per_group, dim=0)  # [H, d_n+d_v, d_c]
-    kv_b = w_b.new_zeros(heads, d_n + d_v, d_c_out)
-    kv_b[..., :d_c] = w_b
-    out["kv_b_proj.weight"] = kv_b.reshape(heads * (d_n + d_v), d_c_out)
+    kv_b = w_b.new_zeros(heads, d_n_out + d_v_out, d_c_out)
+    kv_b[:, :d_n, :d_c] = w_b[:, :d_n]
+    kv_b[:, d_n_out : d_n_out + d_v, :d_c] = w_b[:, d_n:]
+    out["kv_b_proj.weight"] = kv_b.reshape(heads * (d_n_out + d_v_out), d_c_out)
     w_o = t["o_proj.weight"]  # [D, H*d_v]
-    out["o_proj.weight"] = w_o
+    out["o_proj.weight"] = _pad_end(w_o.view(-1, heads, d_v), d_v_out).reshape(w_o.shape[0], heads * d_v_out)
     if config.attention_bias or config.o_proj_bias:
         o_bias = t.get("o_proj.bias", w_o.new_zeros(w_o.shape[0]))
         if "kv_b_proj.bias" in t:

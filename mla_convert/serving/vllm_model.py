@@ -10,6 +10,7 @@ frequency indices, repeats included, after the source's RoPE scaling), biases, t
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable
 
@@ -173,6 +174,9 @@ class MLAServedModel(nn.Module):
                              f"in {dtype} (it needs bfloat16 or float16 and a nope head dim that is a multiple of 32): "
                              "serve it with --attention-backend CPU_MLA")
         served = type(config).from_dict({**config.to_dict(), **served_config(config, self.layout)})
+        if self.layout.nope_dims is not None:  # padded heads (GPU): vLLM's MLA prefill picks its kernel from them
+            text_config = vllm_config.model_config.hf_text_config
+            text_config.qk_nope_head_dim, text_config.v_head_dim = served.qk_nope_head_dim, served.v_head_dim
         rotary = LlamaRotaryEmbedding(config)  # the source's frequencies, after its RoPE scaling
         inv_freq, scaling = rotary.inv_freq.float(), float(rotary.attention_scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -200,7 +204,7 @@ class MLAForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        self.config = config
+        self.config = copy.deepcopy(config)  # the checkpoint's dims, for load_weights (MLAServedModel may pad vLLM's)
         self.model = MLAServedModel(vllm_config=vllm_config, prefix="model")
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
                                       prefix="lm_head")

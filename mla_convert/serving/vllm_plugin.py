@@ -31,7 +31,13 @@ def layout_for(config):
     from mla_convert.serving.layout import check_servable, served_layout
 
     check_servable(config, "vLLM's MLA kernels", query_norm=True)
-    return served_layout(config.kv_lora_ranks, config.qk_rope_head_dim, platform_layouts())
+    from vllm.platforms import current_platform
+
+    from mla_convert.serving.layout import PREFILL_HEADS
+
+    heads = PREFILL_HEADS["cpu" if current_platform.is_cpu() else "cuda"]
+    return served_layout(config.kv_lora_ranks, config.qk_rope_head_dim, platform_layouts(),
+                         (config.qk_nope_head_dim, config.v_head_dim), heads)
 
 
 def cpu_attention_backend(config, dtype: str) -> str | None:
