@@ -32,6 +32,10 @@ def test_dry_run_prints_plan_and_writes_nothing(sources, tmp_path, calib):
     assert "KV cache per token per layer: 64 -> 24 elements" in output
     assert "ratio 0.375" in output and "kv_a_proj [24, 64]" in output
     assert "calibration: 2 windows x 16 tokens" in output
+    # where it serves: vLLM's cache row and kernels on a GPU (the heads padded for its MLA prefill) and on a CPU
+    assert ("serving in vLLM (plugin): on a Hopper GPU a 256+64 cache row, decode by FlashMLA (unproven on this "
+            "row) or Triton MLA, prefill by FlashAttention with nope/value heads 8/16 padded to 64/128; on a CPU "
+            "512+64") in output, output
     assert not out.exists()
 
 

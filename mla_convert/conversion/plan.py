@@ -193,6 +193,7 @@ class Plan:
             f"KV cache per token (all layers, {self.dtype}): {self.kv_bytes_before} -> {self.kv_bytes_after} bytes "
             f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
             f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
+            self.describe_serving(),
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
             (f"calibration: {self.memory['samples']} windows x {self.memory['seq_len']} tokens" if self.calib_tokens
              else "calibration: none (weight-only statistics)"),
@@ -204,6 +205,25 @@ class Plan:
             + ")",
         ]
         return "\n".join(lines)
+
+    def describe_serving(self) -> str:
+        """Where the planned shape serves in vLLM (the plugin): the cache row and the MLA kernels vLLM's selection
+        code picks on a Hopper GPU (docs/serving.md, "vLLM's CUDA build") and on a CPU."""
+        from mla_convert.errors import UserError
+        from mla_convert.serving.layout import PREFILL_HEADS, VLLM_LAYOUTS, served_layout
+
+        heads = (self.nope_dims, self.head_dim)
+        try:
+            gpu = served_layout(self.kv_lora_rank, self.rope_dims, VLLM_LAYOUTS["cuda"], heads, PREFILL_HEADS["cuda"])
+            cpu = served_layout(self.kv_lora_rank, self.rope_dims, VLLM_LAYOUTS["cpu"])
+        except UserError as e:
+            return f"serving in vLLM: no ({e})"
+        decode = ("FlashAttention MLA" if gpu.elements_per_token_per_layer == 576
+                  else "FlashMLA (unproven on this row) or Triton MLA")
+        padded = f" padded to {gpu.nope_dims}/{gpu.value_dims}" if (gpu.nope_dims, gpu.value_dims) != heads else ""
+        return (f"serving in vLLM (plugin): on a Hopper GPU a {gpu.kv_lora_rank}+{gpu.rope_dims} cache row, decode by "
+                f"{decode}, prefill by FlashAttention with nope/value heads {heads[0]}/{heads[1]}{padded}; on a CPU "
+                f"{cpu.kv_lora_rank}+{cpu.rope_dims} (CPU_MLA, or AMX_MLA where it runs)")
 
     def describe_time(self) -> str:
         """The time estimate's line: the total on a 2-core CPU and its phases."""
