@@ -258,8 +258,8 @@ OPTIONS: tuple[Option, ...] = (
     # auto: resolved in `convert` (refine.resolve_precision); docs/decisions.md#refinement-precision
     Option("refine_precision", str, "auto", ("--refine-precision",), "What the training steps of --refine-steps and "
            "--refine-model-steps compute in: auto (default: bfloat16 on CPUs with AVX512-BF16 or AMX for models of "
-           "hidden size 256 or more, float32 elsewhere and on GPUs), float32, or bfloat16 (autocast). Weights, targets and held-out checks stay "
-           "float32 (docs/decisions.md#refinement-precision).",
+           "hidden size 256 or more, float32 elsewhere and on GPUs), float32, or bfloat16 (autocast). Weights, "
+           "targets and held-out checks stay float32 (docs/decisions.md#refinement-precision).",
            choices=("auto", "float32", "bfloat16")),  # refine.PRECISIONS
     Option("seed", int, 0, ("--seed",), "Seed for calibration sampling."),
     # auto is resolved by the CLI (conversion.pipeline.resolve_device): provenance records the device that ran

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from mla_convert.export.plan import EXPORT_EPS, ExportPlan
 from mla_convert.export.rope_fit import place_rope_rows
@@ -58,20 +59,15 @@ def _fold_query(w_q: torch.Tensor, b_q: torch.Tensor | None, plan: ExportPlan, l
     b_q = (b_q if b_q is not None else w_q.new_zeros(H * (d_n + d_r))).view(H, d_n + d_r)
     rope_q = plan.q_scale * plan.rope_score_scale
     w_q_out = torch.cat(
-        (_pad_rows(plan.q_scale * w_q[:, :d_n], plan.nope_out),
+        (F.pad(plan.q_scale * w_q[:, :d_n], (0, 0, 0, plan.nope_out - d_n)),  # padded nope rows: zero
          rope_q * place_rope_rows(w_q[:, d_n:], order, d_r_out, stride)), dim=1
     ).reshape(H * (plan.nope_out + d_r_out), hidden)
     b_q_out = torch.cat(
-        (_pad_rows(plan.q_scale * b_q[:, :d_n, None], plan.nope_out)[..., 0],
+        (F.pad(plan.q_scale * b_q[:, :d_n], (0, plan.nope_out - d_n)),
          rope_q * place_rope_rows(b_q[:, d_n:, None], order, d_r_out, stride)[..., 0]),
         dim=1,
     ).reshape(-1)
     return w_q_out, b_q_out
-
-
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [H, r, n] with zero rows appended per head up to [H, rows, n] (padded nope and value dims: exact)."""
-    return torch.cat((x, x.new_zeros(x.shape[0], rows - x.shape[1], x.shape[2])), dim=1)
 
 
 def _output_bias(w_b: torch.Tensor, b_b: torch.Tensor | None, b_c: torch.Tensor | None, w_o: torch.Tensor,
@@ -169,9 +165,8 @@ def export_layer(t: dict[str, torch.Tensor], plan: ExportPlan, layer: int, norm_
     o_bias = _output_bias(w_b, get("kv_b_proj.bias"), b_c, w_o, get("o_proj.bias"), plan)
 
     out, stats = _latent_tensors(w_a, w_b, norm_weight, plan, layer)
-    w_o_heads = w_o.view(w_o.shape[0], plan.heads, plan.value).transpose(0, 1)  # [H, D, d_v]: pad each head's columns
-    w_o_out = _pad_rows(w_o_heads.transpose(1, 2), plan.value_out).transpose(1, 2)  # [H, D, d_v_out]
-    out["o_proj.weight"] = plan.residual_scale * w_o_out.transpose(0, 1).reshape(w_o.shape[0], -1)
+    w_o_out = F.pad(w_o.view(w_o.shape[0], plan.heads, plan.value), (0, plan.value_out - plan.value))  # zero columns
+    out["o_proj.weight"] = plan.residual_scale * w_o_out.reshape(w_o.shape[0], -1)
     if plan.attention_bias:
         k_bias = w_a.new_zeros(d_c_out + d_r_out)
         if plan.k_rope_bias:

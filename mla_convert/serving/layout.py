@@ -13,8 +13,8 @@ its CPU kernel only 576). A native layer maps onto that exactly, tensor by tenso
     o_proj [D, H*d_v] (+bias)      -> ... is folded into the o_proj bias (softmax rows sum to 1)
 
 On a GPU the nope and value head dims are padded too (d_n', d_v': zero query and key rows, zero value rows and o_proj
-columns), to a head layout vLLM's CUDA MLA prefill takes (PREFILL_HEADS). Rope rows stay in rotate_half layout inside the padded width (pair j: rows j and j + d_r'/2); the padded pairs are
-zero in query and key, so whatever frequency they get adds nothing. The result is itself a native MLA model (G = H,
+columns), to a head layout vLLM's CUDA MLA prefill takes (PREFILL_HEADS). Rope rows stay in rotate_half layout inside
+the padded width (pair j: rows j and j + d_r'/2); the padded pairs are zero in query and key, so whatever frequency they get adds nothing. The result is itself a native MLA model (G = H,
 ranks d_c', rope dims d_r', `rope_pairs` padded with `PAD_PAIR`), which is how tests prove the mapping exact in
 transformers before any engine runs it.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from mla_convert.errors import UserError
 
@@ -149,11 +150,6 @@ def _pad_rope_rows(x: torch.Tensor, rope_dims: int, rope_dims_out: int) -> torch
     return out
 
 
-def _pad_end(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[..., n] -> [..., width] with zeros after the n values."""
-    return torch.cat((x, x.new_zeros(*x.shape[:-1], width - x.shape[-1])), dim=-1)
-
-
 def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: ServedLayout) -> dict[str, torch.Tensor]:
     """One native layer's attention tensors (keys `q_proj.weight`, `kv_a_proj.bias`, ...) -> the served layer's.
 
@@ -170,7 +166,7 @@ def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: S
 
     def query(x):  # [H*(d_n+d_r), *] -> [H*(d_n'+d_r'), *]
         x = x.reshape(heads, d_n + d_r, -1).transpose(1, 2)  # [H, *, d_n+d_r]
-        x = torch.cat((_pad_end(x[..., :d_n], d_n_out), _pad_rope_rows(x[..., d_n:], d_r, d_r_out)), dim=-1)
+        x = torch.cat((F.pad(x[..., :d_n], (0, d_n_out - d_n)), _pad_rope_rows(x[..., d_n:], d_r, d_r_out)), dim=-1)
         return x.transpose(1, 2).reshape(heads * (d_n_out + d_r_out), -1)
 
     def latent_rows(x):  # [d_c+d_r, *] -> [d_c'+d_r', *]
@@ -199,7 +195,7 @@ def served_layer(tensors: dict[str, torch.Tensor], config, layer: int, layout: S
     kv_b[:, d_n_out : d_n_out + d_v, :d_c] = w_b[:, d_n:]
     out["kv_b_proj.weight"] = kv_b.reshape(heads * (d_n_out + d_v_out), d_c_out)
     w_o = t["o_proj.weight"]  # [D, H*d_v]
-    out["o_proj.weight"] = _pad_end(w_o.view(-1, heads, d_v), d_v_out).reshape(w_o.shape[0], heads * d_v_out)
+    out["o_proj.weight"] = F.pad(w_o.view(-1, heads, d_v), (0, d_v_out - d_v)).reshape(w_o.shape[0], heads * d_v_out)
     if config.attention_bias or config.o_proj_bias:
         o_bias = t.get("o_proj.bias", w_o.new_zeros(w_o.shape[0]))
         if "kv_b_proj.bias" in t:

@@ -17,27 +17,20 @@ ARCHITECTURE = "MLAForCausalLM"
 MODEL_TYPE = "mla"
 
 
-def platform_layouts() -> tuple[tuple[int, int], ...]:
-    """The (kv_lora_rank, qk_rope_head_dim) splits the current platform's MLA backends take."""
+def platform() -> str:
+    """The key of the current platform in serving.layout's tables: cpu or cuda."""
     from vllm.platforms import current_platform
 
-    from mla_convert.serving.layout import VLLM_LAYOUTS
-
-    return VLLM_LAYOUTS["cpu" if current_platform.is_cpu() else "cuda"]
+    return "cpu" if current_platform.is_cpu() else "cuda"
 
 
 def layout_for(config):
     """The ServedLayout vLLM runs a native config in on this platform."""
-    from mla_convert.serving.layout import check_servable, served_layout
+    from mla_convert.serving.layout import PREFILL_HEADS, VLLM_LAYOUTS, check_servable, served_layout
 
     check_servable(config, "vLLM's MLA kernels", query_norm=True)
-    from vllm.platforms import current_platform
-
-    from mla_convert.serving.layout import PREFILL_HEADS
-
-    heads = PREFILL_HEADS["cpu" if current_platform.is_cpu() else "cuda"]
-    return served_layout(config.kv_lora_ranks, config.qk_rope_head_dim, platform_layouts(),
-                         (config.qk_nope_head_dim, config.v_head_dim), heads)
+    return served_layout(config.kv_lora_ranks, config.qk_rope_head_dim, VLLM_LAYOUTS[platform()],
+                         (config.qk_nope_head_dim, config.v_head_dim), PREFILL_HEADS[platform()])
 
 
 def cpu_attention_backend(config, dtype: str) -> str | None:

@@ -149,7 +149,7 @@ class FinetuneConfig:
             if f.name not in section:
                 continue
             value, kinds = section[f.name], str(f.type).replace(" ", "").split("|")
-            if f.name == "mixed_precision" and value is False:  # YAML reads the choice `no` (also off, false) so
+            if f.name == "mixed_precision" and value is False:  # YAML reads the choice `no` (and off, false) as False
                 value = "no"
             if (isinstance(value, str) and "str" not in kinds and {"int", "float"} & set(kinds)
                     and _NUMBER_TEXT.fullmatch(value.strip())):
