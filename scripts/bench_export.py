@@ -29,56 +29,20 @@ import harness  # noqa: E402  (timed scoring processes, the machine record)
 
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 
-# Scores one model in a fresh interpreter: the loop of mla_convert.evaluate.perplexity, restated so that the exports'
-# process needs nothing from mla_convert (it records whether mla_convert got imported).
-_SCORE = r"""
-import json, math, sys, time
-import torch
-torch.set_num_threads(int(sys.argv[5]))
-kind, folder, ids_path, out_path, _, seq_len, windows = sys.argv[1:8]
-seq_len, windows = int(seq_len), int(windows)
-t0 = time.time()
-if kind == "stock":
-    from transformers import DeepseekV3ForCausalLM
-    model = DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
-elif kind == "gguf":
-    from pathlib import Path
-    from transformers import AutoModelForCausalLM
-    path = Path(folder)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-else:
-    import mla_convert  # registers model_type mla
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-model.eval()
-ids = torch.load(ids_path)
-total, count = 0.0, 0
-with torch.no_grad():
-    for w in range(windows):
-        chunk = ids[w * seq_len : (w + 1) * seq_len].unsqueeze(0)
-        logits = model(input_ids=chunk, use_cache=False).logits[0, :-1].float()
-        total += torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
-        count += seq_len - 1
-res = {"perplexity": math.exp(total / count), "tokens": count, "seconds": time.time() - t0,
-       "class": type(model).__name__, "transformers": __import__("transformers").__version__,
-       "mla_convert_imported": any(m.split(".")[0] == "mla_convert" for m in sys.modules)}
-open(out_path, "w").write(json.dumps(res))
-"""
-
-
 def score(kind: str, folder: Path, ids_path: Path, args) -> dict:
+    """scripts/stock_score.py's result for one model (its own interpreter; the stock one never imports mla_convert)."""
     out = args.work / f"score-{os.getpid()}.json"
     env = dict(os.environ)
     if kind == "stock":
         env.pop("PYTHONPATH", None)
-    cmd = [sys.executable, "-c", _SCORE, kind, str(folder), str(ids_path), str(out), str(args.threads),
-           str(args.seq_len), str(args.windows)]  # fmt: skip
+    cmd = [sys.executable, ROOT / "scripts" / "stock_score.py", kind, folder, ids_path, out, "--threads", args.threads,
+           "--seq-len", args.seq_len, "--windows", args.windows]  # fmt: skip
     harness.timed(cmd, env=env, cwd=args.work, tee=True)
     res = json.loads(out.read_text())
     out.unlink()
     if kind == "stock" and res["mla_convert_imported"]:
         raise RuntimeError("the stock scoring process imported mla_convert")
-    return res
+    return dict(res, perplexity=res["perplexity"]["text"], tokens=res["tokens"]["text"])
 
 
 def main() -> None:
@@ -134,7 +98,7 @@ def main() -> None:
             records[dtype] = {k: v for k, v in rec.items() if k != "identity_norm_scales"}
             save()
 
-    ids_path = args.work / "eval-ids.pt"
+    ids_path = args.work / "eval-ids.safetensors"
     if not ids_path.is_file():
         from transformers import AutoTokenizer
 
@@ -143,7 +107,9 @@ def main() -> None:
         ids = tokenize(AutoTokenizer.from_pretrained(native), Path(args.eval).read_text(encoding="utf-8"))
         if ids.numel() < args.windows * args.seq_len:
             raise SystemExit(f"{args.eval} has fewer than {args.windows} x {args.seq_len} tokens")
-        torch.save(ids, ids_path)
+        from safetensors.torch import save_file
+
+        save_file({"text": ids.contiguous()}, str(ids_path))
     models = [
         ("source", "source SmolLM2-135M-Instruct (embedded Q4_1 GGUF, de-quantized)", "gguf", default_model_path()),
         ("native", "native MLA (mla_convert's MLAForCausalLM)", "native", native),

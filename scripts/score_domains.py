@@ -7,6 +7,11 @@ text once and each model once.
         [--windows 16] [--seq-len 2048] [--dtype float32] [--device cuda] --json OUT.json
 
 `source` (or a name given as LABEL=PATH) is scored like any other folder; `source` alone is the embedded default.
+A DeepSeek-V3 export is scored in stock transformers' DeepseekV3ForCausalLM, in a process that never imports
+mla_convert (scripts/stock_score.py). `--engine vllm` scores every text in one vLLM run per model (vLLM's own
+environment, scripts/install-vllm.sh); a DeepSeek-V3 export runs there in vLLM's own DeepseekV3ForCausalLM (the
+class is recorded), with the plugin loaded unless `--vllm-plugins none`: on vLLM's CPU build the plugin's fix of
+vLLM's rotary kernel is what makes any MLA model right there (docs/serving.md).
 Each model's tokenizer tokenizes the texts (a conversion keeps its source's tokenizer, so the ids are the same).
 The JSON file holds {"results": {model label: {text name: perplexity}}, "protocol": {...}} and is rewritten after
 each model, so a run stopped part-way keeps the models it finished.
@@ -33,6 +38,53 @@ def parse_pairs(spec: str, what: str) -> list[tuple[str, str]]:
     return out
 
 
+def is_stock_export(path: str) -> bool:
+    """A DeepSeek-V3 export (config model_type deepseek_v3): scored as a user without mla-convert loads it."""
+    config = Path(path) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "deepseek_v3"
+
+
+def stock_scores(path: str, ids: dict, args) -> dict:
+    """Perplexities of a DeepSeek-V3 export in stock transformers, in a process that never imports mla_convert."""
+    import os
+    import subprocess
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="mla-stock-") as tmp:
+        ids_path, out = Path(tmp) / "ids.safetensors", Path(tmp) / "out.json"
+        save_file({name: t.contiguous() for name, t in ids.items()}, str(ids_path))
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        cmd = [sys.executable, str(ROOT / "scripts" / "stock_score.py"), "stock", str(Path(path).resolve()),
+               str(ids_path), str(out), "--seq-len", str(args.seq_len), "--windows", str(args.windows),
+               "--threads", str(args.threads)]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=tmp, env=env)
+        res = json.loads(out.read_text())
+    if res["mla_convert_imported"] or res["class"] != "DeepseekV3ForCausalLM":
+        raise SystemExit(f"{path}: the stock scoring process loaded {res['class']} (mla_convert imported: "
+                         f"{res['mla_convert_imported']})")
+    return res["perplexity"]
+
+
+def vllm_scores(path: str, ids: dict, args) -> tuple[dict, dict]:
+    """Perplexities in vLLM (one engine start for every text) and vLLM's KV-cache report. `--vllm-plugins none` starts
+    vLLM with no plugin loaded (VLLM_PLUGINS empty)."""
+    from mla_convert import evaluate
+    from mla_convert.serving import engine
+
+    windows = {name: evaluate.eval_windows(t, args.seq_len, args.windows).tolist() for name, t in ids.items()}
+    flat = [w for ws in windows.values() for w in ws]
+    res = engine.score_in_vllm(path, flat, dtype=args.dtype, max_model_len=args.seq_len + 64, timeout=7200,
+                               env={"VLLM_PLUGINS": ""} if args.vllm_plugins == "none" else None)
+    scores, at = {}, 0
+    for name, ws in windows.items():
+        scores[name] = engine.perplexity(res["logprobs"][at : at + len(ws)])
+        at += len(ws)
+    return scores, {key: res.get(key) for key in ("kv_cache", "attention_backend", "model_class", "plugins",
+                                                  "vllm_version")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", required=True, help="comma-separated model folders (LABEL=PATH; source = default)")
@@ -41,29 +93,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    parser.add_argument("--vllm-plugins", choices=["all", "none"], default="all",
+                        help="none: vLLM without mla-convert's plugin (whose CPU rotary fix every MLA model needs)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of a stock scoring process")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
 
     import torch
+    from transformers import AutoTokenizer
 
     from mla_convert import evaluate
     from mla_convert.data import load_text
 
     texts = {name: load_text(path) for name, path in parse_pairs(args.texts, "text")}
     record = {"protocol": {"windows": args.windows, "seq_len": args.seq_len, "dtype": args.dtype,
-                           "device": args.device, "texts": dict(parse_pairs(args.texts, "text"))},
-              "results": {}, "seconds": {}}
+                           "device": args.device, "engine": args.engine,
+                           "texts": dict(parse_pairs(args.texts, "text"))},
+              "results": {}, "seconds": {}, "how": {}}
     if args.device.startswith("cuda"):
         record["protocol"]["gpu"] = torch.cuda.get_device_name(0)
     for label, path in parse_pairs(args.models, "model"):
         start = time.perf_counter()
-        with torch.inference_mode():
-            net, tokenizer, _ = evaluate.load_model(None if path == "source" else path, args.dtype, args.device)
-            scores = {}
-            for name, text in texts.items():
-                ids = evaluate.tokenize(tokenizer, text)
-                scores[name] = evaluate.perplexity(net, ids, args.seq_len, args.windows, progress=False)["perplexity"]
-        del net
+        if args.engine == "vllm" and path == "source":
+            raise SystemExit("--engine vllm scores model folders: give the source's folder, not `source`")
+        if args.engine == "vllm" or is_stock_export(path):
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            ids = {name: evaluate.tokenize(tokenizer, text) for name, text in texts.items()}
+            if args.engine == "vllm":
+                scores, record["how"][label] = vllm_scores(path, ids, args)
+            else:
+                if args.dtype != "float32" or args.device != "cpu":
+                    raise SystemExit("a DeepSeek-V3 export is scored in stock transformers in float32 on the CPU")
+                scores, record["how"][label] = stock_scores(path, ids, args), "stock DeepseekV3ForCausalLM"
+        else:
+            with torch.inference_mode():
+                net, tokenizer, _ = evaluate.load_model(None if path == "source" else path, args.dtype, args.device)
+                scores = {}
+                for name, text in texts.items():
+                    ids = evaluate.tokenize(tokenizer, text)
+                    scores[name] = evaluate.perplexity(net, ids, args.seq_len, args.windows, progress=False)["perplexity"]
+            record["how"][label] = f"mla_convert.evaluate, {type(net).__name__}"
+            del net
         record["results"][label] = scores
         record["seconds"][label] = round(time.perf_counter() - start, 1)
         print(f"{label}: " + ", ".join(f"{n} {p:.3f}" for n, p in scores.items()), flush=True)

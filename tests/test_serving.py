@@ -177,6 +177,37 @@ def test_deepseek_export_serves_exactly_in_vllm(tmp_path, convert_tiny):
 
 
 @needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,rope", [("llama-gqa", LLAMA3_ROPE), ("mistral", None), ("qwen2", None)],
+                         ids=["llama3-rope-scaling", "mistral", "qwen2-biases"])
+def test_target_deepseek_serves_in_stock_engines(tmp_path, convert_tiny, kind, rope):
+    """Sources converted with `--target deepseek` options (data-free pair choice, calibrated factorization) and
+    exported: Llama-3.x's llama3 RoPE scaling and Mistral exactly, in stock transformers against the native model and
+    in vLLM's own DeepseekV3ForCausalLM against transformers. Qwen2's biases, which vLLM's DeepSeek class does not
+    hold, are dropped only when asked (`drop_biases` + `allow_approx`), with the error against the native model
+    measured in the export's record; vLLM then serves that bias-free export as transformers computes it."""
+    from mla_convert.checkpoint import open_source
+    from mla_convert.convert import ConvertOptions
+    from mla_convert.export import ExportOptions, deepseek_convert_options, export
+
+    src = tiny_source(kind, tmp_path / "src", seed=3, **({"rope_parameters": rope} if rope else {}))
+    options, _ = deepseek_convert_options(open_source(str(src)).config, ConvertOptions(rank=24, rope_dims=8))
+    native = convert_tiny(src, **{k: getattr(options, k) for k in ("rank", "rope_dims", "rope_strategy",
+                                                                   "rope_merge")})
+    biased = kind == "qwen2"
+    record = export(native, tmp_path / "ds", ExportOptions(dtype="float32", pad_latent="flashmla",
+                                                           drop_biases=biased, allow_approx=biased))
+    m = record["measurements"]
+    assert record["rope_exact"]
+    if biased:  # dropped biases: an approximation, measured (and large with Qwen2-sized random biases)
+        assert m["export_max_rel_logit_error"] > 1e-3
+    else:
+        assert m["export_max_rel_logit_error"] < 1e-5 and m["export_greedy_tokens_match"]
+    served = _compare_in_vllm(tmp_path / "ds")
+    assert served["model_class"].endswith("DeepseekV3ForCausalLM")
+
+
+@needs_vllm
 def test_cuda_build_takes_the_served_and_exported_heads(tmp_path, convert_tiny):
     """vLLM's CUDA selection code (its CPU wheel ships the same Python; tests/vllm_cuda_paths.py, compute capability
     9.0): its MLA prefill refuses the 25% default's heads as converted (nope 32, value 64: vLLM stops at start-up)

@@ -10,7 +10,8 @@ REQUEST: {"model": folder, "dtype": "float32"|"bfloat16"|"auto", "max_model_len"
           "windows": [[token ids]], "prompts": [[token ids]], "new_tokens": int,
           "decode": {"batch": int, "prompt_tokens": int, "new_tokens": int} (optional)}
 RESULT:  {"logprobs": [[log p(token t | tokens < t) for t >= 1]], "greedy": [[token ids]],
-          "decode_tokens_per_s": float, "kv_cache": {...}, "vllm_version": str, "attention_backend": str}
+          "decode_tokens_per_s": float, "kv_cache": {...}, "vllm_version": str, "attention_backend": str,
+          "model_class": module.name of the model vLLM built, "plugins": VLLM_PLUGINS (None: all installed)}
 
 The KV-cache figures are vLLM's own: bytes per token from its allocated cache tensors and the number of tokens its
 cache holds, read from the engine after start-up (the same numbers its log prints).
@@ -83,13 +84,15 @@ def main(request_path: str, result_path: str) -> None:
         max_num_seqs=req.get("max_num_seqs", 8),
     )
     out: dict = {"vllm_version": __import__("vllm").__version__}
-    layer = None
+    layer = model_class = None
     try:
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
         layer = runner.attn_groups[0][0].backend.get_name()
+        model_class = type(runner.get_model()).__module__ + "." + type(runner.get_model()).__name__
     except (AttributeError, IndexError, TypeError):
         pass
-    out["attention_backend"] = layer
+    out["attention_backend"], out["model_class"] = layer, model_class
+    out["plugins"] = os.environ.get("VLLM_PLUGINS")  # None: every installed plugin loaded
     out["kv_cache"] = _kv_cache_report(llm)
     windows = req.get("windows", [])
     if windows:
