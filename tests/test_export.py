@@ -324,9 +324,22 @@ def test_export_refusals(tmp_path):
         export(native_model("qwen2-biases", tmp_path / "n3"), tmp_path / "ds", ExportOptions(dtype="float32"))
     with pytest.raises(UserError, match="measured"):
         export(native, tmp_path / "ds", ExportOptions(allow_approx=True, verify=False))
-    with pytest.raises(UserError, match="divides 64"):
-        export(native_model("llama-mha", tmp_path / "n2"), tmp_path / "ds", ExportOptions(pad_latent="vllm"))
     assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("pad", ["vllm", "llamacpp"])
+def test_export_pads_any_rope_width_exactly(tmp_path, pad):
+    """A rope key whose pair count does not divide 32 (here 3 pairs, as 24 pairs of a 48-dim key) pads to vLLM's 64
+    dims by going on with the geometric set past the slowest kept pair: rope_theta = base^(64/6), exact."""
+    native = native_model("llama-mha", tmp_path / "native")
+    record = export(native, tmp_path / "ds", ExportOptions(dtype="float32", pad_latent=pad, verify=False))
+    cfg = json.loads((tmp_path / "ds" / "config.json").read_text())
+    base = record["rope_theta"] if pad == "llamacpp" else record["rope_theta"] ** (6 / 64)
+    assert cfg["qk_rope_head_dim"] == (64 if pad == "vllm" else 6)
+    assert cfg["rope_parameters"]["rope_theta"] == pytest.approx(record["rope_theta"])
+    assert base == pytest.approx(1e4 ** (6 / 16))  # the kept (fastest) pairs' own base
+    ref, got = native_and_stock_logits(native, tmp_path / "ds")
+    assert relative_error(ref, got) < 1e-5
 
 
 def test_export_approximations_are_measured(tmp_path):

@@ -67,7 +67,7 @@ def _export_record(plan) -> dict:
     """What the export did (provenance.json's "export"), before the layers' identity norm scales are added."""
     return {
         "format": "deepseek_v3",
-        "rope_theta": plan.fit.base,
+        "rope_theta": plan.rope_theta,
         "rope_order": plan.fit.order,
         "rope_exact": plan.fit.exact,
         "rope_max_freq_rel_error": plan.fit.max_freq_rel_error,

@@ -252,7 +252,7 @@ def _export_record(folder: Path, gguf_type: str, plan, query: _QueryLayout, tok:
     return {
         "format": "gguf", "gguf_type": gguf_type, "architecture": ARCH, "source": str(folder.resolve()),
         "kv_lora_rank": plan.kv_lora_rank_out, "qk_rope_head_dim": plan.rope_dims_out,
-        "qk_nope_head_dim": plan.nope_out, "v_head_dim": plan.value_out, "rope_theta": plan.fit.base,
+        "qk_nope_head_dim": plan.nope_out, "v_head_dim": plan.value_out, "rope_theta": plan.rope_theta,
         "q_lora_rank": query.lora_rank, "q_factorization": query.mode or "none (DeepSeek-V2-Lite layer count)",
         "tokenizer_pre": tok.pre, "mla_convert_version": __version__,
         # llama.cpp caches the latent and the rope key of every layer, f16 by default
@@ -412,7 +412,7 @@ def _write_metadata(writer, config, plan, tok: TokenizerMeta, special, gguf_type
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(plan.heads)
     writer.add_head_count_kv(1)  # MLA with the absorbed query is MQA over the latent
-    writer.add_rope_freq_base(plan.fit.base)
+    writer.add_rope_freq_base(plan.rope_theta)
     writer.add_layer_norm_rms_eps(EXPORT_EPS)
     writer.add_file_type(file_type)
     writer.add_leading_dense_block_count(layers)

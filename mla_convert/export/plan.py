@@ -57,6 +57,7 @@ class ExportPlan:
     rope_dims: int  # native d_r
     rope_dims_out: int  # exported qk_rope_head_dim
     rope_stride: int  # DeepSeek pair index step between native pairs (rope padding)
+    rope_theta: float  # exported rope_theta: the kept pairs' geometric base, over the padded width
     kv_lora_rank: list[int]  # native d_c per layer
     kv_lora_rank_out: int  # exported kv_lora_rank (after --pad-latent)
     q_scale: float  # softmax scale folded into the query
@@ -103,11 +104,9 @@ def _pad_layout(options: ExportOptions, kv_lora_rank: int, rope_dims: int) -> tu
     if options.pad_latent == "llamacpp":  # a cached row of whole 64-value steps of ggml's f16 dot product
         return -(-(kv_lora_rank + rope_dims) // LLAMACPP_ROW) * LLAMACPP_ROW - rope_dims, rope_dims
     rope_dims_out = FLASHMLA_LAYOUT[1]
-    if rope_dims > rope_dims_out or (rope_dims_out // 2) % (rope_dims // 2):
-        raise UserError(
-            f"--pad-latent {options.pad_latent} needs qk_rope_head_dim 64, reachable from {rope_dims} only when "
-            f"{rope_dims} divides 64 (the padded pairs must stay geometric); convert with --rope-dims 8, 16, 32 or 64"
-        )
+    if rope_dims > rope_dims_out:
+        raise UserError(f"--pad-latent {options.pad_latent} needs qk_rope_head_dim {rope_dims_out}, below this "
+                        f"model's {rope_dims}: convert with --rope-dims {rope_dims_out} or less")
     if options.pad_latent == "flashmla" or kv_lora_rank > VLLM_MLA_HEAD_SIZES[0] - rope_dims_out:
         target = FLASHMLA_LAYOUT[0]
     else:
@@ -116,6 +115,14 @@ def _pad_layout(options: ExportOptions, kv_lora_rank: int, rope_dims: int) -> tu
         raise UserError(f"kv_lora_rank {kv_lora_rank} is above {target}: no exact padding to a layout vLLM's MLA "
                         "accepts")
     return target, rope_dims_out
+
+
+def _rope_stride(rope_dims: int, rope_dims_out: int) -> int:
+    """Where padding puts the kept rope pairs: every `stride`-th pair of the padded key when the kept pair count
+    divides the padded one (the padded set then has the kept set's base), else the first ones (stride 1: the
+    geometric set goes on past the slowest kept pair). Either way the padded pairs are zero and the kept frequencies
+    unchanged: exact for any rope width up to the padded one."""
+    return rope_dims_out // rope_dims if (rope_dims_out // 2) % (rope_dims // 2) == 0 else 1
 
 
 def _pad_heads(options: ExportOptions, nope: int, value: int) -> tuple[int, int]:
@@ -204,7 +211,7 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
     kv_lora_rank = config.kv_lora_ranks
     (kv_lora_rank_out, rope_dims_out), (nope_out, value_out) = (_pad_layout(options, max(kv_lora_rank), rope_dims),
                                                                 _pad_heads(options, nope, value))
-    stride = rope_dims_out // rope_dims
+    stride = _rope_stride(rope_dims, rope_dims_out)
     has = {key: any(_nonzero(b.get(key)) for b in layer_biases) for key in ("q", "k_rope", "o")}
     if any(has.values()):
         names = [n for n, v in (("query", has["q"]), ("rope key", has["k_rope"]), ("output/value", has["o"])) if v]
@@ -235,6 +242,7 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
     return ExportPlan(
         heads=heads, groups=groups, nope=nope, value=value, nope_out=nope_out, value_out=value_out,
         rope_dims=rope_dims, rope_dims_out=rope_dims_out, rope_stride=stride,
+        rope_theta=fit.base ** (rope_dims_out / (stride * rope_dims)),
         kv_lora_rank=kv_lora_rank, kv_lora_rank_out=kv_lora_rank_out,
         q_scale=config.softmax_scale * math.sqrt(nope_out + rope_dims_out),
         rope_score_scale=attention_scaling**2,
@@ -269,7 +277,7 @@ def deepseek_config(config, plan: ExportPlan, dtype: torch.dtype) -> dict:
         hidden_act=config.hidden_act,
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=EXPORT_EPS,
-        rope_parameters={"rope_type": "default", "rope_theta": plan.fit.base},
+        rope_parameters={"rope_type": "default", "rope_theta": plan.rope_theta},
         rope_interleave=True,
         attention_bias=plan.attention_bias,
         attention_dropout=0.0,
@@ -285,7 +293,7 @@ def deepseek_config(config, plan: ExportPlan, dtype: torch.dtype) -> dict:
     out["architectures"] = ["DeepseekV3ForCausalLM"]
     out["dtype"] = str(dtype).replace("torch.", "")
     # Engines pinned to transformers 4 read these top-level keys (rope_parameters is transformers 5).
-    out["rope_theta"] = plan.fit.base
+    out["rope_theta"] = plan.rope_theta
     out["rope_scaling"] = None
     out.pop("transformers_version", None)
     return out
