@@ -165,12 +165,15 @@ def test_amx_cpu_refusal_names_the_backend_that_runs(tmp_path, convert_tiny):
 
 @needs_vllm
 @pytest.mark.slow
-def test_deepseek_export_serves_exactly_in_vllm(tmp_path, convert_tiny):
-    """The stock DeepSeek-V3 export (architectures written, padded to 512 + 64) in vLLM's DeepseekV3ForCausalLM."""
+@pytest.mark.parametrize("rope_dims,strategy", [(8, "uniform"), (6, "high")], ids=["interleaved", "extended"])
+def test_deepseek_export_serves_exactly_in_vllm(tmp_path, convert_tiny, rope_dims, strategy):
+    """The stock DeepSeek-V3 export (architectures written, padded to 512 + 64) in vLLM's DeepseekV3ForCausalLM: a
+    rope key whose pairs divide the padded 32 (zero pairs between them) and one whose 3 pairs do not (zero pairs after
+    them, rope_theta raised to keep the kept frequencies)."""
     from mla_convert.export import ExportOptions, export
 
     src = tiny_source("llama-gqa", tmp_path / "src", seed=3)
-    native = convert_tiny(src, rank=24, rope_dims=8, rope_strategy="uniform")
+    native = convert_tiny(src, rank=24, rope_dims=rope_dims, rope_strategy=strategy)
     export(native, tmp_path / "ds", ExportOptions(dtype="float32", pad_latent="flashmla", verify=False))
     served = _compare_in_vllm(tmp_path / "ds")
     assert served["attention_backend"] == "CPU_MLA"
