@@ -52,16 +52,14 @@ def test_target_picks_the_fastest_pairs():
     options, notes = deepseek_convert_options(llama_config(), ConvertOptions(rank=8, rope_strategy="uniform"),
                                               {"rope_strategy"})  # fmt: skip
     assert options.rope_strategy == "uniform" and "[0, 2, 4, 6]" in notes[0] and notes[0].endswith("rope_theta 10000")
-    # with a budget the rope key takes half of it in steps of 16 dims (a power of two below 16), up to the whole head
-    # and 64 (the native default: a third, at most 3/4 of the head): 25% of 2 kv heads x 16 x 2 = 16 values -> 8
+    # with a budget the rope key takes half of it as a power of two, up to the whole head and 64 (the native default: a third, at most 3/4 of the head): 25% of 2 kv heads x 16 x 2 = 16 values -> 8
     # (native 6); 40% -> 12.8 -> 8 (native 8); 50% -> 16 (native 10)
     for budget, d_r in ((0.25, 8), (0.4, 8), (0.5, 16)):
         options, _ = deepseek_convert_options(llama_config(), ConvertOptions(kv_budget=budget))
         assert (options.rope_strategy, options.rope_dims) == ("high", d_r)
-    # SmolLM2-135M's shape (3 kv heads of 64, 384 values a token): 25% -> 48 (24 pairs, padded exactly to vLLM's 64
-    # at export), 50% -> 96 -> 64
+    # SmolLM2-135M's shape (3 kv heads of 64, 384 values a token): 25% -> 48 -> 32, 50% -> 96 -> 64
     smol = llama_config(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
-    for budget, d_r in ((0.25, 48), (0.5, 64)):
+    for budget, d_r in ((0.25, 32), (0.5, 64)):
         assert deepseek_convert_options(smol, ConvertOptions(kv_budget=budget))[0].rope_dims == d_r
     # llama3 scaling bends the slow frequencies that uniform reaches: high keeps the unbent fast ones
     llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,

@@ -136,9 +136,9 @@ def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str
     groups = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     d_r = options.rope_dims
-    if d_r is None:  # half the budget, in steps of 16 dims (a power of two below 16), at most 64
+    if d_r is None:  # half the budget as a power of two, at most 64 (docs/decisions.md: 48 lost to 32 once refined)
         d_r = default_rope_dims(options, groups, head_dim, budget_share=0.5, head_share=1.0)
-        d_r = d_r // 16 * 16 if d_r >= 16 else 1 << (d_r.bit_length() - 1)
+        d_r = 1 << (d_r.bit_length() - 1)
     if d_r <= 0 or d_r % 2:
         raise UserError(f"--target deepseek needs an even, positive --rope-dims (a rope key), got {d_r}")
     if d_r > head_dim:
