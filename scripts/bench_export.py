@@ -25,23 +25,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-import harness  # noqa: E402  (timed scoring processes, the machine record)
+import harness  # noqa: E402  (the machine record)
+import stock_score  # noqa: E402  (scoring in a process that never imports mla_convert)
 
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 
 def score(kind: str, folder: Path, ids_path: Path, args) -> dict:
     """scripts/stock_score.py's result for one model (its own interpreter; the stock one never imports mla_convert)."""
-    out = args.work / f"score-{os.getpid()}.json"
-    env = dict(os.environ)
-    if kind == "stock":
-        env.pop("PYTHONPATH", None)
-    cmd = [sys.executable, ROOT / "scripts" / "stock_score.py", kind, folder, ids_path, out, "--threads", args.threads,
-           "--seq-len", args.seq_len, "--windows", args.windows]  # fmt: skip
-    harness.timed(cmd, env=env, cwd=args.work, tee=True)
-    res = json.loads(out.read_text())
-    out.unlink()
-    if kind == "stock" and res["mla_convert_imported"]:
-        raise RuntimeError("the stock scoring process imported mla_convert")
+    res = stock_score.run(kind, folder, ids_path, args.seq_len, args.windows, args.threads, cwd=args.work)
     return dict(res, perplexity=res["perplexity"]["text"], tokens=res["tokens"]["text"])
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def parse_pairs(spec: str, what: str) -> list[tuple[str, str]]:
@@ -46,24 +47,16 @@ def is_stock_export(path: str) -> bool:
 
 def stock_scores(path: str, ids: dict, args) -> dict:
     """Perplexities of a DeepSeek-V3 export in stock transformers, in a process that never imports mla_convert."""
-    import os
-    import subprocess
     import tempfile
 
     from safetensors.torch import save_file
 
+    import stock_score
+
     with tempfile.TemporaryDirectory(prefix="mla-stock-") as tmp:
-        ids_path, out = Path(tmp) / "ids.safetensors", Path(tmp) / "out.json"
+        ids_path = Path(tmp) / "ids.safetensors"
         save_file({name: t.contiguous() for name, t in ids.items()}, str(ids_path))
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        cmd = [sys.executable, str(ROOT / "scripts" / "stock_score.py"), "stock", str(Path(path).resolve()),
-               str(ids_path), str(out), "--seq-len", str(args.seq_len), "--windows", str(args.windows),
-               "--threads", str(args.threads)]  # fmt: skip
-        subprocess.run(cmd, check=True, cwd=tmp, env=env)
-        res = json.loads(out.read_text())
-    if res["mla_convert_imported"] or res["class"] != "DeepseekV3ForCausalLM":
-        raise SystemExit(f"{path}: the stock scoring process loaded {res['class']} (mla_convert imported: "
-                         f"{res['mla_convert_imported']})")
+        res = stock_score.run("stock", Path(path).resolve(), ids_path, args.seq_len, args.windows, args.threads)
     return res["perplexity"]
 
 

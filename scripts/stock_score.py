@@ -10,6 +10,9 @@ IDS: a safetensors file of 1-D integer tensors, one per text (name -> token ids,
 The loop is the protocol of mla_convert.evaluate.perplexity, restated: the first W non-overlapping windows of T
 tokens, each scored on its own, float32 compute, nll averaged over W * (T - 1) predicted tokens.
 OUT: {"perplexity": {name: ppl}, "tokens", "seconds", "class", "transformers", "mla_convert_imported"}.
+
+From another script: `stock_score.run(kind, model, ids_path, ...)` runs this file in a fresh interpreter (without
+PYTHONPATH for `stock`) and returns OUT, refusing a `stock` result whose process imported mla_convert.
 """
 
 from __future__ import annotations
@@ -17,9 +20,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+
+def run(kind: str, model, ids_path, seq_len: int = 2048, windows: int = 16, threads: int = 2, cwd=None) -> dict:
+    """OUT of this script run on `model` in its own interpreter (see the module docstring)."""
+    env = {k: v for k, v in os.environ.items() if not (kind == "stock" and k == "PYTHONPATH")}
+    with tempfile.TemporaryDirectory(prefix="mla-stock-") as tmp:
+        out = Path(tmp) / "out.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), kind, str(Path(model).resolve()),
+               str(Path(ids_path).resolve()), str(out),
+               "--seq-len", str(seq_len), "--windows", str(windows), "--threads", str(threads)]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=cwd or tmp, env=env)
+        res = json.loads(out.read_text())
+    if kind == "stock" and (res["mla_convert_imported"] or res["class"] != "DeepseekV3ForCausalLM"):
+        raise RuntimeError(f"{model}: the stock scoring process loaded {res['class']} (mla_convert imported: "
+                           f"{res['mla_convert_imported']})")
+    return res
 
 
 def load(kind: str, model: str):

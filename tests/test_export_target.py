@@ -52,8 +52,9 @@ def test_target_picks_the_fastest_pairs():
     options, notes = deepseek_convert_options(llama_config(), ConvertOptions(rank=8, rope_strategy="uniform"),
                                               {"rope_strategy"})  # fmt: skip
     assert options.rope_strategy == "uniform" and "[0, 2, 4, 6]" in notes[0] and notes[0].endswith("rope_theta 10000")
-    # with a budget the rope key takes half of it as a power of two, up to the whole head and 64 (the native default: a third, at most 3/4 of the head): 25% of 2 kv heads x 16 x 2 = 16 values -> 8
-    # (native 6); 40% -> 12.8 -> 8 (native 8); 50% -> 16 (native 10)
+    # with a budget the rope key takes half of it as a power of two, up to the whole head and 64 (the native default:
+    # a third, at most 3/4 of the head): 25% of 2 kv heads x 16 x 2 = 16 values -> 8 (native 6); 40% -> 12.8 -> 8
+    # (native 8); 50% -> 16 (native 10)
     for budget, d_r in ((0.25, 8), (0.4, 8), (0.5, 16)):
         options, _ = deepseek_convert_options(llama_config(), ConvertOptions(kv_budget=budget))
         assert (options.rope_strategy, options.rope_dims) == ("high", d_r)

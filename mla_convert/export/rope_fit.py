@@ -136,7 +136,7 @@ def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str
     groups = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     d_r = options.rope_dims
-    if d_r is None:  # half the budget as a power of two, at most 64 (docs/decisions.md: 48 lost to 32 once refined)
+    if d_r is None:  # half the budget as a power of two, at most 64 (docs/decisions.md, the DeepSeek-V3 target's pairs)
         d_r = default_rope_dims(options, groups, head_dim, budget_share=0.5, head_share=1.0)
         d_r = 1 << (d_r.bit_length() - 1)
     if d_r <= 0 or d_r % 2:
@@ -158,7 +158,7 @@ def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str
     inv_freq, _ = source_frequencies(config)
     eye = torch.eye(groups, dtype=torch.float64).expand(head_dim // 2, groups, groups)
     # a default width halves until the fastest pairs fit (RoPE scaling such as llama3 bends the slow ones)
-    widths = [d_r] if "rope_dims" in explicit else [d_r >> k for k in range(d_r.bit_length() - 1) if not d_r >> k & 1]
+    widths = [d_r] if "rope_dims" in explicit else [d_r >> k for k in range(d_r.bit_length() - 1)]
     tries = [(s, w) for s in candidates for w in (widths if s == "high" else [d_r])]
     problems = []
     for strategy, width in tries:

@@ -14,9 +14,9 @@ its CPU kernel only 576). A native layer maps onto that exactly, tensor by tenso
 
 On a GPU the nope and value head dims are padded too (d_n', d_v': zero query and key rows, zero value rows and o_proj
 columns), to a head layout vLLM's CUDA MLA prefill takes (PREFILL_HEADS). Rope rows stay in rotate_half layout inside
-the padded width (pair j: rows j and j + d_r'/2); the padded pairs are zero in query and key, so whatever frequency they get adds nothing. The result is itself a native MLA model (G = H,
-ranks d_c', rope dims d_r', `rope_pairs` padded with `PAD_PAIR`), which is how tests prove the mapping exact in
-transformers before any engine runs it.
+the padded width (pair j: rows j and j + d_r'/2); the padded pairs are zero in query and key, so whatever frequency
+they get adds nothing. The result is itself a native MLA model (G = H, ranks d_c', rope dims d_r', `rope_pairs` padded
+with `PAD_PAIR`), which is how tests prove the mapping exact in transformers before any engine runs it.
 """
 
 from __future__ import annotations

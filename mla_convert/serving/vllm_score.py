@@ -88,7 +88,8 @@ def main(request_path: str, result_path: str) -> None:
     try:
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
         layer = runner.attn_groups[0][0].backend.get_name()
-        model_class = type(runner.get_model()).__module__ + "." + type(runner.get_model()).__name__
+        model = type(runner.get_model())
+        model_class = f"{model.__module__}.{model.__name__}"
     except (AttributeError, IndexError, TypeError):
         pass
     out["attention_backend"], out["model_class"] = layer, model_class
