@@ -119,6 +119,11 @@ def test_cli_target_dry_run_resolves_and_warns(sources, tmp_path, calib):
     assert "--target deepseek: --rope-strategy high --rope-dims 8 --rope-merge keeps frequency pairs [0, 1, 2, 3]" in output
     assert "warning: kv_lora_rank + qk_rope_head_dim = 24" in output and "--pad-latent vllm" in output
     assert f"native MLA to {out}-native, DeepSeek-V3 export to {out}" in output
+    # where the export serves, not the plugin route of a native checkpoint
+    assert ("serving (DeepSeek-V3 export, no mla-convert needed): transformers' DeepseekV3ForCausalLM with the 16+8 "
+            "row as written; llama.cpp from --format gguf; vLLM's DeepseekV3ForCausalLM after `mla-convert export "
+            "--pad-latent vllm` on a GPU (256+64 row), `--pad-latent flashmla` on a CPU (512+64") in output, output
+    assert "serving in vLLM (plugin)" not in output
     assert not out.exists() and not (tmp_path / "out-native").exists()
 
 

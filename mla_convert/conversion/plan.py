@@ -179,7 +179,8 @@ class Plan:
             "dtype": self.dtype,
         }
 
-    def describe(self) -> str:
+    def describe(self, target: str = "native") -> str:
+        """The plan as `--dry-run` prints it; `target` deepseek: the serving line is the DeepSeek-V3 export's."""
         d_r = self.rope_dims
         d_c = self.kv_lora_rank
         rank_text = str(d_c[0]) if len(set(d_c)) == 1 else f"{min(d_c)}..{max(d_c)}"
@@ -193,7 +194,7 @@ class Plan:
             f"KV cache per token (all layers, {self.dtype}): {self.kv_bytes_before} -> {self.kv_bytes_after} bytes "
             f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
             f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
-            self.describe_serving(),
+            self.describe_export_serving() if target == "deepseek" else self.describe_serving(),
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
             (f"calibration: {self.memory['samples']} windows x {self.memory['seq_len']} tokens" if self.calib_tokens
              else "calibration: none (weight-only statistics)"),
@@ -224,6 +225,25 @@ class Plan:
         return (f"serving in vLLM (plugin): on a Hopper GPU a {gpu.kv_lora_rank}+{gpu.rope_dims} cache row, decode by "
                 f"{decode}, prefill by FlashAttention with nope/value heads {heads[0]}/{heads[1]}{padded}; on a CPU "
                 f"{cpu.kv_lora_rank}+{cpu.rope_dims} (CPU_MLA, or AMX_MLA where it runs)")
+
+    def describe_export_serving(self) -> str:
+        """Where the DeepSeek-V3 export of the planned shape serves (docs/serving.md's routes): as written in
+        transformers and llama.cpp (`--format gguf`), and in vLLM's own DeepSeek class once `mla-convert export
+        --pad-latent` pads it (exactly) to a cache row vLLM's kernels take."""
+        from mla_convert.errors import UserError
+        from mla_convert.serving.layout import VLLM_LAYOUTS, served_layout
+
+        row = f"{max(self.kv_lora_rank)}+{self.rope_dims}"
+        text = (f"serving (DeepSeek-V3 export, no mla-convert needed): transformers' DeepseekV3ForCausalLM with the "
+                f"{row} row as written; llama.cpp from --format gguf")
+        try:
+            gpu = served_layout(self.kv_lora_rank, self.rope_dims, VLLM_LAYOUTS["cuda"])
+            cpu = served_layout(self.kv_lora_rank, self.rope_dims, VLLM_LAYOUTS["cpu"])
+        except UserError as e:
+            return f"{text}; vLLM: no ({e})"
+        return (f"{text}; vLLM's DeepseekV3ForCausalLM after `mla-convert export --pad-latent vllm` on a GPU "
+                f"({gpu.kv_lora_rank}+{gpu.rope_dims} row), `--pad-latent flashmla` on a CPU ({cpu.kv_lora_rank}+"
+                f"{cpu.rope_dims}, with mla-convert's vLLM plugin installed for vLLM's CPU rotary kernel)")
 
     def describe_time(self) -> str:
         """The time estimate's line: the total on a 2-core CPU and its phases."""

@@ -270,7 +270,7 @@ def convert_to_target(source, output: Path | None, native_out: Path | None, opti
         for note in serving_notes(plan.kv_lora_rank, plan.rope_dims):
             say(f"warning: {note}", err=True)
     plan = convert(source, native_out, options, family, overwrite=overwrite, dry_run=dry_run, progress=progress)
-    say(plan.describe())
+    say(plan.describe(target))
     if dry_run:
         where = (f" (native MLA to {native_out}, DeepSeek-V3 export to {output})" if format == "deepseek" else
                  f" (native MLA to {native_out}, GGUF to {output})" if format == "gguf" else "")
