@@ -114,16 +114,19 @@ needs_vllm = pytest.mark.skipif(
 )
 
 
-def _compare_in_vllm(folder: Path, tolerance: float = 5e-4) -> dict:
+def _compare_in_vllm(folder: Path, tolerance: float = 5e-4, plugins: bool = True) -> dict:
     """vLLM (float32) and transformers on the same folder: per-token log-probs and greedy tokens. Both compute in
     float32 but reduce in different orders: one full-suite run measured 1.6e-4 on the refined tiny qwen2 model (other
-    runs, and the same test alone, stayed below 1e-4), hence 5e-4; the greedy tokens must still be equal."""
+    runs, and the same test alone, stayed below 1e-4), hence 5e-4; the greedy tokens must still be equal. Without
+    `plugins`, vLLM starts with none loaded (mla-convert's included), as a user without mla-convert runs it."""
     from mla_convert.serving import engine
 
     gen = torch.Generator().manual_seed(0)
     windows = torch.randint(3, 300, (2, 48), generator=gen).tolist()
     prompts = [w[:8] for w in windows]
-    served = engine.score_in_vllm(folder, windows, prompts, new_tokens=10, dtype="float32", max_model_len=256)
+    served = engine.score_in_vllm(folder, windows, prompts, new_tokens=10, dtype="float32", max_model_len=256,
+                                  env=None if plugins else {"VLLM_PLUGINS": ""})
+    assert served["plugins"] == (None if plugins else "")
     ref = engine.score_in_transformers(folder, windows, prompts, new_tokens=10)
     assert engine.max_logprob_difference(ref["logprobs"], served["logprobs"]) < tolerance
     assert served["greedy"] == ref["greedy"]
@@ -167,16 +170,18 @@ def test_amx_cpu_refusal_names_the_backend_that_runs(tmp_path, convert_tiny):
 @pytest.mark.slow
 @pytest.mark.parametrize("rope_dims,strategy", [(8, "uniform"), (6, "high")], ids=["interleaved", "extended"])
 def test_deepseek_export_serves_exactly_in_vllm(tmp_path, convert_tiny, rope_dims, strategy):
-    """The stock DeepSeek-V3 export (architectures written, padded to 512 + 64) in vLLM's DeepseekV3ForCausalLM: a
-    rope key whose pairs divide the padded 32 (zero pairs between them) and one whose 3 pairs do not (zero pairs after
-    them, rope_theta raised to keep the kept frequencies)."""
+    """The stock DeepSeek-V3 export (architectures written, padded to 512 + 64) in vLLM's DeepseekV3ForCausalLM with no
+    plugin loaded: a rope key whose pairs divide the padded 32 (zero pairs between them) and one whose 3 pairs do not
+    (zero pairs after them, rope_theta raised to keep the kept frequencies). The export's YaRN of factor 1 is what
+    keeps vLLM's CPU rotary kernel, which rotates only the first query head, out of the way
+    (export.plan.identity_yarn)."""
     from mla_convert.export import ExportOptions, export
 
     src = tiny_source("llama-gqa", tmp_path / "src", seed=3)
     native = convert_tiny(src, rank=24, rope_dims=rope_dims, rope_strategy=strategy)
     export(native, tmp_path / "ds", ExportOptions(dtype="float32", pad_latent="flashmla", verify=False))
-    served = _compare_in_vllm(tmp_path / "ds")
-    assert served["attention_backend"] == "CPU_MLA"
+    served = _compare_in_vllm(tmp_path / "ds", plugins=False)
+    assert served["attention_backend"] == "CPU_MLA" and served["model_class"].endswith("DeepseekV3ForCausalLM")
 
 
 @needs_vllm
@@ -186,9 +191,10 @@ def test_deepseek_export_serves_exactly_in_vllm(tmp_path, convert_tiny, rope_dim
 def test_target_deepseek_serves_in_stock_engines(tmp_path, convert_tiny, kind, rope):
     """Sources converted with `--target deepseek` options (data-free pair choice, calibrated factorization) and
     exported: Llama-3.x's llama3 RoPE scaling and Mistral exactly, in stock transformers against the native model and
-    in vLLM's own DeepseekV3ForCausalLM against transformers. Qwen2's biases, which vLLM's DeepSeek class does not
-    hold, are dropped only when asked (`drop_biases` + `allow_approx`), with the error against the native model
-    measured in the export's record; vLLM then serves that bias-free export as transformers computes it."""
+    in vLLM's own DeepseekV3ForCausalLM (no plugin loaded) against transformers. Qwen2's biases, which vLLM's
+    DeepSeek class does not hold, are dropped only when asked (`drop_biases` + `allow_approx`), with the error against
+    the native model measured in the export's record; vLLM then serves that bias-free export as transformers
+    computes it."""
     from mla_convert.checkpoint import open_source
     from mla_convert.convert import ConvertOptions
     from mla_convert.export import ExportOptions, deepseek_convert_options, export
@@ -206,7 +212,7 @@ def test_target_deepseek_serves_in_stock_engines(tmp_path, convert_tiny, kind, r
         assert m["export_max_rel_logit_error"] > 1e-3
     else:
         assert m["export_max_rel_logit_error"] < 1e-5 and m["export_greedy_tokens_match"]
-    served = _compare_in_vllm(tmp_path / "ds")
+    served = _compare_in_vllm(tmp_path / "ds", plugins=False)
     assert served["model_class"].endswith("DeepseekV3ForCausalLM")
 
 

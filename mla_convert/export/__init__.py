@@ -19,7 +19,7 @@ Facts of the stock format this relies on are proven by tests/test_export.py agai
 sqrt(1e-6 / source eps), which makes every decoder RMSNorm compute exactly what the source's did;
 `num_key_value_heads` must equal the number of heads; `n_routed_experts` must be an int (dense-only models set
 `first_k_dense_replace = num_hidden_layers`); with `rope_interleave` the rope dims pair as (2m, 2m+1) with frequency
-`rope_theta^(-2m/d_r)`; the attention scale is `(d_n + d_r)^-0.5` (no yarn mscale with the default rope type).
+`rope_theta^(-2m/d_r)`; the attention scale is `(d_n + d_r)^-0.5` (the export's YaRN of factor 1: no mscale).
 
 What the format cannot express is either re-expressed exactly, approximated only with `allow_approx` (and then always
 measured), or refused with the conversion options that produce an exportable model.

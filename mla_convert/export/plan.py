@@ -117,6 +117,18 @@ def _pad_layout(options: ExportOptions, kv_lora_rank: int, rope_dims: int) -> tu
     return target, rope_dims_out
 
 
+def identity_yarn(rope_theta: float, max_positions: int) -> dict:
+    """The export's RoPE parameters: DeepSeek-V3's own YaRN type with factor 1, which changes no frequency and no scale
+    (YaRN's interpolated and extrapolated frequencies are then the same, its mscale 1) in transformers, vLLM and
+    SGLang. Stated as YaRN rather than `default` because vLLM's DeepSeek class then rotates with its DeepSeek-YaRN
+    module, PyTorch code on a CPU: with `default` it calls its CPU rotary kernel, which rotates only the first query
+    head of the [T, H, d] query MLA passes (docs/serving.md, route 2), so every export computed wrong there without
+    mla-convert's plugin."""
+    return {"rope_type": "yarn", "rope_theta": rope_theta, "factor": 1.0,
+            "original_max_position_embeddings": max_positions, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0}
+
+
 def _rope_stride(rope_dims: int, rope_dims_out: int) -> int:
     """Where padding puts the kept rope pairs: every `stride`-th pair of the padded key when the kept pair count
     divides the padded one (the padded set then has the kept set's base), else the first ones (stride 1: the
@@ -277,7 +289,7 @@ def deepseek_config(config, plan: ExportPlan, dtype: torch.dtype) -> dict:
         hidden_act=config.hidden_act,
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=EXPORT_EPS,
-        rope_parameters={"rope_type": "default", "rope_theta": plan.rope_theta},
+        rope_parameters=identity_yarn(plan.rope_theta, config.max_position_embeddings),
         rope_interleave=True,
         attention_bias=plan.attention_bias,
         attention_dropout=0.0,
@@ -294,6 +306,6 @@ def deepseek_config(config, plan: ExportPlan, dtype: torch.dtype) -> dict:
     out["dtype"] = str(dtype).replace("torch.", "")
     # Engines pinned to transformers 4 read these top-level keys (rope_parameters is transformers 5).
     out["rope_theta"] = plan.rope_theta
-    out["rope_scaling"] = None
+    out["rope_scaling"] = {"type": "yarn", **{k: v for k, v in out["rope_parameters"].items() if k != "rope_theta"}}
     out.pop("transformers_version", None)
     return out
