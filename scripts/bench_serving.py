@@ -5,10 +5,19 @@ vLLM in bfloat16 and float32 and by transformers in float32 on the first WINDOWS
 (each window on its own, as `mla-convert eval` does); greedy continuations compared; vLLM's decode tokens/s for the
 source model and the converted ones; the KV-cache bytes per token vLLM allocates (read from its cache tensors and
 block count). With --deepseek, also (at the first budget) the `--target deepseek` conversion's DeepSeek-V3 export (padded to 512 + 64 for
-vLLM's CPU MLA kernel) to show what that route costs. Writes benchmarks/serving/README.md and
-benchmarks/serving/serving.json.
+vLLM's CPU MLA kernel) to show what that route costs.
 
-    python scripts/bench_serving.py [--budgets 0.5 0.25] [--windows 16] [--deepseek]
+With --domains (alone: the rows above are kept from serving.json), the DeepSeek-V3 export the default pipeline makes
+(`mla-convert llama --kv-budget B --target deepseek --format deepseek`) at each budget, scored on WikiText-2 test,
+the Debian Reference and the GNU Coding Standards (scripts/domain_texts.py) by scripts/score_domains.py: in stock
+transformers' DeepseekV3ForCausalLM (float32, a process that never imports mla_convert) and in vLLM's own
+DeepseekV3ForCausalLM with no plugin loaded (bfloat16, the export padded to vLLM's CPU row of 512 + 64), with vLLM's cache bytes a token,
+and as a GGUF in llama.cpp (`mla-convert eval --engine llamacpp`);
+beside the native default's and the source's scores on the same windows (benchmarks/quality/quality.jsonl).
+Writes benchmarks/serving/README.md and benchmarks/serving/serving.json (the domain scores' own JSON files in
+benchmarks/serving/domains/).
+
+    python scripts/bench_serving.py [--budgets 0.5 0.25] [--windows 16] [--deepseek] [--domains] [--reuse]
 
 Needs .venv-vllm (scripts/install-vllm.sh). Conversions are made with `mla-convert` if their folder is missing.
 """
@@ -66,6 +75,163 @@ def windows_of(folder: Path, count: int, seq_len: int) -> list[list[int]]:
 def bytes_per_token(report: dict) -> float | None:
     return report.get("bytes_per_token")
 
+# --domains: the texts (name as benchmarks/quality/quality.jsonl names them -> file), and where their scores go
+DOMAIN_TEXTS = {"wikitext": DATA / "wiki.test.raw",
+                "debian-reference": ROOT / "out" / "domains" / "debian-reference.txt",
+                "gnu-standards": ROOT / "out" / "domains" / "gnu-standards.txt"}  # fmt: skip
+DOMAINS = BENCH / "domains"
+QUALITY = ROOT / "benchmarks" / "quality" / "quality.jsonl"
+
+
+def default_exports(out: Path, budget: float) -> tuple[Path, Path, Path, list[str]]:
+    """The default pipeline's DeepSeek-V3 export at `budget` (converted if missing), its copy padded to vLLM's CPU row
+    (512 + 64, bfloat16), its GGUF (f32 weights) for llama.cpp, and the commands that make them."""
+    folder = out / f"ds-default-{int(budget * 1000)}"
+    padded, gguf = folder.with_name(folder.name + "-576"), folder.with_name(folder.name + ".gguf")
+    conv = ["mla-convert", "llama", "--kv-budget", str(budget), "--target", "deepseek", "--format", "deepseek",
+            "-o", str(folder)]  # fmt: skip
+    pad = ["mla-convert", "export", str(folder) + "-native", "--format", "deepseek", "--pad-latent", "flashmla",
+           "--dtype", "bfloat16", "-o", str(padded)]  # fmt: skip
+    to_gguf = ["mla-convert", "export", str(folder) + "-native", "--format", "gguf", "-o", str(gguf)]
+    for cmd, made in ((conv, folder / "config.json"), (pad, padded / "config.json"), (to_gguf, gguf)):
+        if not made.exists():
+            run(cmd)
+    shown = [" ".join(cmd).replace(str(ROOT) + "/", "") for cmd in (conv, pad, to_gguf)]
+    return folder, padded, gguf, shown
+
+
+def score_llamacpp(label: str, gguf: Path, args) -> dict:
+    """`mla-convert eval GGUF --engine llamacpp` on each of DOMAIN_TEXTS, as one record like score_texts' (with
+    llama.cpp's cache bytes a token), written to DOMAINS/LABEL.json; --reuse reads a record of the same protocol."""
+    path = DOMAINS / f"{label}.json"
+    protocol = {"windows": args.windows, "seq_len": args.seq_len, "engine": "llamacpp"}
+    if args.reuse and path.exists():
+        old = json.loads(path.read_text())
+        if all(old["protocol"].get(k) == v for k, v in protocol.items()) and label in old["results"]:
+            return old
+    results, how = {}, {}
+    for name, text in DOMAIN_TEXTS.items():
+        res = harness.score(gguf, text, args.seq_len, args.windows, engine="llamacpp")
+        print(label, name, res["perplexity"], flush=True)
+        results[name] = res["perplexity"]
+        how[name] = {key: res.get(key) for key in ("engine", "kv_cache_bytes_per_token", "wall_s")}
+        how[name]["command"] = res["command"].split(" --json ")[0]  # without the temporary JSON file's path
+    record = {"protocol": protocol, "results": {label: results}, "how": {label: how}}
+    text = json.dumps(record, indent=1).replace(str(ROOT) + "/", "").replace(str(ROOT.parent / "shared"), "../shared")
+    path.write_text(text + "\n")
+    return json.loads(text)
+
+
+def score_texts(label: str, folder: Path, engine: str, dtype: str, args) -> dict:
+    """scripts/score_domains.py's record for `folder` on DOMAIN_TEXTS (one model), written to DOMAINS/LABEL.json; with
+    --reuse, an existing record of the same protocol is read instead."""
+    import score_domains
+
+    path = DOMAINS / f"{label}.json"
+    texts = {name: str(file) for name, file in DOMAIN_TEXTS.items()}
+    protocol = {"windows": args.windows, "seq_len": args.seq_len, "dtype": dtype, "engine": engine}
+    if args.reuse and path.exists():
+        old = json.loads(path.read_text())
+        plugins = old.get("how", {}).get(label, {}).get("plugins", "") if engine == "vllm" else ""
+        if all(old["protocol"].get(k) == v for k, v in protocol.items()) and label in old["results"] and plugins == "":
+            return old
+    argv = ["--models", f"{label}={folder}", "--texts", ",".join(f"{n}={f}" for n, f in texts.items()),
+            "--windows", str(args.windows), "--seq-len", str(args.seq_len), "--dtype", dtype, "--engine", engine,
+            "--json", str(path), *(["--vllm-plugins", "none"] if engine == "vllm" else [])]  # fmt: skip
+    print("$ python scripts/score_domains.py " + " ".join(argv), flush=True)
+    score_domains.main(argv)
+    text = path.read_text().replace(str(ROOT) + "/", "").replace(str(ROOT.parent / "shared"), "../shared")
+    path.write_text(text)
+    return json.loads(text)
+
+
+def quality_rows(budget: float, windows: int) -> dict:
+    """The source's and the native default's perplexities on DOMAIN_TEXTS (same windows) from the quality benchmark's
+    rows: {"source": {text: ppl}, "native": {text: ppl}, "native_command": ...}; {} where it has none."""
+    source_cache = 2 * 3 * 64  # SmolLM2-135M: 3 kv heads of 64 dims, keys and values (values a token a layer)
+    found = {}
+    for row in harness.read_jsonl(QUALITY):
+        if row.get("windows") != windows or not row.get("texts"):
+            continue
+        scores = {name: v["perplexity"] for name, v in row["texts"].items() if name in DOMAIN_TEXTS}
+        if row["method"] == "source":
+            found["source"] = scores
+        elif row["method"] == "mla-convert" and row.get("budget") == round(budget * source_cache):
+            found["native"], found["native_command"] = scores, row["command"]
+    return found
+
+
+def measure_domains(args) -> dict:
+    """The --domains section: per budget, the export in stock transformers and in vLLM, with the references."""
+    missing = [str(f) for f in DOMAIN_TEXTS.values() if not f.exists()]
+    if missing:
+        raise SystemExit(f"missing {', '.join(missing)}: run python scripts/domain_texts.py first")
+    DOMAINS.mkdir(parents=True, exist_ok=True)
+    section = {"windows": args.windows, "seq_len": args.seq_len, "budgets": [], "commands": [],
+               "machine": harness.machine()}
+    for budget in args.budgets:
+        folder, padded, gguf, commands = default_exports(args.out, budget)
+        section["commands"] += commands
+        tag = f"ds-default-{int(budget * 1000)}"
+        hf = score_texts(tag, folder, "transformers", "float32", args)
+        vl = score_texts(tag + "-576", padded, "vllm", "bfloat16", args)
+        how = vl["how"][tag + "-576"]
+        cpp = score_llamacpp(tag + "-gguf", gguf, args)
+        cpp_how = next(iter(cpp["how"][tag + "-gguf"].values()))
+        section["budgets"].append({
+            "budget": budget, **quality_rows(budget, args.windows),
+            "transformers": hf["results"][tag], "transformers_how": hf["how"][tag],
+            "vllm": vl["results"][tag + "-576"], "vllm_kv_cache": how["kv_cache"], "vllm_class": how["model_class"],
+            "vllm_backend": how["attention_backend"], "vllm_plugins": how["plugins"], "vllm_version": how["vllm_version"],
+            "llamacpp": cpp["results"][tag + "-gguf"], "llamacpp_engine": cpp_how["engine"],
+            "llamacpp_kv_bytes_per_token": cpp_how["kv_cache_bytes_per_token"],
+        })  # fmt: skip
+    return section
+
+
+def domains_report(section: dict) -> list[str]:
+    """README lines of the --domains section."""
+    names = list(DOMAIN_TEXTS)
+    lines = [
+        "", "## The default pipeline's DeepSeek-V3 export on three domains", "",
+        "Command: `python scripts/bench_serving.py --domains` (its conversions and exports below; each score is "
+        "scripts/score_domains.py's JSON in benchmarks/serving/domains/). Perplexity on the first "
+        f"{section['windows']} windows of {section['seq_len']} tokens of each text, each window on its own. "
+        "Stock transformers: `DeepseekV3ForCausalLM` in float32 in a process that never imports mla_convert. vLLM: "
+        "its CPU build with no plugin loaded (`VLLM_PLUGINS` empty), its own `DeepseekV3ForCausalLM` (the class it "
+        "built is recorded) on the export padded to its CPU row (512 + 64, exact), bfloat16; its cache bytes a token are its own report. llama.cpp: the same "
+        "conversion as a GGUF (`mla-convert eval FILE --engine llamacpp`), its cache bytes from its own log (f16 "
+        "cache, within its log's 0.01 MiB resolution). The source and the native "
+        "default (mla-convert's own checkpoint) are benchmarks/quality's rows on the same windows. Machine: "
+        f"{harness.describe(section['machine']) if section.get('machine') else 'not recorded'}.", "",
+        "```", *section["commands"], "```", "",
+        "| budget | model | served by | " + " | ".join(names) + " | KV bytes a token |",
+        "|---|---|---|" + "---:|" * len(names) + "---:|",
+    ]  # fmt: skip
+
+    def cells(scores: dict, ref: dict | None, digits: int = 1) -> str:
+        return " | ".join(f"{scores[n]:.2f}" + (f" ({scores[n] / ref[n] - 1:+.{digits}%})" if ref else "")
+                          for n in names)
+
+    for b in section["budgets"]:
+        pct = f"{b['budget']:.0%}"
+        kv = b["vllm_kv_cache"]["bytes_per_token"]
+        plugin = ", mla-convert's plugin loaded (its CPU rotary fix)" if b["vllm_plugins"] is None else ", no plugin"
+        if b.get("source"):
+            lines.append(f"| {pct} | source | transformers | {cells(b['source'], None)} | |")
+        if b.get("native"):
+            lines.append(f"| {pct} | native default | transformers | {cells(b['native'], None)} | |")
+        lines.append(f"| {pct} | DeepSeek-V3 export | stock transformers fp32 (vs native default) | "
+                     f"{cells(b['transformers'], b.get('native'))} | |")
+        lines.append(f"| {pct} | DeepSeek-V3 export, padded 576 | vLLM {b['vllm_version']} "
+                     f"{b['vllm_class'].rsplit('.', 1)[-1]} bf16, {b['vllm_backend']}{plugin} (vs transformers) | "
+                     f"{cells(b['vllm'], b['transformers'], 2)} | {kv:,.0f} |")
+        if b.get("llamacpp"):
+            lines.append(f"| {pct} | DeepSeek-V3 GGUF, f32 weights | {b['llamacpp_engine']} deepseek2, f16 cache (vs "
+                         f"transformers) | {cells(b['llamacpp'], b['transformers'], 2)} | "
+                         f"{b['llamacpp_kv_bytes_per_token']:,.0f} |")
+    return lines
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -74,6 +240,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench-serving")
     ap.add_argument("--deepseek", action="store_true", help="also the --target deepseek export route")
+    ap.add_argument("--domains", action="store_true",
+                    help="the default pipeline's DeepSeek-V3 export on three domains (alone: the other rows are kept)")
     ap.add_argument("--reuse", action="store_true", help="keep rows of benchmarks/serving/serving.json (same protocol)")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-prompt", type=int, default=512)
@@ -96,6 +264,13 @@ def main() -> None:
         return
     if args.report_only:
         write_report(json.loads((BENCH / "serving.json").read_text()), BENCH / "README.md")
+        return
+    if args.domains and not args.deepseek:  # only the domain section; the WikiText rows stay as measured
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = json.loads((BENCH / "serving.json").read_text())
+        result["domains"] = measure_domains(args)
+        (BENCH / "serving.json").write_text(json.dumps(result, indent=1))
+        write_report(result, BENCH / "README.md")
         return
     args.out.mkdir(parents=True, exist_ok=True)
     calib = str(DATA / "wiki.valid.tokens")
@@ -141,6 +316,8 @@ def main() -> None:
         result = {"rows": rows, "commands": commands, "windows": args.windows, "seq_len": args.seq_len,
                   "decode": decode, "vllm_version": result_meta.get("vllm_version"),
                   "torch_threads": torch.get_num_threads(), "machine": result_meta["machine"]}
+        if "domains" in result_meta:
+            result["domains"] = result_meta["domains"]
         text = json.dumps(result, indent=1).replace(str(ROOT) + "/", "").replace(str(ROOT.parent / "shared"), "../shared")
         (bench / "serving.json").write_text(text)
         return json.loads(text)
@@ -169,6 +346,10 @@ def main() -> None:
                 run(exp)
             commands += [" ".join(conv), " ".join(exp)]
             measure_once(f"--target deepseek export, {budget:.0%} cache", ds, budget, "vLLM DeepseekV3ForCausalLM")
+    if args.domains:
+        result_meta["domains"] = measure_domains(args)
+    elif done and "domains" in old:
+        result_meta["domains"] = old["domains"]
     result = save()
     write_report(result, bench / "README.md")
 
@@ -234,6 +415,8 @@ def write_report(result: dict, path: Path) -> None:
         "  (naive prefill, a decode kernel for 576 only), with its optimized CPU attention for the source: it says",
         "  nothing about MLA on GPUs, where the engines' MLA kernels are the tuned path.",
     ]
+    if result.get("domains"):
+        lines += domains_report(result["domains"])
     path.write_text("\n".join(lines) + "\n")
     print(path.read_text())
 

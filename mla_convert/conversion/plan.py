@@ -243,7 +243,7 @@ class Plan:
             return f"{text}; vLLM: no ({e})"
         return (f"{text}; vLLM's DeepseekV3ForCausalLM after `mla-convert export --pad-latent vllm` on a GPU "
                 f"({gpu.kv_lora_rank}+{gpu.rope_dims} row), `--pad-latent flashmla` on a CPU ({cpu.kv_lora_rank}+"
-                f"{cpu.rope_dims}, with mla-convert's vLLM plugin installed for vLLM's CPU rotary kernel)")
+                f"{cpu.rope_dims})")
 
     def describe_time(self) -> str:
         """The time estimate's line: the total on a 2-core CPU and its phases."""
