@@ -4,16 +4,17 @@ For each KV budget: the default conversion (native checkpoint, served through ml
 vLLM in bfloat16 and float32 and by transformers in float32 on the first WINDOWS x SEQ_LEN tokens of WikiText-2 test
 (each window on its own, as `mla-convert eval` does); greedy continuations compared; vLLM's decode tokens/s for the
 source model and the converted ones; the KV-cache bytes per token vLLM allocates (read from its cache tensors and
-block count). With --deepseek, also (at the first budget) the `--target deepseek` conversion's DeepSeek-V3 export (padded to 512 + 64 for
-vLLM's CPU MLA kernel) to show what that route costs.
+block count). With --deepseek, also (at the first budget) the `--target deepseek` conversion's DeepSeek-V3 export
+(padded to 512 + 64 for vLLM's CPU MLA kernel) to show what that route costs.
 
-With --domains (alone: the rows above are kept from serving.json), the DeepSeek-V3 export the default pipeline makes
-(`mla-convert llama --kv-budget B --target deepseek --format deepseek`) at each budget, scored on WikiText-2 test,
-the Debian Reference and the GNU Coding Standards (scripts/domain_texts.py) by scripts/score_domains.py: in stock
-transformers' DeepseekV3ForCausalLM (float32, a process that never imports mla_convert) and in vLLM's own
-DeepseekV3ForCausalLM with no plugin loaded (bfloat16, the export padded to vLLM's CPU row of 512 + 64), with vLLM's cache bytes a token,
-and as a GGUF in llama.cpp (`mla-convert eval --engine llamacpp`);
-beside the native default's and the source's scores on the same windows (benchmarks/quality/quality.jsonl).
+--domains measures only the domain section (the rows above stay as serving.json has them, and a run without it keeps
+that section): the DeepSeek-V3 export the default pipeline makes (`mla-convert llama --kv-budget B --target deepseek
+--format deepseek`) at each budget, scored on WikiText-2 test, the Debian Reference and the GNU Coding Standards
+(scripts/domain_texts.py): by scripts/score_domains.py in stock transformers' DeepseekV3ForCausalLM (float32, a
+process that never imports mla_convert) and in vLLM's own DeepseekV3ForCausalLM with no plugin loaded (bfloat16, the
+export padded to vLLM's CPU row of 512 + 64, with vLLM's cache bytes a token), and as a GGUF by `mla-convert eval
+--engine llamacpp`; beside the native default's and the source's scores on the same windows
+(benchmarks/quality/quality.jsonl).
 Writes benchmarks/serving/README.md and benchmarks/serving/serving.json (the domain scores' own JSON files in
 benchmarks/serving/domains/).
 
@@ -75,6 +76,11 @@ def windows_of(folder: Path, count: int, seq_len: int) -> list[list[int]]:
 def bytes_per_token(report: dict) -> float | None:
     return report.get("bytes_per_token")
 
+
+def relative(text: str) -> str:
+    """`text` with this checkout's and the data folder's paths written relative to the repository."""
+    return text.replace(str(ROOT) + "/", "").replace(str(ROOT.parent / "shared"), "../shared")
+
 # --domains: the texts (name as benchmarks/quality/quality.jsonl names them -> file), and where their scores go
 DOMAIN_TEXTS = {"wikitext": DATA / "wiki.test.raw",
                 "debian-reference": ROOT / "out" / "domains" / "debian-reference.txt",
@@ -96,8 +102,20 @@ def default_exports(out: Path, budget: float) -> tuple[Path, Path, Path, list[st
     for cmd, made in ((conv, folder / "config.json"), (pad, padded / "config.json"), (to_gguf, gguf)):
         if not made.exists():
             run(cmd)
-    shown = [" ".join(cmd).replace(str(ROOT) + "/", "") for cmd in (conv, pad, to_gguf)]
+    shown = [relative(" ".join(cmd)) for cmd in (conv, pad, to_gguf)]
     return folder, padded, gguf, shown
+
+
+def reusable(path: Path, label: str, protocol: dict, args) -> dict | None:
+    """With --reuse, the score record at `path` when it holds `label` measured under `protocol` (every key equal in
+    its "protocol", or in its "how" for the label where the protocol does not name it); else None."""
+    if not (args.reuse and path.exists()):
+        return None
+    old = json.loads(path.read_text())
+    how = old.get("how", {}).get(label)
+    recorded = {**(how if isinstance(how, dict) else {}), **old["protocol"]}
+    same = all(recorded.get(k) == v for k, v in protocol.items())
+    return old if same and label in old["results"] else None
 
 
 def score_llamacpp(label: str, gguf: Path, args) -> dict:
@@ -105,10 +123,8 @@ def score_llamacpp(label: str, gguf: Path, args) -> dict:
     llama.cpp's cache bytes a token), written to DOMAINS/LABEL.json; --reuse reads a record of the same protocol."""
     path = DOMAINS / f"{label}.json"
     protocol = {"windows": args.windows, "seq_len": args.seq_len, "engine": "llamacpp"}
-    if args.reuse and path.exists():
-        old = json.loads(path.read_text())
-        if all(old["protocol"].get(k) == v for k, v in protocol.items()) and label in old["results"]:
-            return old
+    if old := reusable(path, label, protocol, args):
+        return old
     results, how = {}, {}
     for name, text in DOMAIN_TEXTS.items():
         res = harness.score(gguf, text, args.seq_len, args.windows, engine="llamacpp")
@@ -117,7 +133,7 @@ def score_llamacpp(label: str, gguf: Path, args) -> dict:
         how[name] = {key: res.get(key) for key in ("engine", "kv_cache_bytes_per_token", "wall_s")}
         how[name]["command"] = res["command"].split(" --json ")[0]  # without the temporary JSON file's path
     record = {"protocol": protocol, "results": {label: results}, "how": {label: how}}
-    text = json.dumps(record, indent=1).replace(str(ROOT) + "/", "").replace(str(ROOT.parent / "shared"), "../shared")
+    text = relative(json.dumps(record, indent=1))
     path.write_text(text + "\n")
     return json.loads(text)
 
@@ -129,18 +145,16 @@ def score_texts(label: str, folder: Path, engine: str, dtype: str, args) -> dict
 
     path = DOMAINS / f"{label}.json"
     texts = {name: str(file) for name, file in DOMAIN_TEXTS.items()}
-    protocol = {"windows": args.windows, "seq_len": args.seq_len, "dtype": dtype, "engine": engine}
-    if args.reuse and path.exists():
-        old = json.loads(path.read_text())
-        plugins = old.get("how", {}).get(label, {}).get("plugins", "") if engine == "vllm" else ""
-        if all(old["protocol"].get(k) == v for k, v in protocol.items()) and label in old["results"] and plugins == "":
-            return old
+    protocol = {"windows": args.windows, "seq_len": args.seq_len, "dtype": dtype, "engine": engine,
+                **({"plugins": ""} if engine == "vllm" else {})}  # vLLM with no plugin loaded
+    if old := reusable(path, label, protocol, args):
+        return old
     argv = ["--models", f"{label}={folder}", "--texts", ",".join(f"{n}={f}" for n, f in texts.items()),
             "--windows", str(args.windows), "--seq-len", str(args.seq_len), "--dtype", dtype, "--engine", engine,
             "--json", str(path), *(["--vllm-plugins", "none"] if engine == "vllm" else [])]  # fmt: skip
     print("$ python scripts/score_domains.py " + " ".join(argv), flush=True)
     score_domains.main(argv)
-    text = path.read_text().replace(str(ROOT) + "/", "").replace(str(ROOT.parent / "shared"), "../shared")
+    text = relative(path.read_text())
     path.write_text(text)
     return json.loads(text)
 
@@ -182,7 +196,8 @@ def measure_domains(args) -> dict:
             "budget": budget, **quality_rows(budget, args.windows),
             "transformers": hf["results"][tag], "transformers_how": hf["how"][tag],
             "vllm": vl["results"][tag + "-576"], "vllm_kv_cache": how["kv_cache"], "vllm_class": how["model_class"],
-            "vllm_backend": how["attention_backend"], "vllm_plugins": how["plugins"], "vllm_version": how["vllm_version"],
+            "vllm_backend": how["attention_backend"], "vllm_plugins": how["plugins"],
+            "vllm_version": how["vllm_version"],
             "llamacpp": cpp["results"][tag + "-gguf"], "llamacpp_engine": cpp_how["engine"],
             "llamacpp_kv_bytes_per_token": cpp_how["kv_cache_bytes_per_token"],
         })  # fmt: skip
@@ -199,10 +214,10 @@ def domains_report(section: dict) -> list[str]:
         f"{section['windows']} windows of {section['seq_len']} tokens of each text, each window on its own. "
         "Stock transformers: `DeepseekV3ForCausalLM` in float32 in a process that never imports mla_convert. vLLM: "
         "its CPU build with no plugin loaded (`VLLM_PLUGINS` empty), its own `DeepseekV3ForCausalLM` (the class it "
-        "built is recorded) on the export padded to its CPU row (512 + 64, exact), bfloat16; its cache bytes a token are its own report. llama.cpp: the same "
-        "conversion as a GGUF (`mla-convert eval FILE --engine llamacpp`), its cache bytes from its own log (f16 "
-        "cache, within its log's 0.01 MiB resolution). The source and the native "
-        "default (mla-convert's own checkpoint) are benchmarks/quality's rows on the same windows. Machine: "
+        "built is recorded) on the export padded to its CPU row (512 + 64, exact), bfloat16; its cache bytes a token "
+        "are its own report. llama.cpp: the same conversion as a GGUF (`mla-convert eval FILE --engine llamacpp`), "
+        "its cache bytes from its own log (f16 cache, within its log's 0.01 MiB resolution). The source and the "
+        "native default (mla-convert's own checkpoint) are benchmarks/quality's rows on the same windows. Machine: "
         f"{harness.describe(section['machine']) if section.get('machine') else 'not recorded'}.", "",
         "```", *section["commands"], "```", "",
         "| budget | model | served by | " + " | ".join(names) + " | KV bytes a token |",
@@ -241,7 +256,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench-serving")
     ap.add_argument("--deepseek", action="store_true", help="also the --target deepseek export route")
     ap.add_argument("--domains", action="store_true",
-                    help="the default pipeline's DeepSeek-V3 export on three domains (alone: the other rows are kept)")
+                    help="only the default pipeline's DeepSeek-V3 export on three domains (the other rows are kept)")
     ap.add_argument("--reuse", action="store_true", help="keep rows of benchmarks/serving/serving.json (same protocol)")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-prompt", type=int, default=512)
@@ -265,7 +280,7 @@ def main() -> None:
     if args.report_only:
         write_report(json.loads((BENCH / "serving.json").read_text()), BENCH / "README.md")
         return
-    if args.domains and not args.deepseek:  # only the domain section; the WikiText rows stay as measured
+    if args.domains:  # only the domain section; the WikiText rows stay as measured
         args.out.mkdir(parents=True, exist_ok=True)
         result = json.loads((BENCH / "serving.json").read_text())
         result["domains"] = measure_domains(args)
@@ -306,11 +321,13 @@ def main() -> None:
         return row
 
     bench = BENCH
+    previous = json.loads((bench / "serving.json").read_text()) if (bench / "serving.json").exists() else {}
+    if previous.get("domains"):  # measured on its own (--domains): kept as it is
+        result_meta["domains"] = previous["domains"]
     done = {}
-    if args.reuse and (bench / "serving.json").exists():  # rows measured by an earlier run with the same protocol
-        old = json.loads((bench / "serving.json").read_text())
-        if (old["windows"], old["seq_len"]) == (args.windows, args.seq_len):
-            done = {r["label"]: r for r in old["rows"]}
+    if args.reuse and previous:  # rows measured by an earlier run with the same protocol
+        if (previous["windows"], previous["seq_len"]) == (args.windows, args.seq_len):
+            done = {r["label"]: r for r in previous["rows"]}
 
     def save() -> dict:
         result = {"rows": rows, "commands": commands, "windows": args.windows, "seq_len": args.seq_len,
@@ -318,7 +335,7 @@ def main() -> None:
                   "torch_threads": torch.get_num_threads(), "machine": result_meta["machine"]}
         if "domains" in result_meta:
             result["domains"] = result_meta["domains"]
-        text = json.dumps(result, indent=1).replace(str(ROOT) + "/", "").replace(str(ROOT.parent / "shared"), "../shared")
+        text = relative(json.dumps(result, indent=1))
         (bench / "serving.json").write_text(text)
         return json.loads(text)
 
@@ -346,10 +363,6 @@ def main() -> None:
                 run(exp)
             commands += [" ".join(conv), " ".join(exp)]
             measure_once(f"--target deepseek export, {budget:.0%} cache", ds, budget, "vLLM DeepseekV3ForCausalLM")
-    if args.domains:
-        result_meta["domains"] = measure_domains(args)
-    elif done and "domains" in old:
-        result_meta["domains"] = old["domains"]
     result = save()
     write_report(result, bench / "README.md")
 

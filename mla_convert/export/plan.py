@@ -119,11 +119,9 @@ def _pad_layout(options: ExportOptions, kv_lora_rank: int, rope_dims: int) -> tu
 
 def identity_yarn(rope_theta: float, max_positions: int) -> dict:
     """The export's RoPE parameters: DeepSeek-V3's own YaRN type with factor 1, which changes no frequency and no scale
-    (YaRN's interpolated and extrapolated frequencies are then the same, its mscale 1) in transformers, vLLM and
-    SGLang. Stated as YaRN rather than `default` because vLLM's DeepSeek class then rotates with its DeepSeek-YaRN
-    module, PyTorch code on a CPU: with `default` it calls its CPU rotary kernel, which rotates only the first query
-    head of the [T, H, d] query MLA passes (docs/serving.md, route 2), so every export computed wrong there without
-    mla-convert's plugin."""
+    (interpolated and extrapolated frequencies coincide, mscale 1). Not `default`: with it vLLM's DeepSeek class calls
+    its CPU rotary kernel, which rotates only the first query head of MLA's [T, H, d] query (docs/serving.md, route 2);
+    with YaRN it rotates in PyTorch."""
     return {"rope_type": "yarn", "rope_theta": rope_theta, "factor": 1.0,
             "original_max_position_embeddings": max_positions, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
             "mscale_all_dim": 1.0}
