@@ -3,11 +3,15 @@
 and under bfloat16 autocast: what `--refine-precision` trades (docs/decisions.md#refinement-precision).
 
     python scripts/bench_refine_step.py [--steps 5] [--attention sdpa|eager] [--shape NAME] [--seq-len 2048]
+    python scripts/bench_refine_step.py --model out/FOLDER [--layer 3] [--seq-len 1024 --batch 2] [--compile]
 
 The layer is a Llama decoder layer of SmolLM2-135M's shape (hidden 576, 9 query / 3 kv heads, head_dim 64,
 intermediate 1536), of Llama-3-8B's (hidden 4096, 32 / 8 heads, head_dim 128, intermediate 14336), of the tests'
 tiny models (hidden 64) or of a hidden-256 model, on one window (2048 tokens by default: the refinement's step); it prints seconds a step for each precision, measured twice in alternation
 after a warm-up step, and what `--refine-steps` (200 by default) would cost a layer at that rate.
+`--model` takes one decoder layer of a converted (native MLA) checkpoint instead, as the refinement trains it
+(`refine.layer_update`); `--compile` runs its forward through `torch.compile`; `--batch` windows a step (the
+refinement takes 2048 / T windows of T tokens).
 """
 
 from __future__ import annotations
@@ -30,6 +34,31 @@ SHAPES = {
 }
 
 
+def plain(layer, x, embeddings):
+    out = layer(x, position_embeddings=embeddings, attention_mask=None)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def update(layer, x, embeddings):
+    from mla_convert.refine import layer_update
+
+    return layer_update(layer, x, embeddings)
+
+
+def mla_layer(folder: str, index: int):
+    """(decoder layer `index` of the converted checkpoint `folder`, trainable, float32; its config; its rotary)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from mla_convert.modeling.modeling_mla import MLAForCausalLM
+
+    model = MLAForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    layer = model.model.layers[index]
+    layer.requires_grad_(True)
+    return layer, model.config, model.model.rotary_emb
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
@@ -37,27 +66,38 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--layer-steps", type=int, default=200, help="steps a layer for the per-layer cost line")
+    parser.add_argument("--model", help="a converted checkpoint folder: time one of its MLA decoder layers")
+    parser.add_argument("--layer", type=int, default=3, help="which layer of --model")
+    parser.add_argument("--compile", action="store_true", help="the forward through torch.compile")
+    parser.add_argument("--batch", type=int, default=1, help="windows a step")
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[args.shape], num_hidden_layers=1)
-    config._attn_implementation = args.attention
-    layer = LlamaDecoderLayer(config, 0)
-    x = torch.randn(1, args.seq_len, config.hidden_size)
+    batch = args.batch
+    if args.model:
+        layer, config, rotary = mla_layer(args.model, args.layer)
+    else:
+        config = LlamaConfig(**SHAPES[args.shape], num_hidden_layers=1)
+        config._attn_implementation = args.attention
+        layer, rotary = LlamaDecoderLayer(config, 0), LlamaRotaryEmbedding(config)
+    x = torch.randn(batch, args.seq_len, config.hidden_size)
     target = torch.randn_like(x)
-    embeddings = LlamaRotaryEmbedding(config)(x, torch.arange(args.seq_len)[None])
+    embeddings = tuple(t.expand(batch, -1, -1) for t in rotary(x, torch.arange(args.seq_len)[None]))
     optimizer = torch.optim.Adam(layer.parameters(), 1e-3)
+    forward = update if args.model else plain
+    if args.compile:
+        forward = torch.compile(forward, dynamic=False)
 
     def step(bf16: bool) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = layer(x, position_embeddings=embeddings, attention_mask=None)
-            out = out[0] if isinstance(out, tuple) else out
+            out = forward(layer, x, embeddings)
         loss = (out.float() - target).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, attention {args.attention}, "
-          f"window {args.seq_len}")
+    what = f"{args.model} layer {args.layer}" if args.model else f"{args.shape}, attention {args.attention}"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {what}, {batch} x {args.seq_len} tokens"
+          + (", compiled" if args.compile else ""))
     for bf16 in (False, True, False, True):
         step(bf16)
         start = time.perf_counter()
