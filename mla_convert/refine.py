@@ -35,11 +35,13 @@ STEP_TOKENS = 2048  # tokens a step: a shorter window (`--refine-seq-len`) takes
 SEQ_LEN = DEFAULTS["refine_seq_len"]
 BATCH = STEP_TOKENS // SEQ_LEN
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS: the
-# embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores sustain in the refinement's
-# float32 steps; CPU_BF16_FLOPS: in its bfloat16 steps (AMX / AVX512-BF16). Both measured on whole conversions
-# (docs/decisions.md#refinement-on-the-cpu-when-auto-refines).
-CPU_FLOPS = 2.0e11
+# embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores without bfloat16 arithmetic
+# sustain in the refinement's float32 steps (the steps `auto` runs there); CPU_BF16_FLOPS: what 2 cores with AMX
+# sustain in its bfloat16 steps; SUBSET_RATE: the share of that rate a step at chosen positions (`--refine-queries`)
+# sustains. Measured on whole conversions (docs/decisions.md#refinement-on-the-cpu-when-auto-refines).
+CPU_FLOPS = 1.5e11
 CPU_BF16_FLOPS = 3.0e11
+SUBSET_RATE = 0.5
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
 # back what the attention lost. MLP_LR_SCALE (`--refine-mlp-lr-scale`): the MLP's and norms' learning rate / the
@@ -77,16 +79,30 @@ def _compute(x: torch.Tensor, precision: str):
     return torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16")
 
 
-def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH, whole: bool | None = None) -> float:
+def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH, whole: bool | None = None,
+               queries: int | None = None) -> float:
     """Forward + backward flops of one refinement step of one layer: the projections (2 x tokens x parameters, the
     MLP's too where the whole layer runs: `whole`, by default where it trains) and the score and value products over
-    causal windows, both x3 for the backward pass."""
+    causal windows, both x3 for the backward pass. With `queries` (fewer than `seq_len`: `layer_update_at`) only the
+    key side (kv_a and kv_b) runs at every position; the rest, and the scores (each chosen query against the whole
+    window, masked), at the chosen positions."""
     params = plan.attn_params_after / plan.layers
     if plan.refine_scope == "layer" if whole is None else whole:  # a gated MLP: three hidden x intermediate maps
         params += 3 * plan.hidden * plan.memory.get("intermediate", 4 * plan.hidden)
     width = plan.nope_dims + plan.rope_dims + plan.head_dim  # q.k and p.v per score
-    scores = 2 * batch * plan.heads * seq_len**2 * width
-    return 3 * (2 * batch * seq_len * params + scores)
+    if not queries or queries >= seq_len:
+        return 3 * (2 * batch * seq_len * params + 2 * batch * plan.heads * seq_len**2 * width)
+    ranks = plan.kv_lora_rank
+    keys = sum((r + plan.rope_dims) * plan.hidden + plan.groups * (plan.nope_dims + plan.head_dim) * r
+               for r in ranks) / len(ranks)
+    linear = 2 * batch * (seq_len * keys + queries * (params - keys))
+    return 3 * (linear + 2 * batch * plan.heads * queries * seq_len * width)
+
+
+def resolve_queries(requested: int, seq_len: int) -> int:
+    """Positions of a window a step takes its loss at (`refine_module`'s `queries`): `requested`, 0 (every position)
+    where that is the whole window anyway."""
+    return requested if requested < seq_len else 0
 
 
 def batch_for(seq_len: int) -> int:
@@ -94,9 +110,13 @@ def batch_for(seq_len: int) -> int:
     return max(1, STEP_TOKENS // seq_len)
 
 
-def estimate_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
-    """`steps` per layer at `rate` flop/s over windows of `seq_len` tokens (the refinement window, as trained)."""
-    return steps * plan.layers * step_flops(plan, seq_len, batch_for(seq_len)) / rate
+def estimate_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS,
+                     queries: int | None = None) -> float:
+    """`steps` per layer at `rate` flop/s over windows of `seq_len` tokens (the refinement window, as trained), at
+    `queries` positions of each (`step_flops`, at SUBSET_RATE of `rate`)."""
+    if queries and queries < seq_len:
+        rate *= SUBSET_RATE
+    return steps * plan.layers * step_flops(plan, seq_len, batch_for(seq_len), queries=queries) / rate
 
 
 def default_steps(kept: float) -> int:
@@ -162,6 +182,46 @@ def layer_update(layer, x, position_embeddings) -> torch.Tensor:
     return (out[0] if isinstance(out, tuple) else out) - x
 
 
+class _WindowKeys:
+    """A cache stand-in for `layer_update_at`: whatever the attention would add, `update` returns the whole window's
+    latent and rope key (computed, with their gradients, from every position)."""
+
+    def __init__(self, latent: torch.Tensor, k_rope: torch.Tensor):
+        self.latent, self.k_rope = latent, k_rope
+
+    def update(self, latent, k_rope, layer_idx):
+        return self.latent, self.k_rope
+
+
+def subset_supported(layer) -> bool:
+    """Whether `layer_update_at` computes `layer`'s update at chosen positions (an MLA decoder layer whose keys come
+    from its latent and rope key alone: no exact per-token key norm, no sliding window)."""
+    attn = getattr(layer, "self_attn", None)
+    return (hasattr(attn, "kv_a_proj") and attn.qk_norm != "exact" and attn.sliding_window is None
+            and attn.config.mla_attention_mode == "auto")
+
+
+def layer_update_at(layer, x, position_embeddings, index: torch.Tensor) -> torch.Tensor:
+    """`layer_update(layer, x, position_embeddings)[:, index]` for ascending positions `index` [S] of the windows x
+    [B, T, D], at about S / T of the cost of the projections and MLP: only the keys (latent and rope key) are formed
+    at every position; the queries, attention outputs and MLP at `index` alone, each query attending to every key at
+    or before its position."""
+    from mla_convert.modeling.modeling_mla import rotate
+
+    attn = layer.self_attn
+    normed = x if layer.norm_layout == "post" else layer.input_layernorm(x)
+    latent, k_rope = attn.kv_a_proj(normed).split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    latent, k_rope = latent.unsqueeze(1), k_rope.unsqueeze(1)
+    if attn.qk_rope_head_dim:
+        k_rope = rotate(k_rope, *attn._rope_cos_sin(position_embeddings))
+    mask = index[:, None] >= torch.arange(x.shape[1], device=x.device)[None]  # [S, T]: causal at each chosen row
+    part = x[:, index]
+    cos, sin = position_embeddings
+    out = layer(part, position_embeddings=(cos[:, index], sin[:, index]), attention_mask=mask[None, None],
+                cache=_WindowKeys(latent, k_rope))
+    return (out[0] if isinstance(out, tuple) else out) - part
+
+
 def _relative_error(module, forward, x, y, position_embeddings) -> float:
     """||forward(module, x) - y||^2 / ||y||^2 over one sequence x [1, T, D] (position embeddings [1, T, d])."""
     with torch.no_grad():
@@ -183,12 +243,15 @@ def refine_module(
     slow: tuple[torch.nn.Parameter, ...] = (),
     slow_lr: float = 0.0,
     precision: str = "float32",
+    queries: int = 0,
 ) -> dict:
     """Train `module` (float32, in place) so that forward(module, x) matches y (default: an MLAAttention's output), on
     the first `seq_len` tokens of `batch` (default: `batch_for(seq_len)`) random sequences of the first N-1 a step;
     the last sequence is held out (scored over its whole length). Adam with a cosine schedule on the relative squared
     error; the parameters in `slow` (e.g. a whole layer's MLP, whose source weights need only a correction) train at
-    `slow_lr` and the others at `lr`; the steps compute in `precision` (float32 | bfloat16 autocast). Returns
+    `slow_lr` and the others at `lr`; the steps compute in `precision` (float32 | bfloat16 autocast). With `queries`
+(fewer than `seq_len`, a whole layer's `layer_update` where `subset_supported`), a step's loss is taken at that many
+random positions of its windows (`layer_update_at`), every key still formed. Returns
     {"before", "after", "kept"}: the held-out relative errors, and whether
     the trained weights were kept (else `module` is restored)."""
     n, total, _ = x.shape
@@ -215,12 +278,17 @@ def refine_module(
     cos, sin = position_embeddings
     pe = (cos[:, :seq_len].expand(batch, -1, -1), sin[:, :seq_len].expand(batch, -1, -1))
     scale = yt.pow(2).mean().clamp_min(1e-30)
+    subset = bool(queries) and queries < seq_len and forward is layer_update and subset_supported(module)
     module.train()
     for _ in range(steps):
         rows = torch.randint(0, xt.shape[0], (batch,), generator=gen)
         xb, yb = xt[rows, :seq_len], yt[rows, :seq_len]
         with _compute(xb, precision):
-            out = forward(module, xb, pe)
+            if subset:
+                index = torch.randperm(seq_len, generator=gen)[:queries].sort().values.to(xb.device)
+                out, yb = layer_update_at(module, xb, pe, index), yb[:, index]
+            else:
+                out = forward(module, xb, pe)
         loss = (out.float() - yb).pow(2).mean() / scale
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -118,7 +118,8 @@ def _steps(opt: Option, value: str | None) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise UserError(f"{opt.flag} must be auto or a number of steps, got {value!r}") from None
+        what = "a number of steps" if "steps" in opt.flag else "a number"
+        raise UserError(f"{opt.flag} must be auto or {what}, got {value!r}") from None
 
 
 def _balance(opt: Option, value: str | None) -> float | None:
@@ -235,6 +236,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("refine_seq_len", int, 2048, ("--refine-seq-len",), "Tokens per refinement window, from each calibration "
            "sequence's start (at most --calib-seq-len); each step trains on 2048 tokens (one window of 2048, two of "
            "1024).", check=_refine_seq_len),
+    # refine.layer_update_at; its cost and quality: docs/decisions.md#conversion-time-on-2-cpu-cores-issue-52
+    Option("refine_queries", int, 0, ("--refine-queries",), "Positions of each refinement window a step takes the "
+           "whole layer's loss at (random each step; every key of the window is still formed and attended to): "
+           "fewer cost less a step and refine less. 0 (default): every position.", check=_non_negative),
     # docs/decisions.md#refinement-scope-and-the-mlps-rate
     Option("refine_scope", str, "layer", ("--refine-scope",), "What --refine-steps trains: layer (default: the whole "
            "decoder layer, MLP and norms too, to what the source layer adds to the residual stream) or attention (the "

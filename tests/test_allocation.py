@@ -91,17 +91,29 @@ def test_split_factorization_records_per_token_values(sources, convert_tiny):
     assert "attended inputs" not in record["method"]
 
 
-def test_statistics_kept_from_the_statistics_pass_convert_identically(steep_first_layer, convert_tiny, monkeypatch):
-    """The conversion pass reuses the statistics the energy allocation's pass took on the same source stream: the
-    output is the one that taking them again gives, tensor for tensor (refinement included)."""
+@pytest.mark.parametrize("what", ["pipeline.KEEP_STATISTICS_BYTES", "plan.KEEP_HIDDEN_BYTES"])
+def test_statistics_kept_from_the_statistics_pass_convert_identically(steep_first_layer, convert_tiny, monkeypatch,
+                                                                       what):
+    """The conversion pass reuses the statistics and the hidden states the energy allocation's pass took on the same
+    source stream: the output is the one that taking them again gives, tensor for tensor (refinement included)."""
     from safetensors.torch import load_file
 
-    from mla_convert.conversion import pipeline
+    from mla_convert.conversion import pipeline, plan
 
+    from mla_convert.calibration import LayerRunner
+
+    advances = []
+    forward = LayerRunner.advance
+    monkeypatch.setattr(LayerRunner, "advance", lambda self, layer: advances.append(1) or forward(self, layer))
     options = dict(rank=8, rope_dims=4, rank_allocation="energy", refine_steps=3, refine_model_steps=2)
     kept = convert_tiny(steep_first_layer, **options)
-    monkeypatch.setattr(pipeline, "KEEP_STATISTICS_BYTES", 0)
+    runs = len(advances)
+    module, name = what.split(".")
+    monkeypatch.setattr({"pipeline": pipeline, "plan": plan}[module], name, 0)
     taken_again = convert_tiny(steep_first_layer, **options)
+    layers = json.loads((kept / "config.json").read_text())["num_hidden_layers"]
+    # the statistics pass runs every source layer; the conversion pass again only where it was not kept
+    assert (runs, len(advances) - runs) == ((layers, 2 * layers) if module == "plan" else (layers, layers))
     a, b = (load_file(str(next(f.glob("*.safetensors")))) for f in (kept, taken_again))
     assert a.keys() == b.keys()
     for name in a:

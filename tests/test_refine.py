@@ -257,7 +257,7 @@ def test_cli_defaults_are_the_library_defaults():
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
     assert {"calib_seq_len", "calib_sample_tokens", "refine_lr",
-            "refine_seq_len", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr",
+            "refine_seq_len", "refine_queries", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr",
             "refine_model_scope", "refine_precision"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
     assert library.refine_model_lr == refine.MODEL_LR and library.refine_model_scope == refine.MODEL_SCOPE
@@ -300,6 +300,29 @@ def test_refinement_window_reaches_the_loop(sources, convert_tiny):
     assert all(torch.equal(b[k], c[k]) for k in b)
     options = json.loads((whole / "provenance.json").read_text())["options"]
     assert options["refine_seq_len"] == 64
+
+
+def test_refinement_queries_reach_the_loop(sources, convert_tiny):
+    """`refine_queries` sets the positions a step takes its loss at: fewer than the window train other weights (and
+    still lower the held-out error), as many as the window are every position (the default, 0), and provenance
+    records what ran."""
+    lossy = dict(rank=4, rope_dims=4, calib_samples=4, calib_seq_len=64, refine_steps=8, refine_lr=3e-3,
+                 refine_model_steps=0)
+    some = convert_tiny(sources["llama-gqa"], refine_queries=16, **lossy)
+    window = convert_tiny(sources["llama-gqa"], refine_queries=64, **lossy)
+    every = convert_tiny(sources["llama-gqa"], **lossy)
+    a, b, c = _weights(some), _weights(window), _weights(every)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    assert all(torch.equal(b[k], c[k]) for k in c)
+    assert any(r["kept"] and r["after"] < r["before"] for r in _plan(some)["refine"])
+    recorded = [json.loads((f / "provenance.json").read_text())["options"]["refine_queries"] for f in (some, every)]
+    assert recorded == [16, 0]
+
+
+def test_queries_of_a_whole_window_are_every_position():
+    assert refine.resolve_queries(100, 2048) == 100
+    assert refine.resolve_queries(2048, 2048) == 0
+    assert refine.resolve_queries(0, 2048) == 0
 
 
 def test_model_stage_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny):
@@ -426,3 +449,27 @@ def test_model_stage_keeps_the_best_weights_it_checked(sources, convert_tiny, mo
             assert dict(record["curve"])[record["step"]] == record["after"]
         if spoiled:  # the best check came before the noise: the later weights were dropped
             assert record["kept"] and record["step"] <= _SpoilsLate.good and record["last"] > record["after"]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
+def test_update_at_chosen_positions_is_the_whole_windows_update_there(sources, convert_tiny, name):
+    """`refine.layer_update_at` (the loss at some of a window's positions, `--refine-queries`) gives the whole
+    window's layer update at those positions, and the same gradients as the whole window's loss taken there."""
+    if name not in sources:
+        pytest.skip(f"no tiny {name} source")
+    folder = convert_tiny(sources[name], rank=4, rope_dims=4, refine_steps=0, refine_model_steps=0)
+    mla = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    layer, rotary = mla.model.layers[1], mla.model.rotary_emb
+    assert refine.subset_supported(layer)
+    x = torch.randn(2, 24, mla.config.hidden_size)
+    pe = rotary(x, torch.arange(24)[None].expand(2, -1))
+    index = torch.tensor([0, 3, 4, 11, 23])
+    grads = []
+    for at in (True, False):
+        layer.zero_grad()
+        out = refine.layer_update_at(layer, x, pe, index) if at else refine.layer_update(layer, x, pe)[:, index]
+        out.pow(2).sum().backward()
+        grads.append((out.detach(), [p.grad.clone() for p in layer.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

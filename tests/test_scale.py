@@ -129,8 +129,14 @@ def plan_for(tmp_path: Path, calib_text: Path, layers: int, **options):
 def test_memory_estimate_does_not_grow_with_depth(tmp_path, calib_text, monkeypatch):
     """Layers stream one at a time: 8 layers cost what 2 cost, with either rank allocation (energy keeps only each
     layer's spectrum from its statistics pass). Shards as small as a tiny model's: the writer holds one shard, not the
-    whole checkpoint, as at full size."""
+    whole checkpoint, as at full size. The one part that grows, by design: the hidden states the energy allocation's
+    statistics pass keeps for the conversion pass where every layer's fit plan.KEEP_HIDDEN_BYTES (a small model's);
+    a large model's do not, as here with the limit at 0."""
     monkeypatch.setattr("mla_convert.conversion.plan.SHARD_BYTES", 4096)
+    kept = [plan_for(tmp_path, calib_text, n).memory_parts() for n in (2, 8)]
+    part = "hidden states kept from the statistics pass"
+    assert kept[1][part] == 4 * kept[0][part] == 8 * 2 * 64 * 64 * 4  # layers x tokens x hidden x float32
+    monkeypatch.setattr("mla_convert.conversion.plan.KEEP_HIDDEN_BYTES", 0)
     two, eight = plan_for(tmp_path, calib_text, 2), plan_for(tmp_path, calib_text, 8)
     assert two.memory_estimate() == eight.memory_estimate() > 0
     for allocation in ("energy", "uniform"):
@@ -152,12 +158,14 @@ def test_model_stage_memory_is_the_whole_model(tmp_path, calib_text):
     assert "model stage" not in plan_for(tmp_path, calib_text, 8).memory_parts()
 
 
-def test_dry_run_prints_the_estimate_and_its_parts(sources, calib_text):
+def test_dry_run_prints_the_estimate_and_its_parts(sources, calib_text, monkeypatch):
     args = ["llama", str(sources["llama-gqa"]), "--rank", "16", "--dry-run", "--calib-data", str(calib_text)]
     result = CliRunner().invoke(app, [*args, "--refine-model-steps", "0"])
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if "estimated peak memory" in line)
     assert "runtime" in line and "one layer's working set" in line and "GiB" in line
+    assert "hidden states kept from the statistics pass" in line  # a tiny model's fit plan.KEEP_HIDDEN_BYTES
+    monkeypatch.setattr("mla_convert.conversion.plan.KEEP_HIDDEN_BYTES", 0)  # as a large model's: none kept
     result = CliRunner().invoke(app, args)  # auto runs the model stage on this tiny model: its memory is shown
     line = next(line for line in result.output.splitlines() if "estimated peak memory" in line)
     assert "model stage" in line and f"model stage: {refine.MODEL_STEPS} steps" in result.output

@@ -115,9 +115,11 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
     precision = refine.resolve_precision(options.refine_precision, options.device, plan.hidden)
     rate = refine.cpu_rate(precision)
     steps = refine.resolve_steps(options.refine_steps, plan, options.device, window, rate) if options.calib_data else 0
-    options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window, refine_precision=precision)
-    plan.refine_steps, plan.refine_precision = steps, precision
-    plan.refine_seconds = refine.estimate_seconds(plan, steps, window, rate)
+    queries = refine.resolve_queries(options.refine_queries, window)
+    options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window, refine_precision=precision,
+                                  refine_queries=queries)
+    plan.refine_steps, plan.refine_precision, plan.refine_queries = steps, precision, queries
+    plan.refine_seconds = refine.estimate_seconds(plan, steps, window, rate, queries)
     model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window, rate)
                    if options.calib_data and options.calib_propagate == "source" and options.needs_statistics() else 0)
     options = dataclasses.replace(options, refine_model_steps=model_steps)
@@ -189,6 +191,7 @@ class Conversion:
         self.record = RunRecord([[0] * (plan.rope_dims // 2) for _ in range(plan.layers)])
         self.kept: Path | None = None
         self.statistics: dict[int, tuple] = {}  # layer -> statistics the statistics pass kept for the conversion pass
+        self.hidden: dict[int, torch.Tensor] = {}  # layer -> the source stream's hidden states after it (same pass)
 
     def new_runner(self):
         """A calibration stream at the embeddings, on the device (its hidden states stay there for the whole run)."""
@@ -231,6 +234,7 @@ class Conversion:
         does not grow with depth, except those kept here (`KEEP_STATISTICS_BYTES`) where that stream is the source's
         too: the same hidden states, the same statistics."""
         plan, spectra, room = self.plan, [], KEEP_STATISTICS_BYTES if self.options.calib_propagate == "source" else 0
+        keep_hidden = self.runner is not None and self.plan.memory.get("kept_hidden", 0) > 0  # plan.KEEP_HIDDEN_BYTES
         bar = self.bar("layers: statistics")
         for i in bar:
             clock = LayerClock(self.device)
@@ -244,6 +248,8 @@ class Conversion:
             del attn, statistics
             if self.runner is not None:
                 self.runner.advance(source_layer)
+                if keep_hidden:
+                    self.hidden[i] = self.runner.hidden.cpu().clone()
             clock.lap("factorization")
             clock.report(bar, i, "statistics pass, ")
         self.runner = self.new_runner() if self.runner is not None else None
@@ -272,6 +278,7 @@ class Conversion:
         activations where they reach past it). Returns the last layer whose output activations were kept."""
         kept, runner, record = self.kept, self.runner, self.record
         prefix = self.family.layer_prefix.format(i=i)
+        hidden = self.hidden.pop(i, None)  # the statistics pass's hidden states after layer i, if it kept them
         record.rope_pairs[i], layer_record = store.read_layer_meta(kept / store.layer_file(i))
         record.add(layer_record)
         if runner is not None and i == 0:
@@ -285,6 +292,8 @@ class Conversion:
                 mla_tensors = {n[len("self_attn.") :]: t for n, t in kept_tensors.items() if n.startswith("self_attn.")}
                 runner.advance(converted_decoder_layer(self.config, self.plan, self.family, record.rope_pairs, i,
                                                        kept_tensors, mla_tensors))
+            elif hidden is not None:
+                runner.hidden = hidden.to(self.device)
             else:
                 runner.advance(source_decoder_layer(self.config, self.family, i,
                                                     float32_on(raw_layer(self.source, i, self.family), self.device)))
@@ -304,7 +313,10 @@ class Conversion:
             targets = refine.stream_targets(source_layer, runner, options.refine_scope)
         if runner is not None and options.calib_propagate == "source":
             inputs = runner.hidden
-            runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
+            if i in self.hidden:  # the statistics pass's: the same layer on the same hidden states
+                runner.hidden = self.hidden.pop(i).to(device)
+            else:
+                runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
             source_layer = None
             if from_advance:
                 targets = (inputs, runner.hidden - inputs)  # = refine.stream_targets(..., "layer")

@@ -27,6 +27,10 @@ from mla_convert.families import Family
 # free-but-held pages, short-lived copies inside torch ops): docs/decisions.md#memory-estimate.
 BASELINE = int(0.6 * 2**30)
 MEMORY_SAFETY = 1.15
+# The energy allocation's statistics pass keeps every layer's output hidden states of the source stream for the
+# conversion pass (which then need not run each source layer again) where they add up to at most this: a small
+# model's (SmolLM2-135M's 16 windows: 2.2 GB), not a large one's.
+KEEP_HIDDEN_BYTES = 3 << 30
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Plan:
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
     refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
+    refine_queries: int = 0  # positions of a window a step takes its loss at (0: all)
     refine_seconds: float = 0.0
     refine_precision: str = "float32"  # what the refinement steps compute in, as resolved
     refine_scope: str = refine.DEFAULT_SCOPE
@@ -155,6 +160,8 @@ class Plan:
             "one layer as stored": (attn + mlp + 2 * hidden) * src,
             "one layer's working set": attn * float_copy + stats + max(calibration, maps),
         }
+        if m.get("kept_hidden"):
+            parts["hidden states kept from the statistics pass"] = m["kept_hidden"]
         writing = m["shard_bytes"] + (attn + mlp) * out + BASELINE
         if writing > sum(parts.values()):  # the writer's phase is the heavier one: it is what the estimate shows
             parts = {"runtime": BASELINE, "shard writer buffer": m["shard_bytes"], "one kept layer": (attn + mlp) * out}
@@ -198,7 +205,9 @@ class Plan:
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
             (f"calibration: {self.memory['samples']} windows x {self.memory['seq_len']} tokens" if self.calib_tokens
              else "calibration: none (weight-only statistics)"),
-            f"refinement: {self.refine_steps} steps per layer; model stage: {self.refine_model_steps} steps"
+            f"refinement: {self.refine_steps} steps per layer"
+            + (f" (loss at {self.refine_queries} positions a window)" if self.refine_steps and self.refine_queries
+               else "") + f"; model stage: {self.refine_model_steps} steps"
             + (f"; training steps in {self.refine_precision}" if self.refine_steps or self.refine_model_steps else ""),
             self.describe_time(),
             f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.2f} GiB"
@@ -259,6 +268,14 @@ def _dims(config) -> tuple[int, int, int, int, int]:
     groups = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, config.hidden_size, heads, groups, head_dim
+
+
+def kept_hidden_bytes(options: ConvertOptions, every_layer: int) -> int:
+    """What the statistics pass keeps of the source stream's hidden states for the conversion pass: all of them
+    (`every_layer` bytes, float32) where the energy allocation runs that pass on the source's stream and they fit
+    KEEP_HIDDEN_BYTES, else none (0)."""
+    keeps = options.rank_allocation == "energy" and options.calib_propagate == "source"
+    return every_layer if keeps and every_layer <= KEEP_HIDDEN_BYTES else 0
 
 
 def max_rank(config) -> int:
@@ -389,14 +406,14 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
     # what decoding a token reads: every layer and the head (the self text's sampling cost)
     plan.memory["parameters"] = plan.attn_params_before + layers * 3 * hidden * plan.memory["intermediate"] + (
         config.vocab_size * hidden)
-    plan.qkv_bias = bool(qkv_bias)
-    plan.qk_norm, plan.norm_eps = qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
+    plan.qkv_bias, plan.qk_norm, plan.norm_eps = bool(qkv_bias), qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
     plan.qk_norm_scope = family.qk_norm_scope(config) or "head"
     plan.norm_unit_offset = family.gemma(config)
     plan.set_kv_lora_rank(ranks)
     plan.memory["samples"] = options.calib_samples or default_calib_samples(plan.ratio)  # by the cache kept
     if plan.memory["calibrated"]:
         plan.calib_tokens = plan.memory["samples"] * options.calib_seq_len
+        plan.memory["kept_hidden"] = kept_hidden_bytes(options, layers * plan.calib_tokens * hidden * 4)
     plan.memory["shard_bytes"] = min(SHARD_BYTES, output_bytes(config, plan))  # the writer holds at most a shard
     if plan.ratio >= 1 and not options.force:
         raise UserError(

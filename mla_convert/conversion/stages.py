@@ -38,7 +38,7 @@ def refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensor
     record = refine.refine_module(module, *targets, position_embeddings, options.refine_steps, options.refine_lr,
                                      seq_len=options.refine_seq_len, seed=options.seed + i, forward=forward,
                                      slow=slow, slow_lr=options.refine_lr * options.refine_mlp_lr_scale,
-                                     precision=options.refine_precision)
+                                     precision=options.refine_precision, queries=options.refine_queries)
     log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],
              "kept" if record["kept"] else "not kept")
     row = {"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}}

@@ -35,10 +35,11 @@ def layer_forward_flops(plan) -> float:
 def calibration_seconds(plan, statistics_pass: bool) -> float:
     """The calibration stream's forwards of a conversion: each layer's statistics once (the statistics pass keeps
     them for the conversion pass, `pipeline.KEEP_STATISTICS_BYTES`) and one advance past it per pass (two with the
-    energy allocation's `statistics_pass`)."""
+    energy allocation's `statistics_pass`, unless it keeps the hidden states for the conversion pass:
+    `plan.KEEP_HIDDEN_BYTES`)."""
     if not plan.calib_tokens:
         return 0.0
-    passes = 2 if statistics_pass else 1
+    passes = 2 if statistics_pass and not plan.memory.get("kept_hidden") else 1
     forwards = STATISTICS_FORWARDS + passes * ADVANCE_FORWARDS
     return plan.layers * forwards * layer_forward_flops(plan) / refine.CPU_FLOPS
 
