@@ -30,10 +30,10 @@ import pytest
 from conftest import needs_smollm2
 from tiny import tiny_source, tiny_text
 
-# The commit whose outputs the current code must reproduce (753518f: the DeepSeek-V3 export's RoPE stated as YaRN of
-# factor 1, fd2ab50, and --dry-run's serving line for --target deepseek, 88befa5). Move it forward only to a change that
-# means to change outputs (the next commit names it).
-REFERENCE = "753518f62d57cf088ab6bffe14c05ead2d419c09"
+# The commit whose outputs the current code must reproduce (b21c48f: provenance records --refine-queries, --dry-run's
+# time estimate follows the refitted float32 rate and its memory parts name the hidden states the statistics pass
+# keeps). Move it forward only to a change that means to change outputs (the next commit names it).
+REFERENCE = "b21c48fd544cd4005ecea3ae1a2dabea92516c90"
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = "1"  # the same on both sides: the thread count changes the order of float sums, so the bytes
