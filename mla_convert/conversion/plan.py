@@ -123,8 +123,9 @@ class Plan:
         """Peak resident bytes by what holds them, at the heaviest moment of each phase (`memory_estimate`).
 
         Resident the whole run: the Python/torch/transformers runtime with the tokenizer (`BASELINE`), the calibration
-        hidden states (input, output and normed copy, float32; --rank-allocation energy keeps only each layer's
-        spectrum from its statistics pass and takes the statistics again in the conversion pass). Embeddings, lm_head
+        hidden states (input, output and normed copy, float32; --rank-allocation energy keeps each layer's spectrum from
+        its statistics pass, and where they fit KEEP_HIDDEN_BYTES every layer's output hidden states for the
+        conversion pass). Embeddings, lm_head
         and the other layers are never resident: layers stream from the source one at a time and the shards are
         written last, from the kept layers.
 
