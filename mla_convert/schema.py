@@ -118,8 +118,7 @@ def _steps(opt: Option, value: str | None) -> int | None:
     try:
         return int(value)
     except ValueError:
-        what = "a number of steps" if "steps" in opt.flag else "a number"
-        raise UserError(f"{opt.flag} must be auto or {what}, got {value!r}") from None
+        raise UserError(f"{opt.flag} must be auto or a number of steps, got {value!r}") from None
 
 
 def _balance(opt: Option, value: str | None) -> float | None:
