@@ -11,6 +11,7 @@ WIDE_FROM = 0.375  # halfway between the two budgets the defaults were chosen at
 CALIB_SAMPLES = (16, 32)  # --calib-samples: a wider latent and its refinement fit more from more text
 CALIB_TEMPERATURE = (1.2, 1.0)  # --calib-temperature of `self` text: varied text for a small latent
 REFINE_STEPS = (200, 300)  # --refine-steps auto (per layer): a wider latent has more to fit
+REFINE_QUERIES_CPU = (256, 0)  # --refine-queries auto on a CPU (0: every position; a GPU takes every position)
 
 
 def by_cache_kept(kept: float, pair: tuple):

@@ -99,9 +99,12 @@ def step_flops(plan, seq_len: int = SEQ_LEN, batch: int = BATCH, whole: bool | N
     return 3 * (linear + 2 * batch * plan.heads * queries * seq_len * width)
 
 
-def resolve_queries(requested: int, seq_len: int) -> int:
-    """Positions of a window a step takes its loss at (`refine_module`'s `queries`): `requested`, 0 (every position)
-    where that is the whole window anyway."""
+def resolve_queries(requested: int | None, seq_len: int, kept: float = 1.0, device: str = "cpu") -> int:
+    """Positions of a window a step takes its loss at (`refine_module`'s `queries`): `requested`, or (None, auto)
+    `policy.REFINE_QUERIES_CPU` by the cache `kept` on a CPU and every position on a GPU; 0 (every position) where
+    that is the whole window anyway."""
+    if requested is None:
+        requested = policy.by_cache_kept(kept, policy.REFINE_QUERIES_CPU) if device.startswith("cpu") else 0
     return requested if requested < seq_len else 0
 
 

@@ -111,14 +111,22 @@ def _refine_seq_len(opt: Option, v) -> str | None:
     return None if v >= 16 else f"--refine-seq-len must be at least 16 tokens, got {v}"
 
 
-def _steps(opt: Option, value: str | None) -> int | None:
-    """`auto` (None: resolved by the plan) or a number of steps."""
+def _auto_int(opt: Option, value: str | None, what: str) -> int | None:
+    """`auto` (None: resolved by the plan) or a number of `what`."""
     if value is None or value == "auto":
         return None
     try:
         return int(value)
     except ValueError:
-        raise UserError(f"{opt.flag} must be auto or a number of steps, got {value!r}") from None
+        raise UserError(f"{opt.flag} must be auto or a number of {what}, got {value!r}") from None
+
+
+def _steps(opt: Option, value: str | None) -> int | None:
+    return _auto_int(opt, value, "steps")
+
+
+def _count(opt: Option, value: str | None) -> int | None:
+    return _auto_int(opt, value, "positions")
 
 
 def _balance(opt: Option, value: str | None) -> float | None:
@@ -236,9 +244,11 @@ OPTIONS: tuple[Option, ...] = (
            "sequence's start (at most --calib-seq-len); each step trains on 2048 tokens (one window of 2048, two of "
            "1024).", check=_refine_seq_len),
     # refine.layer_update_at; its cost and quality: docs/decisions.md#conversion-time-on-2-cpu-cores-issue-52
-    Option("refine_queries", int, 0, ("--refine-queries",), "Positions of each refinement window a step takes the "
+    Option("refine_queries", int, None, ("--refine-queries",), "Positions of each refinement window a step takes the "
            "whole layer's loss at (random each step; every key of the window is still formed and attended to): "
-           "fewer cost less a step and refine less. 0 (default): every position.", check=_non_negative),
+           "fewer cost less a step and refine less. auto (default): on the CPU "
+           f"{policy.rule_text(policy.REFINE_QUERIES_CPU)}; on a GPU 0; 0: every position.", nullable=True,
+           cli_default="auto", cli_type=Optional[str], parse=_count, check=_non_negative),
     # docs/decisions.md#refinement-scope-and-the-mlps-rate
     Option("refine_scope", str, "layer", ("--refine-scope",), "What --refine-steps trains: layer (default: the whole "
            "decoder layer, MLP and norms too, to what the source layer adds to the residual stream) or attention (the "

@@ -45,7 +45,7 @@ STYLES = {SELF: "chat", SELF_DOC: "document"}
 TEMPERATURE = 1.0
 CALIB_TEMPERATURE = policy.CALIB_TEMPERATURE[0]  # the narrow latents' (the wide ones': TEMPERATURE)
 SAMPLE_TOKENS = DEFAULTS["calib_sample_tokens"]  # the option's default: mla_convert/schema.py
-BATCH = 16
+BATCH = 64
 DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
 # On a CUDA device a batch is cheap in width and dear in steps: the samples of a whole calibration in one batch. Sample
 # i answers PROMPTS[i % len(PROMPTS)] whatever the batch, so the requests are those of the CPU's batches.

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
-from mla_convert import refine, selftext
+from mla_convert import policy, refine, selftext
 from mla_convert.cli import app
 from mla_convert.conversion.plan import CALIB_SAMPLES, WIDE_CALIB_SAMPLES, Plan, max_rank
 from mla_convert.policy import WIDE_FROM
@@ -216,6 +216,8 @@ def test_cli_prints_the_auto_warnings_once(sources, calib_text, monkeypatch):
     (["--refine-steps", "-3"], "--refine-steps must be 0 or more"),
     (["--refine-model-steps", "many"], "--refine-model-steps must be auto or a number"),
     (["--refine-model-steps", "-1"], "--refine-model-steps must be 0 or more"),
+    (["--refine-queries", "half"], "--refine-queries must be auto or a number of positions"),
+    (["--refine-queries", "-1"], "--refine-queries must be 0 or more"),
     (["--refine-model-lr", "0"], "--refine-model-lr must be positive"),
     (["--refine-model-steps", "4", "--calib-data", "none"], "--refine-model-steps trains on calibration text"),
     (["--refine-model-steps", "4", "--calib-propagate", "converted"], "--calib-propagate source"),
@@ -252,7 +254,8 @@ def test_cli_defaults_are_the_library_defaults():
         for option in group.commands[name].params:
             if option.name not in fields or option.default is None:
                 continue
-            auto = option.name in ("refine_steps", "refine_model_steps") and getattr(library, option.name) is None
+            auto = (option.name in ("refine_steps", "refine_model_steps", "refine_queries")
+                    and getattr(library, option.name) is None)
             expected = "auto" if auto else None
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
@@ -323,6 +326,17 @@ def test_queries_of_a_whole_window_are_every_position():
     assert refine.resolve_queries(100, 2048) == 100
     assert refine.resolve_queries(2048, 2048) == 0
     assert refine.resolve_queries(0, 2048) == 0
+
+
+def test_auto_queries_follow_the_device_and_the_cache_kept():
+    """`--refine-queries auto` (None): policy.REFINE_QUERIES_CPU on a CPU by the cache kept, every position on a GPU
+    and wherever the window is not longer than the positions."""
+    narrow, wide = policy.REFINE_QUERIES_CPU
+    assert refine.resolve_queries(None, 2048, 0.25, "cpu") == narrow > 0
+    assert refine.resolve_queries(None, 2048, 0.5, "cpu") == wide
+    assert refine.resolve_queries(None, 2048, 0.25, "cuda") == 0
+    assert refine.resolve_queries(None, narrow, 0.25, "cpu") == 0
+    assert refine.resolve_queries(64, 2048, 0.25, "cuda") == 64
 
 
 def test_model_stage_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny):

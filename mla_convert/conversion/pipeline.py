@@ -115,7 +115,7 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
     precision = refine.resolve_precision(options.refine_precision, options.device, plan.hidden)
     rate = refine.cpu_rate(precision)
     steps = refine.resolve_steps(options.refine_steps, plan, options.device, window, rate) if options.calib_data else 0
-    queries = refine.resolve_queries(options.refine_queries, window)
+    queries = refine.resolve_queries(options.refine_queries, window, plan.ratio, options.device)
     options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window, refine_precision=precision,
                                   refine_queries=queries)
     plan.refine_steps, plan.refine_precision, plan.refine_queries = steps, precision, queries

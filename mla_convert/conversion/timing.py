@@ -19,7 +19,7 @@ ADVANCE_FORWARDS = 1.8
 # Sampling the self text (batches of `selftext.BATCH` answers with transformers' `generate`, float32): the effective
 # rate in flop/s of 2 x parameters a sampled token (decoding is bound by reading the weights and by the loop's per-step
 # overhead, not by arithmetic).
-SAMPLE_FLOPS = 1.6e10
+SAMPLE_FLOPS = 3.0e10
 
 
 def layer_forward_flops(plan) -> float:
