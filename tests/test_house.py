@@ -30,10 +30,10 @@ import pytest
 from conftest import needs_smollm2
 from tiny import tiny_source, tiny_text
 
-# The commit whose outputs the current code must reproduce (b21c48f: provenance records --refine-queries, --dry-run's
-# time estimate follows the refitted float32 rate and its memory parts name the hidden states the statistics pass
-# keeps). Move it forward only to a change that means to change outputs (the next commit names it).
-REFERENCE = "b21c48fd544cd4005ecea3ae1a2dabea92516c90"
+# The commit whose outputs the current code must reproduce (bad00b2: --refine-queries auto, 256 positions a step on a
+# CPU at the main job's budget, and the self text sampled in batches of 64). Move it forward only to a change that
+# means to change outputs (the next commit names it).
+REFERENCE = "bad00b2be669681a2aa731012f0b39986209fd73"
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = "1"  # the same on both sides: the thread count changes the order of float sums, so the bytes
