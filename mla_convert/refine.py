@@ -13,6 +13,7 @@ that the closed form already reproduces, e.g. at full rank, has nothing to gain:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -400,28 +401,66 @@ def _kl_chunks(model, hidden, teacher, backward: bool, precision: str = "float32
     return total
 
 
-def model_kl(model, tokens: torch.Tensor, teacher: torch.Tensor) -> float:
+def model_kl(model, tokens: torch.Tensor, teacher: torch.Tensor, below: torch.Tensor | None = None,
+             first: int = 0) -> float:
     """Mean per-token KL(source || model) over windows `tokens` [N, T] whose source final normed hidden states are
-    `teacher` [N, T, D]."""
+    `teacher` [N, T, D]; with `below` [N, T, D], the inputs of the model's layer `first` (`frozen_outputs`), the
+    model runs from there."""
     total = 0.0
     with torch.no_grad():
-        for ids, t in zip(tokens, teacher):
-            hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+        for i, (ids, t) in enumerate(zip(tokens, teacher)):
+            hidden = final_hidden(model, ids, None if below is None else below[i], first)
             total += _kl_chunks(model, hidden, t, backward=False)
     return total / tokens.numel()
 
 
-def model_parameter_names(model, scope: str = MODEL_SCOPE) -> list[str]:
+@contextlib.contextmanager
+def _layers(model, part: slice, norm: bool = True):
+    """`model`'s decoder with only its layers `part` (and no final norm unless `norm`) for the time of the block."""
+    inner = model.model
+    layers, final = inner.layers, inner.norm
+    inner.layers = torch.nn.ModuleList(list(layers)[part])
+    if not norm:
+        inner.norm = torch.nn.Identity()
+    try:
+        yield inner
+    finally:
+        inner.layers, inner.norm = layers, final
+
+
+def frozen_outputs(model, tokens: torch.Tensor, first: int) -> torch.Tensor | None:
+    """The inputs of decoder layer `first` on windows `tokens` [N, T] ([N, T, D]; None for 0): what the layers below
+    give, computed once where the model stage trains only the layers from `first` on."""
+    if first <= 0:
+        return None
+    with torch.no_grad(), _layers(model, slice(0, first), norm=False) as bottom:
+        return torch.cat([bottom(input_ids=ids[None], use_cache=False).last_hidden_state for ids in tokens])
+
+
+def final_hidden(model, ids: torch.Tensor, below: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
+    """The model's last hidden states after its final norm [T, D] on one window `ids` [T]; where `below` [T', D] (T'
+    >= T: the inputs of layer `first`, `frozen_outputs`) is given, through the layers from `first` on only."""
+    if below is None:
+        return model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+    with _layers(model, slice(first, None)) as top:
+        return top(inputs_embeds=below[None, : ids.shape[0]], use_cache=False).last_hidden_state[0]
+
+
+def model_parameter_names(model, scope: str = MODEL_SCOPE, top: int | None = None) -> list[str]:
     """What the model stage trains: every attention's weights (`attention`: what the conversion changed) or every
-    decoder layer's (`layer`: attention, MLP and norms); embeddings, the final norm and the head stay as they are."""
+    decoder layer's (`layer`: attention, MLP and norms), of the last `top` decoder layers only where given (the
+    backward then stops below them); embeddings, the final norm and the head stay as they are."""
     if scope not in MODEL_SCOPES:
         raise ValueError(f"model stage scope must be one of {MODEL_SCOPES}, got {scope!r}")
     marker = ".self_attn." if scope == "attention" else ".layers."
-    return [name for name, _ in model.named_parameters() if marker in name]
+    first = 0 if top is None else len(model.model.layers) - top
+    return [name for name, _ in model.named_parameters()
+            if marker in name and int(name.split(".layers.", 1)[1].split(".", 1)[0]) >= first]
 
 
 def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int, lr: float = MODEL_LR,
-                 seq_len: int = SEQ_LEN, seed: int = 0, scope: str = MODEL_SCOPE, precision: str = "float32") -> dict:
+                 seq_len: int = SEQ_LEN, seed: int = 0, scope: str = MODEL_SCOPE, precision: str = "float32",
+                 top: int | None = None) -> dict:
     """Train `model`'s attention (`scope` layer: its whole decoder layers; float32, in place) end to end so that its
     next-token distributions match the source's: `teacher` [N, T, D] holds the source's final hidden states after its
     final norm on the calibration windows `tokens` [N, T] (its logits are the model's own head applied to them: the head
@@ -429,18 +468,22 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
     the last window, which is held out; the steps compute in `precision`, the checks in float32. The held-out KL
     is measured about MODEL_CHECKS times during training (every
     steps // MODEL_CHECKS steps and after the final one); the best weights seen are what the model keeps: the converted
-    weights themselves where no check improved on them.
+    weights themselves where no check improved on them. With `top`, only the last `top` decoder layers train: the
+    layers below are frozen, their outputs computed once a window (`frozen_outputs`), and a step runs the top ones.
 
     Returns {"before", "after", "kept", "step", "last", "curve"}: the held-out mean KL before and of the weights
     kept, whether trained weights were kept and after which step (0: none), the KL after the last step, and every
     check as [step, KL]."""
     n = tokens.shape[0]
     held, train = slice(n - 1, n), slice(0, max(n - 1, 1))
-    before = model_kl(model, tokens[held], teacher[held])
+    first = len(model.model.layers) - top if top and steps > 0 else 0
+    below = frozen_outputs(model, tokens, first)
+    bt, bh = (None, None) if below is None else (below[train], below[held])
+    before = model_kl(model, tokens[held], teacher[held], bh, first)
     record = {"before": before, "after": before, "kept": False, "step": 0, "last": before, "curve": []}
     if steps <= 0 or before < EXACT:
         return record
-    names = set(model_parameter_names(model, scope))
+    names = set(model_parameter_names(model, scope, top))
     params = [p for name, p in model.named_parameters() if name in names]
     best = [p.detach().clone() for p in params]  # the weights with the lowest held-out KL so far
     frozen = [p for p in model.parameters() if p.requires_grad]
@@ -466,7 +509,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         row = int(torch.randint(0, xt.shape[0], (1,), generator=gen))
         ids, target = xt[row, :seq_len], tt[row, :seq_len]
         with _compute(ids, precision):
-            hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+            hidden = final_hidden(model, ids, None if bt is None else bt[row], first)
         leaf = hidden.detach().float().requires_grad_(True)
         loss = _kl_chunks(model, leaf, target, backward=True, precision=precision) / ids.numel()
         optimizer.zero_grad(set_to_none=True)
@@ -477,7 +520,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         if step % every and step != steps:
             continue
         model.eval()
-        kl = model_kl(model, tokens[held], teacher[held])
+        kl = model_kl(model, tokens[held], teacher[held], bh, first)
         record["curve"].append([step, kl])
         log.info("refine model: held-out KL %.4f after step %d (before %.4f)", kl, step, before)
         if kl < record["after"]:

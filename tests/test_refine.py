@@ -465,6 +465,30 @@ def test_model_stage_keeps_the_best_weights_it_checked(sources, convert_tiny, mo
             assert record["kept"] and record["step"] <= _SpoilsLate.good and record["last"] > record["after"]
 
 
+def test_model_stage_on_the_top_layers_trains_them_alone(sources, convert_tiny):
+    """`refine_model(top=K)`: the frozen layers' outputs, computed once, carried through the layers above give the
+    whole model's KL; only the last K layers' attention changes; the record's `after` is what the whole model scores
+    afterwards."""
+    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
+    folder = convert_tiny(sources["llama-gqa"], rank=4, rope_dims=4, refine_steps=0, refine_model_steps=0)
+    ids = torch.randint(0, src.config.vocab_size, (5, 48), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        teacher = torch.cat([src.model(input_ids=x[None]).last_hidden_state for x in ids])
+    mla = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    n = len(mla.model.layers)
+    assert n >= 2
+    below = refine.frozen_outputs(mla, ids, n - 1)
+    assert below.shape == (*ids.shape, mla.config.hidden_size)
+    assert refine.model_kl(mla, ids, teacher, below, n - 1) == pytest.approx(refine.model_kl(mla, ids, teacher), rel=1e-5)
+    start = {k: v.clone() for k, v in mla.state_dict().items()}
+    record = refine.refine_model(mla, ids, teacher, 8, lr=3e-3, top=1)
+    assert record["kept"] and record["after"] < record["before"]
+    changed = {k for k, v in mla.state_dict().items() if not torch.equal(v, start[k])}
+    assert changed and all(k.startswith(f"model.layers.{n - 1}.self_attn.") for k in changed)
+    assert len(mla.model.layers) == n  # the whole decoder again after the stage
+    assert refine.model_kl(mla, ids[-1:], teacher[-1:]) == pytest.approx(record["after"], rel=1e-5)
+
+
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
 def test_update_at_chosen_positions_is_the_whole_windows_update_there(sources, convert_tiny, name):
     """`refine.layer_update_at` (the loss at some of a window's positions, `--refine-queries`) gives the whole
