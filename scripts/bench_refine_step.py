@@ -4,6 +4,7 @@ and under bfloat16 autocast: what `--refine-precision` trades (docs/decisions.md
 
     python scripts/bench_refine_step.py [--steps 5] [--attention sdpa|eager] [--shape NAME] [--seq-len 2048]
     python scripts/bench_refine_step.py --model out/FOLDER [--layer 3] [--seq-len 1024 --batch 2] [--compile]
+    python scripts/bench_refine_step.py --model out/FOLDER --queries 256 [--profile]
 
 The layer is a Llama decoder layer of SmolLM2-135M's shape (hidden 576, 9 query / 3 kv heads, head_dim 64,
 intermediate 1536), of Llama-3-8B's (hidden 4096, 32 / 8 heads, head_dim 128, intermediate 14336), of the tests'
@@ -11,7 +12,9 @@ tiny models (hidden 64) or of a hidden-256 model, on one window (2048 tokens by 
 after a warm-up step, and what `--refine-steps` (200 by default) would cost a layer at that rate.
 `--model` takes one decoder layer of a converted (native MLA) checkpoint instead, as the refinement trains it
 (`refine.layer_update`); `--compile` runs its forward through `torch.compile`; `--batch` windows a step (the
-refinement takes 2048 / T windows of T tokens).
+refinement takes 2048 / T windows of T tokens); `--queries N` takes the loss at N random positions a step
+(`refine.layer_update_at`, `--refine-queries`); `--profile` prints the operators of the float32 steps by their own
+CPU time (`torch.profiler`) instead of timing both precisions.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ def main() -> None:
     parser.add_argument("--layer", type=int, default=3, help="which layer of --model")
     parser.add_argument("--compile", action="store_true", help="the forward through torch.compile")
     parser.add_argument("--batch", type=int, default=1, help="windows a step")
+    parser.add_argument("--queries", type=int, default=0, help="with --model: the loss at this many positions a step")
+    parser.add_argument("--profile", action="store_true", help="profile --steps float32 steps (torch.profiler)")
     args = parser.parse_args()
     torch.manual_seed(0)
     batch = args.batch
@@ -89,15 +94,30 @@ def main() -> None:
 
     def step(bf16: bool) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = forward(layer, x, embeddings)
-        loss = (out.float() - target).pow(2).mean()
+            if args.queries:
+                from mla_convert.refine import layer_update_at
+
+                index = torch.randperm(args.seq_len)[: args.queries].sort().values
+                out, want = layer_update_at(layer, x, embeddings, index), target[:, index]
+            else:
+                out, want = forward(layer, x, embeddings), target
+        loss = (out.float() - want).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
     what = f"{args.model} layer {args.layer}" if args.model else f"{args.shape}, attention {args.attention}"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {what}, {batch} x {args.seq_len} tokens"
-          + (", compiled" if args.compile else ""))
+          + (", compiled" if args.compile else "") + (f", loss at {args.queries} positions" if args.queries else ""))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        step(False)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                step(False)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        return
     for bf16 in (False, True, False, True):
         step(bf16)
         start = time.perf_counter()
