@@ -38,10 +38,12 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # `--refine-steps auto` refines on a GPU, and on the CPU when the estimate below is at most AUTO_CPU_SECONDS: the
 # embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores without bfloat16 arithmetic
 # sustain in the refinement's float32 steps (the steps `auto` runs there); CPU_BF16_FLOPS: what 2 cores with AMX
-# sustain in its bfloat16 steps; SUBSET_RATE: the share of that rate a step at chosen positions (`--refine-queries`)
-# sustains. Measured on whole conversions (docs/decisions.md#refinement-on-the-cpu-when-auto-refines).
+# sustain in its bfloat16 steps, CPU_AVX512_BF16_FLOPS what 2 cores with AVX512-BF16 but no AMX sustain in them;
+# SUBSET_RATE: the share of that rate a step at chosen positions (`--refine-queries`) sustains. Measured on whole
+# conversions (docs/decisions.md#refinement-on-the-cpu-when-auto-refines).
 CPU_FLOPS = 1.5e11
 CPU_BF16_FLOPS = 3.0e11
+CPU_AVX512_BF16_FLOPS = 2.1e11
 SUBSET_RATE = 0.5
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
@@ -71,8 +73,11 @@ def resolve_precision(requested: str, device: str, hidden: int) -> str:
 
 
 def cpu_rate(precision: str) -> float:
-    """The flop/s the estimates assume on the CPU for steps computed in `precision` (float32 | bfloat16)."""
-    return CPU_BF16_FLOPS if precision == "bfloat16" else CPU_FLOPS
+    """The flop/s the estimates assume on this machine's CPU for steps computed in `precision` (float32 |
+    bfloat16: AMX tiles where the CPU has them, else its AVX512-BF16 instructions)."""
+    if precision != "bfloat16":
+        return CPU_FLOPS
+    return CPU_BF16_FLOPS if torch.cpu._is_amx_tile_supported() else CPU_AVX512_BF16_FLOPS
 
 
 def _compute(x: torch.Tensor, precision: str):
