@@ -463,6 +463,13 @@ def model_parameter_names(model, scope: str = MODEL_SCOPE, top: int | None = Non
             if marker in name and int(name.split(".layers.", 1)[1].split(".", 1)[0]) >= first]
 
 
+@torch.no_grad()
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Each tensor of `targets` takes the values of its peer in `sources`."""
+    for t, s in zip(targets, sources):
+        t.copy_(s)
+
+
 def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int, lr: float = MODEL_LR,
                  seq_len: int = SEQ_LEN, seed: int = 0, scope: str = MODEL_SCOPE, precision: str = "float32",
                  top: int | None = None) -> dict:
@@ -530,9 +537,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         log.info("refine model: held-out KL %.4f after step %d (before %.4f)", kl, step, before)
         if kl < record["after"]:
             record.update(after=kl, kept=True, step=step)
-            with torch.no_grad():
-                for b, p in zip(best, params):
-                    b.copy_(p)
+            _copy(best, params)
     record["last"] = record["curve"][-1][1]
     model.eval()
     optimizer.zero_grad(set_to_none=True)
@@ -540,7 +545,5 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         p.requires_grad_(False)
     for p in frozen:
         p.requires_grad_(True)
-    with torch.no_grad():
-        for p, b in zip(params, best):
-            p.copy_(b)
+    _copy(params, best)
     return record
