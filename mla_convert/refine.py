@@ -74,8 +74,9 @@ def resolve_precision(requested: str, device: str, hidden: int) -> str:
 
 def cpu_rate(precision: str) -> float:
     """The flop/s the estimates assume on this machine's CPU for steps computed in `precision` (float32 |
-    bfloat16: AMX tiles where the CPU has them, else its AVX512-BF16 instructions)."""
-    if precision != "bfloat16":
+    bfloat16: AMX tiles where the CPU has them, else its AVX512-BF16 instructions; on a CPU with neither, bfloat16 is
+    emulated, not measured, and estimated at the float32 rate)."""
+    if precision != "bfloat16" or not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
         return CPU_FLOPS
     return CPU_BF16_FLOPS if torch.cpu._is_amx_tile_supported() else CPU_AVX512_BF16_FLOPS
 
@@ -451,6 +452,16 @@ def final_hidden(model, ids: torch.Tensor, below: torch.Tensor | None = None, fi
         return top(inputs_embeds=below[None, : ids.shape[0]], use_cache=False).last_hidden_state[0]
 
 
+def first_trained(model, top: int | None) -> int:
+    """The first decoder layer the model stage trains when it trains the last `top` (None: every layer)."""
+    layers = len(model.model.layers)
+    if top is None:
+        return 0
+    if not 1 <= top <= layers:
+        raise ValueError(f"the model stage trains the last 1 to {layers} layers, got top={top}")
+    return layers - top
+
+
 def model_parameter_names(model, scope: str = MODEL_SCOPE, top: int | None = None) -> list[str]:
     """What the model stage trains: every attention's weights (`attention`: what the conversion changed) or every
     decoder layer's (`layer`: attention, MLP and norms), of the last `top` decoder layers only where given (the
@@ -458,7 +469,7 @@ def model_parameter_names(model, scope: str = MODEL_SCOPE, top: int | None = Non
     if scope not in MODEL_SCOPES:
         raise ValueError(f"model stage scope must be one of {MODEL_SCOPES}, got {scope!r}")
     marker = ".self_attn." if scope == "attention" else ".layers."
-    first = 0 if top is None else len(model.model.layers) - top
+    first = first_trained(model, top)
     return [name for name, _ in model.named_parameters()
             if marker in name and int(name.split(".layers.", 1)[1].split(".", 1)[0]) >= first]
 
@@ -488,7 +499,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
     check as [step, KL]."""
     n = tokens.shape[0]
     held, train = slice(n - 1, n), slice(0, max(n - 1, 1))
-    first = len(model.model.layers) - top if top and steps > 0 else 0
+    first = first_trained(model, top) if steps > 0 else 0
     below = frozen_outputs(model, tokens, first)
     bt, bh = (None, None) if below is None else (below[train], below[held])
     before = model_kl(model, tokens[held], teacher[held], bh, first)

@@ -54,8 +54,9 @@ CUDA_BATCH = 256
 CUDA_DOC_BATCH = 64
 WRITE_EVERY_S = 30.0  # the cache file is rewritten whole: at most this often while sampling, and at the end
 CACHE_VERSION = 2  # bump when the sampling procedure changes: old cache files are then not read
-# The hash of the 24-request list the first cache files were sampled with (the first 24 of PROMPTS): their key omits
-# it. Any other list (PROMPTS since, or one set for an experiment) is added to the key, so it never reads their text.
+# The hash of the 24-request list the first cache files were sampled with (the first 24 of PROMPTS): a key omits it
+# for that list (the key's form since cache version 1). Any other list (PROMPTS since, or one set for an experiment)
+# is added to the key, so it never reads another list's text.
 CACHED_PROMPTS = "bd52d72160f6eb3a"
 
 # Requests of many kinds (prose, technical documentation, code, dialogue, lists), so that the calibration text covers
@@ -358,15 +359,15 @@ def check_memory(source) -> None:
 def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch: int,
                 style: str = "chat", device: str | None = None) -> tuple[dict, Path]:
     """(the settings the sampled text depends on, the cache file that holds it); `device` names a sampling device
-    other than the CPU (None: the CPU, whose caches predate the key)."""
+    other than the CPU (None: the CPU, keyed without it as before devices were)."""
     settings = {"version": CACHE_VERSION, "source": source_fingerprint(source), "seed": seed,
                 "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
     if device is not None:
         settings["device"] = device
-    if style != "chat":  # keyed only when not chat: the chat caches written before styles existed stay valid
+    if style != "chat":  # keyed only when not chat: chat keys keep the form they had before styles existed
         settings["style"] = style
     elif (prompts_key := hashlib.sha256(json.dumps(PROMPTS).encode()).hexdigest()[:16]) != CACHED_PROMPTS:
-        settings["prompts"] = prompts_key  # another request list is other text (the caches made before stay valid)
+        settings["prompts"] = prompts_key  # another request list is other text
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     return settings, cache_dir() / f"{key}.json"
 

@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=0, help="with --model: the loss at this many positions a step")
     parser.add_argument("--profile", action="store_true", help="profile --steps float32 steps (torch.profiler)")
     args = parser.parse_args()
+    if args.queries and (not args.model or args.compile):
+        parser.error("--queries takes a converted layer (--model) and runs uncompiled (no --compile)")
     torch.manual_seed(0)
     batch = args.batch
     if args.model:

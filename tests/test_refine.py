@@ -148,6 +148,7 @@ def test_bfloat16_steps_fit_float32_weights(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert refine.resolve_precision("auto", "cpu", 576) == "float32"
+    assert refine.cpu_rate("bfloat16") == refine.CPU_FLOPS  # emulated bfloat16 is no faster than float32
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert refine.resolve_precision("auto", "cpu", 576) == "bfloat16"
     assert refine.cpu_rate("bfloat16") == refine.CPU_BF16_FLOPS and refine.cpu_rate("float32") == refine.CPU_FLOPS
@@ -487,7 +488,13 @@ def test_model_stage_on_the_top_layers_trains_them_alone(sources, convert_tiny):
     assert below.shape == (*ids.shape, mla.config.hidden_size)
     assert refine.model_kl(mla, ids, teacher, below, n - 1) == pytest.approx(refine.model_kl(mla, ids, teacher), rel=1e-5)
     start = {k: v.clone() for k, v in mla.state_dict().items()}
-    record = refine.refine_model(mla, ids, teacher, 8, lr=3e-3, top=1)
+    for top in (0, n + 1):
+        with pytest.raises(ValueError, match="last 1 to"):
+            refine.refine_model(mla, ids, teacher, 8, top=top)
+    bottom_calls = []
+    mla.model.layers[0].register_forward_hook(lambda *_: bottom_calls.append(1))
+    record = refine.refine_model(mla, ids, teacher, 8, lr=3e-3, top=1, seq_len=40)
+    assert len(bottom_calls) == len(ids)  # the frozen layers ran once a window, not once a step
     assert record["kept"] and record["after"] < record["before"]
     changed = {k for k, v in mla.state_dict().items() if not torch.equal(v, start[k])}
     assert changed and all(k.startswith(f"model.layers.{n - 1}.self_attn.") for k in changed)
