@@ -4,7 +4,6 @@ of calibration texts."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -148,24 +147,6 @@ def test_document_windows(sources, cache, monkeypatch):
     assert torch.equal(mixed[1:], docs)  # the document windows (cached) after the chat window
     assert torch.equal(mixed[:1], selftext.self_tokens(src, 24, seed=0, temperature=selftext.CALIB_TEMPERATURE)[:24].view(1, 24))
     assert len(list(cache.glob("*.json"))) == 2  # chat and document text in their own files
-
-
-def test_inverse_cdf_draw_samples_the_tempered_distribution():
-    """`InverseCdfDraw` leaves one finite score a row (the drawn token, which greedy decoding takes), never a token
-    of zero probability (masked to -inf, the last one included), at the frequencies softmax(scores / T) gives, and the
-    same tokens again from the same seed."""
-    logits = torch.tensor([2.0, 0.5, -1.0, 1.0, -math.inf, 0.0, -math.inf])
-    scores = logits.repeat(200_000, 1)
-    draw = selftext.InverseCdfDraw(1.3, torch.Generator().manual_seed(7))
-    out = draw(None, scores)
-    assert ((out == 0).sum(-1) == 1).all() and (torch.isinf(out).sum(-1) == logits.numel() - 1).all()
-    tokens = out.argmax(-1)
-    freq = torch.bincount(tokens, minlength=logits.numel()).double() / tokens.numel()
-    expected = torch.softmax(logits.double() / 1.3, dim=-1)
-    assert freq[4] == 0 and freq[6] == 0
-    assert torch.allclose(freq, expected, atol=4e-3)  # 200k draws: about 1e-3 standard error a token
-    again = selftext.InverseCdfDraw(1.3, torch.Generator().manual_seed(7))(None, scores[:100]).argmax(-1)
-    assert torch.equal(again, tokens[:100])
 
 
 def test_chat_template_prompts():
