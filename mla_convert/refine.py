@@ -76,9 +76,11 @@ def cpu_rate(precision: str) -> float:
     """The flop/s the estimates assume on this machine's CPU for steps computed in `precision` (float32 |
     bfloat16: AMX tiles where the CPU has them, else its AVX512-BF16 instructions; on a CPU with neither, bfloat16 is
     emulated, not measured, and estimated at the float32 rate)."""
-    if precision != "bfloat16" or not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()):
+    if precision != "bfloat16":
         return CPU_FLOPS
-    return CPU_BF16_FLOPS if torch.cpu._is_amx_tile_supported() else CPU_AVX512_BF16_FLOPS
+    if torch.cpu._is_amx_tile_supported():
+        return CPU_BF16_FLOPS
+    return CPU_AVX512_BF16_FLOPS if torch.cpu._is_avx512_bf16_supported() else CPU_FLOPS
 
 
 def _compute(x: torch.Tensor, precision: str):

@@ -337,15 +337,15 @@ def check_memory(source) -> None:
 def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch: int,
                 style: str = "chat", device: str | None = None) -> tuple[dict, Path]:
     """(the settings the sampled text depends on, the cache file that holds it); `device` names a sampling device
-    other than the CPU (None: the CPU, keyed without it as before devices were)."""
+    other than the CPU (None: the CPU, whose caches predate the key)."""
     settings = {"version": CACHE_VERSION, "source": source_fingerprint(source), "seed": seed,
                 "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
     if device is not None:
         settings["device"] = device
-    if style != "chat":  # keyed only when not chat: chat keys keep the form they had before styles existed
+    if style != "chat":  # keyed only when not chat: the chat caches written before styles existed stay valid
         settings["style"] = style
     elif (prompts_key := hashlib.sha256(json.dumps(PROMPTS).encode()).hexdigest()[:16]) != CACHED_PROMPTS:
-        settings["prompts"] = prompts_key  # another request list is other text
+        settings["prompts"] = prompts_key  # another request list is other text (the caches made before stay valid)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
     return settings, cache_dir() / f"{key}.json"
 

@@ -91,14 +91,13 @@ def main() -> None:
     embeddings = tuple(t.expand(batch, -1, -1) for t in rotary(x, torch.arange(args.seq_len)[None]))
     optimizer = torch.optim.Adam(layer.parameters(), 1e-3)
     forward = update if args.model else plain
+    from mla_convert.refine import layer_update_at
     if args.compile:
         forward = torch.compile(forward, dynamic=False)
 
     def step(bf16: bool) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if args.queries:
-                from mla_convert.refine import layer_update_at
-
                 index = torch.randperm(args.seq_len)[: args.queries].sort().values
                 out, want = layer_update_at(layer, x, embeddings, index), target[:, index]
             else:

@@ -51,13 +51,15 @@ def main() -> None:
             return original(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets, pe,
                             dataclasses.replace(options, refine_steps=0), device)
         for steps, seq_len, *more in variants:
-            queries, lr = (list(more) + [0, options.refine_lr][len(more) :])[:2]  # the missing ones: every position, the option's lr
+            # the fields a variant leaves out: every position, the option's learning rate
+            queries, lr = (list(more) + [0, options.refine_lr][len(more) :])[:2]
             varied = dataclasses.replace(options, refine_steps=steps, refine_seq_len=seq_len,
                                          refine_queries=queries, refine_lr=lr)
             start = time.perf_counter()
             _, _, row = original(config, plan, family, rope_pairs, i, dict(layer_tensors),
                                  {k: v.clone() for k, v in mla_tensors.items()}, targets, pe, varied, device)
-            record = {"layer": i, "steps": steps, "seq_len": seq_len, "queries": varied.refine_queries, "lr": lr, "precision": varied.refine_precision, "seconds": round(time.perf_counter() - start, 1),
+            record = {"layer": i, "steps": steps, "seq_len": seq_len, "queries": varied.refine_queries, "lr": lr,
+                      "precision": varied.refine_precision, "seconds": round(time.perf_counter() - start, 1),
                       "before": row["before"], "after": row["after"], "ratio": round(row["after"] / row["before"], 4)}
             print(json.dumps(record), flush=True)
             if args.json:

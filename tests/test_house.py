@@ -30,8 +30,8 @@ import pytest
 from conftest import needs_smollm2
 from tiny import tiny_source, tiny_text
 
-# The commit whose outputs the current code must reproduce (bad00b2: --refine-queries auto, 256 positions a step on a
-# CPU at the main job's budget, and the self text sampled in batches of 64). Move it forward only to a change that
+# The commit whose outputs the current code must reproduce (e2bcfd3: --dry-run's estimate at the bfloat16 rate of cores
+# without AMX). Move it forward only to a change that
 # means to change outputs (the next commit names it).
 REFERENCE = "e2bcfd3b02163f5b86e8ab871f5c8a867a6845eb"
 
