@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from mla_convert import policy
+from mla_convert import dtypes, policy
 from mla_convert.schema import DEFAULTS, choices
 
 log = logging.getLogger(__name__)
@@ -59,15 +59,14 @@ AUTO_CPU_SECONDS = 5400
 # save), float32 elsewhere and on GPUs. Chosen on the development split: docs/decisions.md#refinement-precision.
 PRECISIONS = choices("refine_precision")
 DEFAULT_PRECISION = DEFAULTS["refine_precision"]
-BF16_MIN_HIDDEN = 256
+BF16_MIN_HIDDEN = dtypes.BF16_MIN_HIDDEN
 
 
 def resolve_precision(requested: str, device: str, hidden: int) -> str:
     """`requested` (PRECISIONS), with auto resolved for `device` and a model of hidden size `hidden`."""
     if requested != "auto":
         return requested
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    if device.startswith("cpu") and native and hidden >= BF16_MIN_HIDDEN:
+    if device.startswith("cpu") and dtypes.cpu_prefers_bf16(hidden):
         return "bfloat16"
     return "float32"
 

@@ -1,6 +1,6 @@
 """Data-free text: token sequences sampled from the source model itself (`--calib-data self`, `finetune --data self`).
 
-Two styles, sampled in seeded batches with the source's KV cache, at the temperature `calib_temperature` gives for
+Two styles, sampled in seeded batches with the source's KV cache (in `sampling_dtype`), at the temperature `calib_temperature` gives for
 calibration (`--calib-temperature`) and at `TEMPERATURE` for fine-tuning text:
 
 - `self` (chat): `SAMPLE_TOKENS` new tokens per sequence. An instruct model (its tokenizer has a chat template) answers
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from mla_convert import policy
+from mla_convert import dtypes, policy
 from mla_convert.errors import UserError
 from mla_convert.schema import DEFAULTS
 
@@ -261,8 +261,8 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
     """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring), in
     batches of `batch` samples (default BATCH, DOC_BATCH for documents; CUDA_BATCH, CUDA_DOC_BATCH on a GPU), at `temperature` (default TEMPERATURE) and
     `sample_tokens` (default SAMPLE_TOKENS) a sample. In the document style every `sample_tokens` ids are one
-    document. On a CUDA `device` the source samples there in bfloat16: other random streams and rounding than on the
-    CPU, so that text is cached under its own key."""
+    document. The source samples in `sampling_dtype`: on a CUDA `device`, and on a CPU with bfloat16 arithmetic, in
+    bfloat16, whose rounding and (on a GPU) random streams give other text, cached under its own key."""
     on_cuda = torch.device(device).type == "cuda"
     settings, path = _entry(source, seed, temperature, sample_tokens, batch, style, device)
     temperature, sample_tokens, batch = settings["temperature"], settings["sample_tokens"], settings["batch"]
@@ -272,7 +272,7 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
         if not on_cuda:
             check_memory(source)
         tokenizer = source.tokenizer()
-        model = causal_lm(source, device, torch.bfloat16 if on_cuda else torch.float32)
+        model = causal_lm(source, device, sampling_dtype(source, device))
         log.info("sampling %d tokens of %s text from the source on %s (temperature %g, cached in %s)",
                  n_tokens - have, style, device, temperature, path)
         written = time.monotonic()
@@ -288,6 +288,16 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
     return torch.tensor([t for b in batches for s in b["tokens"] for t in s], dtype=torch.long)
 
 
+def sampling_dtype(source, device: str = "cpu") -> torch.dtype:
+    """What the source samples in: bfloat16 on a GPU and on CPUs where the source computes faster in it
+    (`dtypes.cpu_prefers_bf16`; its next-token distributions then differ from float32's by about 0.001 nats a token,
+    docs/decisions.md#half-the-model-stage-on-the-cpu-and-the-self-text-in-bfloat16), else float32."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    hidden = getattr(source.config, "hidden_size", 0) or 0
+    return torch.bfloat16 if dtypes.cpu_prefers_bf16(hidden) else torch.float32
+
+
 def _entry(source, seed: int, temperature: float | None, sample_tokens: int | None, batch: int | None, style: str,
            device: str) -> tuple[dict, Path]:
     """The cache settings and file of a `self_tokens` request, its defaults filled in."""
@@ -298,7 +308,9 @@ def _entry(source, seed: int, temperature: float | None, sample_tokens: int | No
     sample_tokens = SAMPLE_TOKENS if sample_tokens is None else sample_tokens
     if not temperature > 0 or sample_tokens <= 0:
         raise UserError("self-generated text needs a positive temperature and sample length")
-    return cache_entry(source, seed, temperature, sample_tokens, batch, style, "cuda" if on_cuda else None)
+    bf16 = not on_cuda and sampling_dtype(source, device) == torch.bfloat16
+    return cache_entry(source, seed, temperature, sample_tokens, batch, style, "cuda" if on_cuda else None,
+                       "bfloat16" if bf16 else None)
 
 
 def missing_tokens(source, n_tokens: int, seed: int, temperature: float | None = None,
@@ -321,27 +333,33 @@ def available_memory() -> int | None:
 
 
 def check_memory(source) -> None:
-    """Sampling holds the whole source in float32, unlike the conversion, which streams one layer at a time: refuse,
-    before loading it, a source that does not fit, and name the fix (a calibration file, or a cached self text)."""
+    """Sampling holds the whole source (in `sampling_dtype`), unlike the conversion, which streams one layer at a
+    time: refuse, before loading it, a source that does not fit, and name the fix (a calibration file, or a cached
+    self text)."""
     embed = "model.embed_tokens.weight"
     element = source.element_size(embed) if source.has(embed) else 4
-    need = source.nbytes() * 4 // max(element, 1)
+    dtype = sampling_dtype(source)
+    need = source.nbytes() * dtype.itemsize // max(element, 1)
     have = available_memory()
     if have is not None and need > 0.9 * have:
-        raise UserError(f"--calib-data self samples text from the whole source in float32 ({need / 2**30:.1f} GiB), "
+        raise UserError(f"--calib-data self samples text from the whole source in {str(dtype)[6:]} "
+                        f"({need / 2**30:.1f} GiB), "
                         f"more than the {have / 2**30:.1f} GiB available here: pass --calib-data FILE (any text you "
                         "do not evaluate on), or sample once on a larger machine (the text is cached, see "
                         "MLA_CONVERT_CACHE)")
 
 
 def cache_entry(source, seed: int, temperature: float, sample_tokens: int, batch: int,
-                style: str = "chat", device: str | None = None) -> tuple[dict, Path]:
+                style: str = "chat", device: str | None = None, dtype: str | None = None) -> tuple[dict, Path]:
     """(the settings the sampled text depends on, the cache file that holds it); `device` names a sampling device
-    other than the CPU (None: the CPU, whose caches predate the key)."""
+    other than the CPU (None: the CPU, whose caches predate the key), `dtype` a CPU's sampling precision other than
+    float32 (None: float32, whose caches predate the key)."""
     settings = {"version": CACHE_VERSION, "source": source_fingerprint(source), "seed": seed,
                 "temperature": temperature, "sample_tokens": sample_tokens, "batch": batch}  # fmt: skip
     if device is not None:
         settings["device"] = device
+    if dtype is not None:
+        settings["dtype"] = dtype
     if style != "chat":  # keyed only when not chat: the chat caches written before styles existed stay valid
         settings["style"] = style
     elif (prompts_key := hashlib.sha256(json.dumps(PROMPTS).encode()).hexdigest()[:16]) != CACHED_PROMPTS:

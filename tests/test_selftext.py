@@ -75,6 +75,31 @@ def test_self_text_is_seeded_and_cached(sources, cache, monkeypatch):
     assert not torch.equal(selftext.self_tokens(src, 200, seed=1)[:100], a[:100])  # another seed, other text
 
 
+def test_self_text_samples_in_bfloat16_where_the_cpu_prefers_it(sources, cache, monkeypatch):
+    """On a CPU with bfloat16 arithmetic a wide source samples in bfloat16 (a tiny one stays float32), under a cache
+    key of its own: the float32 text is neither read for it nor replaced by it."""
+    from mla_convert import dtypes
+
+    src = open_source(str(sources["llama-gqa"]))
+    assert src.config.hidden_size < dtypes.BF16_MIN_HIDDEN
+    monkeypatch.setattr(dtypes, "cpu_bf16_native", lambda: True)
+    assert selftext.sampling_dtype(src) == torch.float32  # too narrow to gain
+    assert selftext.sampling_dtype(src, "cuda") == torch.bfloat16
+    f32 = selftext.self_tokens(src, 200, seed=0)
+    monkeypatch.setattr(dtypes, "cpu_prefers_bf16", lambda hidden: True)
+    assert selftext.sampling_dtype(src) == torch.bfloat16
+    loaded = []
+    real = selftext.causal_lm
+    monkeypatch.setattr(selftext, "causal_lm", lambda s, d, dtype: loaded.append(dtype) or real(s, d, dtype))
+    b16 = selftext.self_tokens(src, 200, seed=0)
+    assert loaded == [torch.bfloat16] and not torch.equal(b16[:200], f32[:200])
+    keys = sorted(json.loads(p.read_text())["settings"].get("dtype", "float32") for p in cache.glob("*.json"))
+    assert keys == ["bfloat16", "float32"]
+    assert torch.equal(selftext.self_tokens(src, 200, seed=0), b16) and len(loaded) == 1  # read back
+    monkeypatch.setattr(dtypes, "cpu_prefers_bf16", lambda hidden: False)
+    assert torch.equal(selftext.self_tokens(src, 200, seed=0), f32)
+
+
 def test_cache_is_keyed_by_the_prompts(sources, cache, monkeypatch):
     """Chat text answers PROMPTS: another list samples its own text instead of reading this one's."""
     src = open_source(str(sources["llama-gqa"]))

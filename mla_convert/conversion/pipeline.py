@@ -130,11 +130,12 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
     if options.calib_data:
         from mla_convert.calibration import self_tokens_to_sample
 
+        device = resolve_device(options.device)
         to_sample = self_tokens_to_sample(source, options.calib_data, options.calib_samples, options.calib_seq_len,
                                           options.seed, temperature=options.calib_temperature,
-                                          sample_tokens=options.calib_sample_tokens,
-                                          device=resolve_device(options.device))
-        plan.sample_seconds = timing.sample_seconds(plan.memory["parameters"], to_sample)
+                                          sample_tokens=options.calib_sample_tokens, device=device)
+        bf16 = selftext.sampling_dtype(source, device) == torch.bfloat16
+        plan.sample_seconds = timing.sample_seconds(plan.memory["parameters"], to_sample, bf16)
     return options, plan
 
 

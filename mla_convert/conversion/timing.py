@@ -16,10 +16,12 @@ from mla_convert import refine
 # advance of the stream past it (the layer's forward, the hidden states kept for a resumed run).
 STATISTICS_FORWARDS = 1.75
 ADVANCE_FORWARDS = 1.8
-# Sampling the self text (batches of `selftext.BATCH` answers with transformers' `generate`, float32): the effective
-# rate in flop/s of 2 x parameters a sampled token (decoding is bound by reading the weights and by the loop's per-step
-# overhead, not by arithmetic).
+# Sampling the self text (batches of `selftext.BATCH` answers with transformers' `generate`): the effective rate in
+# flop/s of 2 x parameters a sampled token (decoding is bound by reading the weights and by the loop's per-step
+# overhead, not by arithmetic), in float32 and, where the CPU has bfloat16 arithmetic (`selftext.sampling_dtype`), in
+# bfloat16.
 SAMPLE_FLOPS = 3.0e10
+SAMPLE_BF16_FLOPS = 4.5e10
 
 
 def layer_forward_flops(plan) -> float:
@@ -44,9 +46,9 @@ def calibration_seconds(plan, statistics_pass: bool) -> float:
     return plan.layers * forwards * layer_forward_flops(plan) / refine.CPU_FLOPS
 
 
-def sample_seconds(parameters: int, tokens: int) -> float:
-    """Sampling `tokens` of self text from a source of `parameters` parameters."""
-    return tokens * 2 * parameters / SAMPLE_FLOPS
+def sample_seconds(parameters: int, tokens: int, bf16: bool = False) -> float:
+    """Sampling `tokens` of self text from a source of `parameters` parameters (in bfloat16 with `bf16`)."""
+    return tokens * 2 * parameters / (SAMPLE_BF16_FLOPS if bf16 else SAMPLE_FLOPS)
 
 
 def total_seconds(plan) -> float:
