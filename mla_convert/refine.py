@@ -328,6 +328,9 @@ MODEL_LR = DEFAULTS["refine_model_lr"]
 MODEL_WARMUP = 0.1  # of the steps, linear, then cosine to zero
 LOGIT_CHUNK = 512  # positions whose logits are formed at once: memory does not grow with vocabulary x window
 MODEL_CHECKS = 8  # held-out evaluations during the stage: the best weights seen are kept (early stopping)
+# positions of a step's window whose KL the stage trains on, drawn at random each step (0: every position): the head
+# and its log-softmaxes over the vocabulary run at those alone, the layers still at every position
+MODEL_POSITIONS = 0
 # what the stage trains: every converted attention, or every decoder layer whole (attention, MLP, norms; embeddings,
 # the final norm and the head stay the source's either way)
 MODEL_SCOPES = choices("refine_model_scope")
@@ -337,17 +340,22 @@ MODEL_SCOPE = DEFAULTS["refine_model_scope"]
 AUTO_MODEL_CPU_SECONDS = 1800  # `--refine-model-steps auto` on the CPU: at most this estimate (see resolve_model_steps)
 
 
-def model_step_flops(plan, seq_len: int = SEQ_LEN) -> float:
-    """Forward + backward flops of one model-stage step: every layer (attention and MLP) and the head, on one window
-    of `seq_len` tokens (the head's logits for the teacher too)."""
-    head = 2 * seq_len * plan.hidden * plan.memory.get("vocab", 0)
+def model_step_flops(plan, seq_len: int = SEQ_LEN, positions: int | None = None) -> float:
+    """Forward + backward flops of one model-stage step: every layer (attention and MLP) on one window of `seq_len`
+    tokens and the head (the teacher's logits too) at `positions` of them (default MODEL_POSITIONS; 0: all)."""
+    positions = MODEL_POSITIONS if positions is None else positions
+    at = positions if 0 < positions < seq_len else seq_len
+    head = 2 * at * plan.hidden * plan.memory.get("vocab", 0)
     return plan.layers * step_flops(plan, seq_len, 1, whole=True) + 4 * head
 
 
 def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
-    """The model stage's `steps` at `rate` flop/s, with its held-out passes (a forward, about a third of a step: one
-    before training and MODEL_CHECKS during it); 0 without steps."""
-    return (steps + (MODEL_CHECKS + 1) / 3) * model_step_flops(plan, seq_len) / rate if steps else 0.0
+    """The model stage's `steps` at `rate` flop/s, with its held-out passes (a forward at every position, about a
+    third of such a step: one before training and MODEL_CHECKS during it); 0 without steps."""
+    if not steps:
+        return 0.0
+    checks = (MODEL_CHECKS + 1) / 3 * model_step_flops(plan, seq_len, 0)
+    return (steps * model_step_flops(plan, seq_len) + checks) / rate
 
 
 def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS) -> int:
@@ -484,21 +492,21 @@ def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int, lr: float = MODEL_LR,
                  seq_len: int = SEQ_LEN, seed: int = 0, scope: str = MODEL_SCOPE, precision: str = "float32",
-                 top: int | None = None) -> dict:
+                 top: int | None = None, positions: int | None = None) -> dict:
     """Train `model`'s attention (`scope` layer: its whole decoder layers; float32, in place) end to end so that its
     next-token distributions match the source's: `teacher` [N, T, D] holds the source's final hidden states after its
     final norm on the calibration windows `tokens` [N, T] (its logits are the model's own head applied to them: the head
-    is not trained). Adam, a linear warmup then cosine; one window's first `seq_len` tokens a step, drawn from all but
-    the last window, which is held out; the steps compute in `precision`, the checks in float32. The held-out KL
-    is measured about MODEL_CHECKS times during training (every
-    steps // MODEL_CHECKS steps and after the final one); the best weights seen are what the model keeps: the converted
+    is not trained). Adam, a linear warmup then cosine; a step trains on one window's first `seq_len` tokens, drawn
+    from all but the last window (held out), at `positions` random positions of them (default MODEL_POSITIONS; 0: all)
+    and computes in `precision`. The held-out KL (float32, every position) is measured every steps // MODEL_CHECKS
+    steps and after the final one; the best weights seen are what the model keeps: the converted
     weights themselves where no check improved on them. With `top`, only the last `top` decoder layers train: the
     layers below are frozen, their outputs computed once a window (`frozen_outputs`), and a step runs the top ones.
 
     Returns {"before", "after", "kept", "step", "last", "curve"}: the held-out mean KL before and of the weights
     kept, whether trained weights were kept and after which step (0: none), the KL after the last step, and every
     check as [step, KL]."""
-    n = tokens.shape[0]
+    n, positions = tokens.shape[0], MODEL_POSITIONS if positions is None else positions
     held, train = slice(n - 1, n), slice(0, max(n - 1, 1))
     first = first_trained(model, top) if steps > 0 else 0
     below = frozen_outputs(model, tokens, first)
@@ -525,7 +533,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         return 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    gen = torch.Generator().manual_seed(seed)
+    gen, picks = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)  # windows, positions
     xt, tt = tokens[train], teacher[train]
     seq_len = min(seq_len, tokens.shape[1])
     for step in range(1, steps + 1):
@@ -534,8 +542,11 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         ids, target = xt[row, :seq_len], tt[row, :seq_len]
         with _compute(ids, precision):
             hidden = final_hidden(model, ids, None if bt is None else bt[row], first)
+        if 0 < positions < seq_len:
+            at = torch.randperm(seq_len, generator=picks)[:positions].sort().values.to(hidden.device)
+            hidden, target = hidden[at], target[at]
         leaf = hidden.detach().float().requires_grad_(True)
-        loss = _kl_chunks(model, leaf, target, backward=True, precision=precision) / ids.numel()
+        loss = _kl_chunks(model, leaf, target, backward=True, precision=precision) / leaf.shape[0]
         optimizer.zero_grad(set_to_none=True)
         hidden.backward(leaf.grad.to(hidden.dtype))
         optimizer.step()
