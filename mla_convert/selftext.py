@@ -291,7 +291,7 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
 def sampling_dtype(source, device: str = "cpu") -> torch.dtype:
     """What the source samples in: bfloat16 on a GPU and on CPUs where the source computes faster in it
     (`dtypes.cpu_prefers_bf16`; its next-token distributions then differ from float32's by about 0.001 nats a token,
-    docs/decisions.md#half-the-model-stage-on-the-cpu-and-the-self-text-in-bfloat16), else float32."""
+    docs/decisions.md#the-self-text-in-bfloat16-and-cheaper-model-stage-steps-issue-52-sixth-session), else float32."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16
     hidden = getattr(source.config, "hidden_size", 0) or 0

@@ -21,7 +21,7 @@ ADVANCE_FORWARDS = 1.8
 # overhead, not by arithmetic), in float32 and, where the CPU has bfloat16 arithmetic (`selftext.sampling_dtype`), in
 # bfloat16.
 SAMPLE_FLOPS = 3.0e10
-SAMPLE_BF16_FLOPS = 4.5e10
+SAMPLE_BF16_FLOPS = 6.8e10
 
 
 def layer_forward_flops(plan) -> float:
