@@ -55,11 +55,10 @@ MLP_LR_SCALE = DEFAULTS["refine_mlp_lr_scale"]
 AUTO_CPU_SECONDS = 5400
 # `--refine-precision`: what the training steps of both stages compute in (the weights, the targets and the held-out
 # checks stay float32). auto (the default): bfloat16 (autocast) on CPUs with native bfloat16 arithmetic (AVX512-BF16
-# or AMX) for models whose hidden size is at least BF16_MIN_HIDDEN (below it the casts cost more than the products
-# save), float32 elsewhere and on GPUs. Chosen on the development split: docs/decisions.md#refinement-precision.
+# or AMX) for models whose hidden size is at least dtypes.BF16_MIN_HIDDEN (`dtypes.cpu_prefers_bf16`), float32
+# elsewhere and on GPUs. Chosen on the development split: docs/decisions.md#refinement-precision.
 PRECISIONS = choices("refine_precision")
 DEFAULT_PRECISION = DEFAULTS["refine_precision"]
-BF16_MIN_HIDDEN = dtypes.BF16_MIN_HIDDEN
 
 
 def resolve_precision(requested: str, device: str, hidden: int) -> str:

@@ -1,7 +1,7 @@
 """Data-free text: token sequences sampled from the source model itself (`--calib-data self`, `finetune --data self`).
 
-Two styles, sampled in seeded batches with the source's KV cache (in `sampling_dtype`), at the temperature `calib_temperature` gives for
-calibration (`--calib-temperature`) and at `TEMPERATURE` for fine-tuning text:
+Two styles, sampled in seeded batches with the source's KV cache (in `sampling_dtype`), at the temperature
+`calib_temperature` gives for calibration (`--calib-temperature`) and at `TEMPERATURE` for fine-tuning text:
 
 - `self` (chat): `SAMPLE_TOKENS` new tokens per sequence. An instruct model (its tokenizer has a chat template) answers
   the built-in requests of `PROMPTS` through that template, so the text is what it writes in use; a base model
@@ -290,8 +290,8 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
 
 def sampling_dtype(source, device: str = "cpu") -> torch.dtype:
     """What the source samples in: bfloat16 on a GPU and on CPUs where the source computes faster in it
-    (`dtypes.cpu_prefers_bf16`; its next-token distributions then differ from float32's by about 0.001 nats a token,
-    docs/decisions.md#the-self-text-in-bfloat16-and-cheaper-model-stage-steps-issue-52-sixth-session), else float32."""
+    (`dtypes.cpu_prefers_bf16`), else float32. Why bfloat16 is the same distribution's text:
+    docs/decisions.md#the-self-text-in-bfloat16-and-cheaper-model-stage-steps-issue-52-sixth-session."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16
     hidden = getattr(source.config, "hidden_size", 0) or 0
@@ -342,8 +342,8 @@ def check_memory(source) -> None:
     need = source.nbytes() * dtype.itemsize // max(element, 1)
     have = available_memory()
     if have is not None and need > 0.9 * have:
-        raise UserError(f"--calib-data self samples text from the whole source in {str(dtype)[6:]} "
-                        f"({need / 2**30:.1f} GiB), "
+        name = str(dtype).removeprefix("torch.")
+        raise UserError(f"--calib-data self samples text from the whole source in {name} ({need / 2**30:.1f} GiB), "
                         f"more than the {have / 2**30:.1f} GiB available here: pass --calib-data FILE (any text you "
                         "do not evaluate on), or sample once on a larger machine (the text is cached, see "
                         "MLA_CONVERT_CACHE)")

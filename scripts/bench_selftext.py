@@ -59,8 +59,8 @@ def main() -> None:
         samples = selftext.sample_batch(model, tokenizer, 0, 0, args.temperature, selftext.SAMPLE_TOKENS, batch)
         seconds = time.perf_counter() - start
         tokens = sum(len(s) for s in samples)
-        record = {"batch": batch, "dtype": str(dtype)[6:], "tokens": tokens, "seconds": round(seconds, 2),
-                  "tokens_per_s": round(tokens / seconds, 1), "machine": harness.machine()}
+        record = {"batch": batch, "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+                  "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1), "machine": harness.machine()}
         print(json.dumps(record))
         if args.json:
             with args.json.open("a") as f:
