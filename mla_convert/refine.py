@@ -341,20 +341,27 @@ AUTO_MODEL_CPU_SECONDS = 1800  # `--refine-model-steps auto` on the CPU: at most
 
 def model_step_flops(plan, seq_len: int = SEQ_LEN, positions: int | None = None) -> float:
     """Forward + backward flops of one model-stage step: every layer (attention and MLP) on one window of `seq_len`
-    tokens and the head (the teacher's logits too) at `positions` of them (default MODEL_POSITIONS; 0: all)."""
+    tokens and the head at `positions` of them (default MODEL_POSITIONS; 0: all): the student's logits and their
+    gradient (the teacher's side is formed once, `teacher_terms`)."""
     positions = MODEL_POSITIONS if positions is None else positions
     at = positions if 0 < positions < seq_len else seq_len
-    head = 2 * at * plan.hidden * plan.memory.get("vocab", 0)
-    return plan.layers * step_flops(plan, seq_len, 1, whole=True) + 4 * head
+    return plan.layers * step_flops(plan, seq_len, 1, whole=True) + 2 * _head_flops(plan, at)
+
+
+def _head_flops(plan, positions: int) -> float:
+    """Flops of the head's logits at `positions`."""
+    return 2 * positions * plan.hidden * plan.memory.get("vocab", 0)
 
 
 def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
     """The model stage's `steps` at `rate` flop/s, with its held-out passes (a forward at every position, about a
-    third of such a step: one before training and MODEL_CHECKS during it); 0 without steps."""
+    third of such a step: one before training and MODEL_CHECKS during it) and the teacher's terms of every calibration
+    window (`teacher_terms`: its logits and their expected head row, float32); 0 without steps."""
     if not steps:
         return 0.0
     checks = (MODEL_CHECKS + 1) / 3 * model_step_flops(plan, seq_len, 0)
-    return (steps * model_step_flops(plan, seq_len) + checks) / rate
+    terms = plan.memory.get("samples", 0) * 2 * _head_flops(plan, seq_len) / CPU_FLOPS
+    return (steps * model_step_flops(plan, seq_len) + checks) / rate + terms
 
 
 def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS) -> int:
@@ -395,34 +402,61 @@ def _machine_bytes() -> int | None:
         return None
 
 
-def _kl_chunks(model, hidden, teacher, backward: bool, precision: str = "float32") -> float:
-    """Sum over positions of KL(softmax(lm_head(teacher)) || softmax(lm_head(hidden))), hidden and teacher
-    [T, D] (after the final norm); the logits of LOGIT_CHUNK positions at a time. With `backward`, the gradient of
-    the mean is accumulated into hidden.grad (a leaf) chunk by chunk."""
+def teacher_terms(model, teacher: torch.Tensor) -> torch.Tensor:
+    """What the KL to the teacher needs of it, formed once: `teacher` [..., T, D] (the source's final normed hidden
+    states) -> [..., T, D + 1] float32, each position's expected head row under the teacher's distribution p (W^T p)
+    and, last, the constant sum_v p_v (log p_v - b_v) (b: the head's bias, if any). For student logits s = W h + b,
+    KL(p || softmax(s)) = that constant - h . W^T p + logsumexp(s): a step then forms only the student's logits."""
     head = model.get_output_embeddings()
+    weight, bias = head.weight.float(), None if head.bias is None else head.bias.float()
+    flat = teacher.reshape(-1, teacher.shape[-1])
+    terms = torch.empty(flat.shape[0], flat.shape[1] + 1, dtype=torch.float32, device=flat.device)
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], LOGIT_CHUNK):
+            logits = torch.nn.functional.linear(flat[start : start + LOGIT_CHUNK].float(), weight, bias)
+            logp = torch.log_softmax(logits, dim=-1)
+            p = logp.exp()
+            constant = (p * (logp if bias is None else logp - bias)).sum(-1)
+            terms[start : start + LOGIT_CHUNK, :-1] = p @ weight
+            terms[start : start + LOGIT_CHUNK, -1] = constant
+    return terms.view(*teacher.shape[:-1], -1)
+
+
+def _kl_chunks(model, hidden, terms, backward: bool, precision: str = "float32") -> float:
+    """Sum over positions of KL(teacher || softmax(lm_head(hidden))), hidden [T, D] (after the final norm) and the
+    teacher's `teacher_terms` [T, D + 1]; the logits of LOGIT_CHUNK positions at a time, their products in `precision`
+    (log-sum-exp and KL in float32). With `backward`, the gradient of the mean is written into hidden.grad (hidden: a
+    leaf), formed directly: the head is frozen, and d KL / d h = W^T softmax(s) - W^T p."""
+    head = model.get_output_embeddings()
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+    weight = head.weight.detach().to(dtype)
+    bias = None if head.bias is None else head.bias.detach().to(dtype)
+    if backward:
+        hidden.grad = torch.zeros_like(hidden)
     total = 0.0
     count = hidden.shape[0]
-    for start in range(0, count, LOGIT_CHUNK):
-        h, t = hidden[start : start + LOGIT_CHUNK], teacher[start : start + LOGIT_CHUNK]
-        with torch.no_grad():
-            target = torch.log_softmax(head(t).float(), dim=-1)
-        with torch.set_grad_enabled(backward), _compute(h, precision):
-            logp = torch.log_softmax(head(h).float(), dim=-1)
-            kl = torch.nn.functional.kl_div(logp, target, log_target=True, reduction="sum")
+    with torch.no_grad():
+        for start in range(0, count, LOGIT_CHUNK):
+            h, t = hidden[start : start + LOGIT_CHUNK].detach(), terms[start : start + LOGIT_CHUNK]
+            logits = torch.nn.functional.linear(h.to(dtype), weight, bias).float()
+            normalizer = torch.logsumexp(logits, dim=-1)
+            total += (normalizer - (h.float() * t[:, :-1]).sum(-1) + t[:, -1]).sum().item()
             if backward:
-                (kl / count).backward()
-        total += kl.item()
+                q = logits.sub_(normalizer[:, None]).exp_()  # the student's distribution, in the logits' storage
+                grad = (q.to(dtype) @ weight).float() - t[:, :-1]
+                hidden.grad[start : start + LOGIT_CHUNK] = (grad / count).to(hidden.dtype)
     return total
 
 
 def model_kl(model, tokens: torch.Tensor, teacher: torch.Tensor, below: torch.Tensor | None = None,
-             first: int = 0) -> float:
+             first: int = 0, terms: torch.Tensor | None = None) -> float:
     """Mean per-token KL(source || model) over windows `tokens` [N, T] whose source final normed hidden states are
-    `teacher` [N, T, D]; with `below` [N, T, D], the inputs of the model's layer `first` (`frozen_outputs`), the
-    model runs from there."""
+    `teacher` [N, T, D] (or, given, their `teacher_terms`); with `below` [N, T, D], the inputs of the model's layer
+    `first` (`frozen_outputs`), the model runs from there."""
+    terms = teacher_terms(model, teacher) if terms is None else terms
     total = 0.0
     with torch.no_grad():
-        for i, (ids, t) in enumerate(zip(tokens, teacher)):
+        for i, (ids, t) in enumerate(zip(tokens, terms)):
             hidden = final_hidden(model, ids, None if below is None else below[i], first)
             total += _kl_chunks(model, hidden, t, backward=False)
     return total / tokens.numel()
@@ -510,7 +544,8 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
     first = first_trained(model, top) if steps > 0 else 0
     below = frozen_outputs(model, tokens, first)
     bt, bh = (None, None) if below is None else (below[train], below[held])
-    before = model_kl(model, tokens[held], teacher[held], bh, first)
+    held_terms = teacher_terms(model, teacher[held])  # the teacher's head is formed here, once a window
+    before = model_kl(model, tokens[held], None, bh, first, held_terms)
     record = {"before": before, "after": before, "kept": False, "step": 0, "last": before, "curve": []}
     if steps <= 0 or before < EXACT:
         return record
@@ -533,7 +568,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     gen, picks = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)  # windows, positions
-    xt, tt = tokens[train], teacher[train]
+    xt, tt = tokens[train], teacher_terms(model, teacher[train])
     seq_len = min(seq_len, tokens.shape[1])
     for step in range(1, steps + 1):
         model.train()
@@ -554,7 +589,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         if step % every and step != steps:
             continue
         model.eval()
-        kl = model_kl(model, tokens[held], teacher[held], bh, first)
+        kl = model_kl(model, tokens[held], None, bh, first, held_terms)
         record["curve"].append([step, kl])
         log.info("refine model: held-out KL %.4f after step %d (before %.4f)", kl, step, before)
         if kl < record["after"]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import types
 
 import pytest
 import torch
@@ -470,6 +471,34 @@ def test_model_stage_keeps_the_best_weights_it_checked(sources, convert_tiny, mo
             assert dict(record["curve"])[record["step"]] == record["after"]
         if spoiled:  # the best check came before the noise: the later weights were dropped
             assert record["kept"] and record["step"] <= _SpoilsLate.good and record["last"] > record["after"]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_kl_from_teacher_terms_is_the_kl_of_the_teachers_logits(bias):
+    """`teacher_terms` (the teacher's expected head row and constant, formed once) give the KL of the head's
+    distributions at the teacher's and the student's hidden states, and its gradient, as forming both logits does;
+    with a bias in the head too. Positions span more than one LOGIT_CHUNK."""
+    gen = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(16, 50, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(50, 16, generator=gen))
+        if bias:
+            head.bias.copy_(torch.randn(50, generator=gen))
+    model = types.SimpleNamespace(get_output_embeddings=lambda: head)
+    count = refine.LOGIT_CHUNK + 7
+    teacher, hidden = torch.randn(2, count, 16, generator=gen), torch.randn(count, 16, generator=gen)
+    terms = refine.teacher_terms(model, teacher)
+    assert terms.shape == (2, count, 17)
+    leaf = hidden.clone().requires_grad_(True)
+    total = refine._kl_chunks(model, leaf, terms[1], backward=True)
+    reference = hidden.clone().requires_grad_(True)
+    direct = torch.nn.functional.kl_div(torch.log_softmax(head(reference), -1), torch.log_softmax(head(teacher[1]), -1),
+                                        log_target=True, reduction="sum")
+    (direct / count).backward()
+    assert total == pytest.approx(direct.item(), rel=1e-5)
+    torch.testing.assert_close(leaf.grad, reference.grad, rtol=1e-4, atol=1e-6)
+    # where the student is the teacher, nothing is left
+    assert refine._kl_chunks(model, teacher[0], terms[0], backward=False) == pytest.approx(0.0, abs=1e-3)
 
 
 def test_model_stage_at_chosen_positions(sources, convert_tiny, monkeypatch):
