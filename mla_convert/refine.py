@@ -211,53 +211,6 @@ def subset_supported(layer) -> bool:
             and attn.config.mla_attention_mode == "auto")
 
 
-# `layer_update_at`'s queries attend in blocks of this many, each block against the keys up to the last one its rows
-# see (docs/decisions.md#the-refinements-attention-at-chosen-positions)
-QUERY_BLOCK = 64
-BLOCKED_ATTENTION = "mla_convert_query_blocks"  # its name among transformers' attention functions
-
-
-def blocked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """sdpa's result for queries [B, H, S, d] against keys and values [B, G, T, d] (H = G x R: kv groups) under a
-    boolean `attention_mask` [B|1, 1, S, T] (True: attends) whose every row attends to some key, in blocks of
-    QUERY_BLOCK queries: a block's scores reach only to the last key any of its rows attends to, and a group's R query
-    heads share one product with its keys. Returns ([B, S, H, d_v], None), as transformers' attention functions do."""
-    if attention_mask is None or attention_mask.dtype != torch.bool or dropout:
-        raise ValueError("blocked_attention takes a boolean mask and no dropout")
-    bsz, heads, q_len, width = query.shape
-    groups, kv_len = key.shape[1], key.shape[2]
-    scaling = width**-0.5 if scaling is None else scaling
-    mask = attention_mask.expand(bsz, 1, q_len, kv_len)
-    blocks = []
-    for first in range(0, q_len, QUERY_BLOCK):
-        rows = slice(first, first + QUERY_BLOCK)
-        seen = mask[:, 0, rows]  # [B, s, T]
-        length = int(seen.any(dim=1).any(dim=0).nonzero().max()) + 1
-        count = seen.shape[1]
-        q = (query[:, :, rows] * scaling).reshape(bsz, groups, -1, width)  # [B, G, R s, d]
-        scores = (q @ key[:, :, :length].transpose(-1, -2)).view(bsz, groups, -1, count, length)
-        scores = scores.masked_fill(~seen[:, None, None, :, :length], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype).view(bsz, groups, -1, length)
-        blocks.append((probs @ value[:, :, :length]).view(bsz, heads, count, -1))
-    return torch.cat(blocks, dim=2).transpose(1, 2), None
-
-
-@contextlib.contextmanager
-def _attention(config, implementation: str):
-    """`config`'s attention function is `implementation` for the time of the block (BLOCKED_ATTENTION: registered
-    with transformers on first use)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if implementation == BLOCKED_ATTENTION and implementation not in ALL_ATTENTION_FUNCTIONS:
-        ALL_ATTENTION_FUNCTIONS.register(BLOCKED_ATTENTION, blocked_attention)
-    before = config._attn_implementation
-    config._attn_implementation = implementation
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
-
-
 def layer_update_at(layer, x, position_embeddings, index: torch.Tensor) -> torch.Tensor:
     """`layer_update(layer, x, position_embeddings)[:, index]` for ascending positions `index` [S] of the windows x
     [B, T, D], at about S / T of the cost of the projections and MLP: only the keys (latent and rope key) are formed
@@ -274,10 +227,8 @@ def layer_update_at(layer, x, position_embeddings, index: torch.Tensor) -> torch
     mask = index[:, None] >= torch.arange(x.shape[1], device=x.device)[None]  # [S, T]: causal at each chosen row
     part = x[:, index]
     cos, sin = position_embeddings
-    sdpa = attn.config._attn_implementation == "sdpa"
-    with _attention(attn.config, BLOCKED_ATTENTION) if sdpa else contextlib.nullcontext():
-        out = layer(part, position_embeddings=(cos[:, index], sin[:, index]), attention_mask=mask[None, None],
-                    cache=_WindowKeys(latent, k_rope))
+    out = layer(part, position_embeddings=(cos[:, index], sin[:, index]), attention_mask=mask[None, None],
+                cache=_WindowKeys(latent, k_rope))
     return (out[0] if isinstance(out, tuple) else out) - part
 
 

@@ -567,38 +567,6 @@ def test_model_stage_on_the_top_layers_trains_them_alone(sources, convert_tiny):
     assert refine.model_kl(mla, ids[-1:], teacher[-1:]) == pytest.approx(record["after"], rel=1e-5)
 
 
-@pytest.mark.parametrize("positions", ["chosen", "any"])
-def test_blocked_attention_is_sdpas(positions):
-    """`refine.blocked_attention` (queries in blocks, each against the keys up to the last one it sees; a kv group's
-    query heads in one product) gives sdpa's output and gradients: for the chosen positions' causal mask that
-    `layer_update_at` builds, and for any mask whose rows each see some key (blocks whose reach differs)."""
-    gen = torch.Generator().manual_seed(7)
-    bsz, heads, groups, count, length, width = 2, 6, 3, refine.QUERY_BLOCK * 2 + 9, 300, 16
-    if positions == "chosen":
-        index = torch.randperm(length, generator=gen)[:count].sort().values
-        mask = (index[:, None] >= torch.arange(length)[None])[None, None]
-    else:
-        mask = torch.rand(bsz, 1, count, length, generator=gen) < 0.3
-        mask[..., 0] = True
-        mask[..., : refine.QUERY_BLOCK, 100:] = False  # the first block reaches key 99 at most
-    inputs = [torch.randn(bsz, h, n, w, generator=gen).requires_grad_(True)
-              for h, n, w in ((heads, count, width), (groups, length, width), (groups, length, 24))]
-    grads = []
-    for blocked in (True, False):
-        q, k, v = inputs
-        if blocked:
-            out = refine.blocked_attention(None, q, k, v, mask, scaling=0.3)[0]
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k.repeat_interleave(heads // groups, 1), v.repeat_interleave(heads // groups, 1), attn_mask=mask,
-                scale=0.3).transpose(1, 2)
-        grads.append([out.detach()] + list(torch.autograd.grad(out.pow(2).sum(), inputs)))
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="boolean mask"):
-        refine.blocked_attention(None, *inputs, None)
-
-
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
 def test_update_at_chosen_positions_is_the_whole_windows_update_there(sources, convert_tiny, name):
     """`refine.layer_update_at` (the loss at some of a window's positions, `--refine-queries`) gives the whole
