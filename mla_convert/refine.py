@@ -386,8 +386,8 @@ def model_stage_bytes(plan, seq_len: int = SEQ_LEN, scope: str = MODEL_SCOPE) ->
     """Resident bytes of the model stage beyond the calibration hidden states: the whole converted model in float32,
     the trained tensors' gradients, Adam moments and best copy (`scope`: the attention's or the whole layers', 4 more
     copies), the saved activations of one window (about 16 hidden and 4 intermediate floats a token per layer, with
-    the attention's score rows for one head at a time) and the logits of LOGIT_CHUNK positions (teacher, student,
-    their log-softmax and gradient)."""
+    the attention's score rows for one head at a time) and the logits of LOGIT_CHUNK positions (the student's, its
+    distribution and gradient; the teacher's side is `teacher_terms`, the size of its hidden states)."""
     inter, vocab = plan.memory.get("intermediate", 4 * plan.hidden), plan.memory.get("vocab", 0)
     layers = plan.attn_params_after + plan.layers * (3 * plan.hidden * inter + 2 * plan.hidden)
     trained = layers if scope == "layer" else plan.attn_params_after
@@ -432,7 +432,7 @@ def _kl_chunks(model, hidden, terms, backward: bool, precision: str = "float32")
     weight = head.weight.detach().to(dtype)
     bias = None if head.bias is None else head.bias.detach().to(dtype)
     if backward:
-        hidden.grad = torch.zeros_like(hidden)
+        hidden.grad = torch.empty_like(hidden)  # every chunk's rows written below
     total = 0.0
     count = hidden.shape[0]
     with torch.no_grad():
@@ -449,11 +449,15 @@ def _kl_chunks(model, hidden, terms, backward: bool, precision: str = "float32")
 
 
 def model_kl(model, tokens: torch.Tensor, teacher: torch.Tensor, below: torch.Tensor | None = None,
-             first: int = 0, terms: torch.Tensor | None = None) -> float:
+             first: int = 0) -> float:
     """Mean per-token KL(source || model) over windows `tokens` [N, T] whose source final normed hidden states are
-    `teacher` [N, T, D] (or, given, their `teacher_terms`); with `below` [N, T, D], the inputs of the model's layer
-    `first` (`frozen_outputs`), the model runs from there."""
-    terms = teacher_terms(model, teacher) if terms is None else terms
+    `teacher` [N, T, D]; with `below` [N, T, D], the inputs of the model's layer `first` (`frozen_outputs`), the
+    model runs from there."""
+    return _terms_kl(model, tokens, teacher_terms(model, teacher), below, first)
+
+
+def _terms_kl(model, tokens: torch.Tensor, terms: torch.Tensor, below: torch.Tensor | None, first: int) -> float:
+    """`model_kl` from the teacher's `teacher_terms` [N, T, D + 1], formed beforehand."""
     total = 0.0
     with torch.no_grad():
         for i, (ids, t) in enumerate(zip(tokens, terms)):
@@ -545,7 +549,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
     below = frozen_outputs(model, tokens, first)
     bt, bh = (None, None) if below is None else (below[train], below[held])
     held_terms = teacher_terms(model, teacher[held])  # the teacher's head is formed here, once a window
-    before = model_kl(model, tokens[held], None, bh, first, held_terms)
+    before = _terms_kl(model, tokens[held], held_terms, bh, first)
     record = {"before": before, "after": before, "kept": False, "step": 0, "last": before, "curve": []}
     if steps <= 0 or before < EXACT:
         return record
@@ -588,7 +592,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         if step % every and step != steps:
             continue
         model.eval()
-        kl = model_kl(model, tokens[held], None, bh, first, held_terms)
+        kl = _terms_kl(model, tokens[held], held_terms, bh, first)
         record["curve"].append([step, kl])
         log.info("refine model: held-out KL %.4f after step %d (before %.4f)", kl, step, before)
         if kl < record["after"]:

@@ -4,10 +4,10 @@
     python scripts/bench_model_stage.py --model out/FOLDER [--steps 3] [--seq-len 2048] [--precision bfloat16]
 
 Runs the stage's step on a converted (native MLA) checkpoint as `refine_model` runs it: the forward through every layer
-(`refine.final_hidden`), the head and the KL to a teacher with its backward (`refine._kl_chunks`, from the teacher's `refine.teacher_terms`), the layers' backward
-and Adam over the attention's weights. Random tokens and teacher states (the cost does not depend on them). Prints the
-four parts' seconds for each of --steps timed steps after a warm-up, then one step's operators by their own CPU time
-(`torch.profiler`).
+(`refine.final_hidden`), the head and the KL to a teacher with its gradient (`refine._kl_chunks`, from the teacher's
+`refine.teacher_terms`, formed once and timed apart), the layers' backward and Adam over the attention's weights.
+Random tokens and teacher states (the cost does not depend on them). Prints the four parts' seconds for each of
+--steps timed steps after a warm-up, then one step's operators by their own CPU time (`torch.profiler`).
 """
 
 from __future__ import annotations
