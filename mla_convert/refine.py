@@ -373,7 +373,7 @@ def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int, 
     if not device.startswith("cpu"):
         return MODEL_STEPS
     seconds = estimate_model_seconds(plan, MODEL_STEPS, seq_len, rate)
-    needed, total = model_stage_bytes(plan, seq_len), _machine_bytes()
+    needed, total = model_stage_bytes(plan, seq_len), machine_bytes()
     if seconds <= AUTO_MODEL_CPU_SECONDS and (total is None or needed <= total / 2):
         return MODEL_STEPS
     log.warning("no model stage: on this CPU it would take about %.1f h and %.1f GiB (estimates); pass "
@@ -395,7 +395,7 @@ def model_stage_bytes(plan, seq_len: int = SEQ_LEN, scope: str = MODEL_SCOPE) ->
     return 4 * (layers + vocab * plan.hidden) + 16 * trained + acts + 5 * min(LOGIT_CHUNK, seq_len) * vocab * 4
 
 
-def _machine_bytes() -> int | None:
+def machine_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -28,9 +28,10 @@ from mla_convert.families import Family
 BASELINE = int(0.6 * 2**30)
 MEMORY_SAFETY = 1.15
 # The energy allocation's statistics pass keeps every layer's output hidden states of the source stream for the
-# conversion pass (which then need not run each source layer again) where they add up to at most this: a small
-# model's (SmolLM2-135M's 16 windows: 2.2 GB), not a large one's.
-KEEP_HIDDEN_BYTES = 3 << 30
+# conversion pass (which then need not run each source layer again) where they add up to at most this and to at most
+# a quarter of the machine's memory: a small model's (SmolLM2-135M's 16 windows: 2.3 GB, 32 windows: 4.5 GB), not a
+# large one's.
+KEEP_HIDDEN_BYTES = 6 << 30
 
 
 @dataclass
@@ -274,9 +275,11 @@ def _dims(config) -> tuple[int, int, int, int, int]:
 def kept_hidden_bytes(options: ConvertOptions, every_layer: int) -> int:
     """What the statistics pass keeps of the source stream's hidden states for the conversion pass: all of them
     (`every_layer` bytes, float32) where the energy allocation runs that pass on the source's stream and they fit
-    KEEP_HIDDEN_BYTES, else none (0)."""
+    KEEP_HIDDEN_BYTES and a quarter of the machine's memory, else none (0)."""
     keeps = options.rank_allocation == "energy" and options.calib_propagate == "source"
-    return every_layer if keeps and every_layer <= KEEP_HIDDEN_BYTES else 0
+    machine = refine.machine_bytes()
+    fits = every_layer <= KEEP_HIDDEN_BYTES and (machine is None or every_layer <= machine / 4)
+    return every_layer if keeps and fits else 0
 
 
 def max_rank(config) -> int:
