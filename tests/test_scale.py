@@ -130,12 +130,15 @@ def test_memory_estimate_does_not_grow_with_depth(tmp_path, calib_text, monkeypa
     """Layers stream one at a time: 8 layers cost what 2 cost, with either rank allocation (energy keeps only each
     layer's spectrum from its statistics pass). Shards as small as a tiny model's: the writer holds one shard, not the
     whole checkpoint, as at full size. The one part that grows, by design: the hidden states the energy allocation's
-    statistics pass keeps for the conversion pass where every layer's fit plan.KEEP_HIDDEN_BYTES (a small model's);
-    a large model's do not, as here with the limit at 0."""
+    statistics pass keeps for the conversion pass where every layer's fit plan.KEEP_HIDDEN_BYTES and a quarter of the
+    machine's memory (a small model's); a large model's do not, as here with either limit too low."""
     monkeypatch.setattr("mla_convert.conversion.plan.SHARD_BYTES", 4096)
     kept = [plan_for(tmp_path, calib_text, n).memory_parts() for n in (2, 8)]
     part = "hidden states kept from the statistics pass"
     assert kept[1][part] == 4 * kept[0][part] == 8 * 2 * 64 * 64 * 4  # layers x tokens x hidden x float32
+    monkeypatch.setattr("mla_convert.refine.machine_bytes", lambda: 4 * kept[1][part] - 1)  # a quarter too little
+    assert part in plan_for(tmp_path, calib_text, 2).memory_parts()
+    assert part not in plan_for(tmp_path, calib_text, 8).memory_parts()
     monkeypatch.setattr("mla_convert.conversion.plan.KEEP_HIDDEN_BYTES", 0)
     two, eight = plan_for(tmp_path, calib_text, 2), plan_for(tmp_path, calib_text, 8)
     assert two.memory_estimate() == eight.memory_estimate() > 0
