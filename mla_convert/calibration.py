@@ -127,20 +127,11 @@ def token_windows(tokenizer, text: str, n_samples: int, seq_len: int, seed: int,
     return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
 
 
-def products(a: torch.Tensor, b: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
-    """a^T b [Da, Db] for rows a [N, Da], b [N, Db]: float32 products of at most `chunk` rows each, accumulated in
-    float64."""
-    out = torch.zeros(a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
-    for first in range(0, a.shape[0], chunk):
-        out += a[first : first + chunk].float().T @ b[first : first + chunk].float()  # added in float64, in place
-    return out
-
-
 def second_moment(x: torch.Tensor) -> torch.Tensor:
-    """E[x~ x~^T] of the augmented input x~ = [x, 1], float64 (`products`). x [..., D] -> [D+1, D+1]."""
-    x = x.reshape(-1, x.shape[-1]).float()
-    x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], dim=1)
-    return products(x, x) / x.shape[0]
+    """E[x~ x~^T] of the augmented input x~ = [x, 1], float64. x [..., D] -> [D+1, D+1]."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+    return x.T @ x / x.shape[0]
 
 
 def attention_window(attn) -> int | None:
@@ -231,11 +222,11 @@ class LayerRunner:
         """(profile [H, T] as in `attention_profile`, attended [G, D+1, D+1] or None, keyed [D+1, D+1]).
 
         keyed: the second moment of the augmented inputs [x_j, 1] with each key position weighted by the attention it
-        receives (summed over queries, averaged over heads): E_t sum_j p_tj x~_j x~_j^T. float64 (`products`).
+        receives (summed over queries, averaged over heads): E_t sum_j p_tj x~_j x~_j^T. float64.
 
         attended: with `attended_every` = s > 0, the second moment of the *attended* inputs x~_t = sum_j p_tj [x_j, 1]
         (what a value map is applied to, through attention), averaged over the query heads of each kv group, on every
-        s-th block of queries. float64 (float32 products summed in float64, as `products`).
+        s-th block of queries. float64.
 
         Queries go in blocks of `block` rows against the keys up to the block's last position, the keys in reversed
         order: then "d positions back" is a fixed stride through the block's probabilities (`by_distance`), so no
@@ -284,12 +275,12 @@ class LayerRunner:
                 if attended is not None and index % attended_every == 0:
                     mixed = probs @ x[0, :length].flip(0)  # [H, R, D]: each query's attended input
                     mixed = torch.cat([mixed, mixed.new_ones(heads, rows, 1)], dim=-1)  # rows of p sum to 1
-                    mixed = mixed.view(groups, -1, dim + 1)  # [G, (H/G) R, D+1]
+                    mixed = mixed.view(groups, -1, dim + 1).double()  # [G, (H/G) R, D+1]
                     for group, rows_g in zip(attended, mixed):  # one [D+1, D+1] product at a time (8B: 134 MB)
-                        group += rows_g.T @ rows_g  # a float32 product, added in float64
+                        group += rows_g.T @ rows_g
                     attended_rows += rows * heads // groups
-            xa = torch.cat([x[0], x.new_ones(seq, 1)], dim=-1)  # [T, D+1]
-            keyed += products(xa * received[:, None].to(xa.dtype), xa)
+            xa = torch.cat([x[0], x.new_ones(seq, 1)], dim=-1).double()  # [T, D+1]
+            keyed += (xa * received[:, None]).T @ xa
         profile /= self.hidden.shape[0] * seq
         keyed /= self.hidden.shape[0] * seq * heads  # each query row of each head sums to 1
         if attended is not None:
