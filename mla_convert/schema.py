@@ -129,6 +129,14 @@ def _count(opt: Option, value: str | None) -> int | None:
     return _auto_int(opt, value, "positions")
 
 
+def _processes(opt: Option, value: str | None) -> int | None:
+    return _auto_int(opt, value, "processes")
+
+
+def _at_least_one(opt: Option, v) -> str | None:
+    return None if v >= 1 else f"{opt.flag} must be auto or 1 or more, got {v}"
+
+
 def _balance(opt: Option, value: str | None) -> float | None:
     """A number, `none` (None: the blocks unscaled), or the default where the flag is not given."""
     if value is None:
@@ -249,6 +257,12 @@ OPTIONS: tuple[Option, ...] = (
            "fewer cost less a step and refine less. auto (default): on the CPU "
            f"{policy.rule_text(policy.REFINE_QUERIES_CPU)}; on a GPU 0; 0: every position.", nullable=True,
            cli_default="auto", cli_type=Optional[str], parse=_count, check=_non_negative),
+    # conversion.workers; measured: docs/decisions.md#layers-refined-in-two-processes-issue-52-ninth-session
+    Option("refine_workers", int, None, ("--refine-workers",), "Processes that refine layers at once, each with its "
+           "share of the CPU threads (on the source's calibration stream the layers are independent). auto "
+           "(default): 2 on a CPU with 2 or more threads where the refinement is estimated at 2 minutes or more, else "
+           "1 (on a GPU, with --calib-propagate converted); 1: one layer at a time in the conversion's own process.", nullable=True, cli_default="auto",
+           cli_type=Optional[str], parse=_processes, check=_at_least_one),
     # docs/decisions.md#refinement-scope-and-the-mlps-rate
     Option("refine_scope", str, "layer", ("--refine-scope",), "What --refine-steps trains: layer (default: the whole "
            "decoder layer, MLP and norms too, to what the source layer adds to the residual stream) or attention (the "
@@ -340,6 +354,9 @@ RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
      "--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)"),
     (lambda o: o.refine_model_steps and o.calib_data is None,
      "--refine-model-steps trains on calibration text: pass --calib-data (or --refine-model-steps 0)"),
+    (lambda o: (o.refine_workers or 1) > 1 and o.calib_propagate != "source",
+     "--refine-workers {o.refine_workers} refines layers at once, which needs each layer's inputs from the source's "
+     "stream: use --calib-propagate source (or --refine-workers 1)"),
     (lambda o: o.refine_model_steps and o.calib_propagate != "source",
      "--refine-model-steps distils the source's outputs on the calibration stream, which --calib-propagate converted "
      "does not carry: use --calib-propagate source (or --refine-model-steps 0)"),

@@ -231,6 +231,10 @@ def test_cli_prints_the_auto_warnings_once(sources, calib_text, monkeypatch):
     (["--refine-model-steps", "4", "--calib-propagate", "converted"], "--calib-propagate source"),
     (["--refine-model-scope", "model"], "--refine-model-scope must be one of attention, layer"),
     (["--refine-precision", "fp8"], "--refine-precision must be one of auto, float32, bfloat16"),
+    (["--refine-workers", "0"], "--refine-workers must be auto or 1 or more"),
+    (["--refine-workers", "two"], "--refine-workers must be auto or a number of processes"),
+    (["--refine-workers", "2", "--calib-propagate", "converted", "--refine-model-steps", "0"],
+     "--calib-propagate source (or --refine-workers 1)"),
 ])
 def test_bad_refine_steps_is_one_clear_line(sources, tmp_path, args, needle):
     result = CliRunner().invoke(app, ["llama", str(sources["llama-gqa"]), "-o", str(tmp_path / "out"),

@@ -7,6 +7,7 @@ stage (`Conversion.train_model`) and the write (`Conversion.write`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from mla_convert import provenance, refine, rope, selftext
 from mla_convert.card import write_model_card
 from mla_convert.outputs import SHARD_BYTES, ShardedWriter, kept_file_intact, resume_dir, staged_output
 from mla_convert.sources import Source
-from mla_convert.conversion import store, timing
+from mla_convert.conversion import store, timing, workers
 from mla_convert.conversion.method import convert_attention, layer_spectrum
 from mla_convert.conversion.modules import (attention_tensors, converted_decoder_layer, float32_on, gemma_fields,
                                             mla_config, other_tensor_names, raw_layer, source_decoder_layer)
@@ -93,8 +94,12 @@ class RunRecord:
             self.refine.append(layer_record["refine"])
 
     def provenance(self, plan: Plan) -> dict:
+        """The record, layers in order (layers refined in worker processes finish in any order)."""
+        def by_layer(rows: list) -> list:
+            return sorted(rows, key=lambda row: row["layer"])
+
         return {"ranks": plan.kv_lora_rank, "rope_dims": plan.rope_dims, "nope_dims": plan.nope_dims,
-                "nope_kept": self.nope_kept, "rope_pairs": self.rope_pairs, "refine": self.refine,
+                "nope_kept": by_layer(self.nope_kept), "rope_pairs": self.rope_pairs, "refine": by_layer(self.refine),
                 "refine_model": self.refine_model}
 
 
@@ -116,10 +121,15 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
     rate = refine.cpu_rate(precision)
     steps = refine.resolve_steps(options.refine_steps, plan, options.device, window, rate) if options.calib_data else 0
     queries = refine.resolve_queries(options.refine_queries, window, plan.ratio, options.device)
-    options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window, refine_precision=precision,
-                                  refine_queries=queries)
-    plan.refine_steps, plan.refine_precision, plan.refine_queries = steps, precision, queries
     plan.refine_seconds = refine.estimate_seconds(plan, steps, window, rate, queries)
+    processes = workers.resolve_workers(options.refine_workers, options.device, steps, options.calib_propagate,
+                                        plan.layers, plan.refine_seconds)
+    options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window, refine_precision=precision,
+                                  refine_queries=queries, refine_workers=processes)
+    plan.refine_steps, plan.refine_precision, plan.refine_queries = steps, precision, queries
+    plan.refine_workers = processes
+    if processes > 1:
+        plan.refine_seconds /= workers.SPEEDUP
     model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window, rate)
                    if options.calib_data and options.calib_propagate == "source" and options.needs_statistics() else 0)
     options = dataclasses.replace(options, refine_model_steps=model_steps)
@@ -193,6 +203,7 @@ class Conversion:
         self.kept: Path | None = None
         self.statistics: dict[int, tuple] = {}  # layer -> statistics the statistics pass kept for the conversion pass
         self.hidden: dict[int, torch.Tensor] = {}  # layer -> the source stream's hidden states after it (same pass)
+        self.waiting: dict[int, tuple] = {}  # layer -> (prefix, tensors, record) while a worker refines it
 
     def new_runner(self):
         """A calibration stream at the embeddings, on the device (its hidden states stay there for the whole run)."""
@@ -267,12 +278,14 @@ class Conversion:
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
         skip_through = -1  # layers up to this one need no calibration forward: their output activations are kept
         bar = self.bar("layers: convert")
-        for i in bar:
-            bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
-            if i in done:
-                skip_through = self.pass_kept_layer(i, done, skip_through)
-            else:
-                self.convert_layer(i, bar)
+        processes = self.options.refine_workers if self.runner is not None and len(done) < plan.layers else 1
+        with (workers.RefinePool(processes, self.refined) if processes > 1 else contextlib.nullcontext()) as pool:
+            for i in bar:
+                bar.set_description(f"({i + 1}/{plan.layers}) layers: convert")
+                if i in done:
+                    skip_through = self.pass_kept_layer(i, done, skip_through)
+                else:
+                    self.convert_layer(i, bar, pool)
 
     def pass_kept_layer(self, i: int, done: set[int], skip_through: int) -> int:
         """A layer converted by an earlier run: only carry the calibration activations past it (from the kept
@@ -300,9 +313,9 @@ class Conversion:
                                                     float32_on(raw_layer(self.source, i, self.family), self.device)))
         return skip_through
 
-    def convert_layer(self, i: int, bar) -> None:
-        """Layer i: statistics, the per-layer method, refinement where it runs, kept in the resume folder; the
-        calibration stream advanced past it."""
+    def convert_layer(self, i: int, bar, pool: workers.RefinePool | None = None) -> None:
+        """Layer i: statistics, the per-layer method, refinement where it runs (on one of `pool`'s workers, which
+        hands the layer to `refined`), kept in the resume folder; the calibration stream advanced past it."""
         options, plan, device, runner, record = self.options, self.plan, self.device, self.runner, self.record
         clock = LayerClock(device)
         prefix, layer_tensors, attn, source_layer, statistics = self.layer_inputs(i)
@@ -329,14 +342,19 @@ class Conversion:
         layer_record = {"nope_kept": None if nope_kept is None else {"layer": i, "kept": round(nope_kept, 6)}}
         clock.lap("factorization")
         if targets is not None:
-            mla_tensors, trained, layer_record["refine"] = refined_layer(
-                self.config, plan, self.family, record.rope_pairs, i, layer_tensors, mla_tensors, targets,
-                runner.embeddings_at(i), options, device)
-            layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
+            job = (self.config, plan, self.family, record.rope_pairs, i, layer_tensors, mla_tensors, targets,
+                   runner.embeddings_at(i), options, device)
             targets = None
+            if pool is not None:
+                self.waiting[i] = (prefix, layer_tensors, layer_record)
+                pool.submit(i, job)
+            else:
+                mla_tensors = self.refined(i, refined_layer(*job), (prefix, layer_tensors, layer_record))
+            del job
             clock.lap("refine")
-        record.add(layer_record)
-        self.keep_layer(i, prefix, layer_tensors, mla_tensors, layer_record)
+        else:
+            record.add(layer_record)
+            self.keep_layer(i, prefix, layer_tensors, mla_tensors, layer_record)
         if runner is not None:
             if options.calib_propagate == "converted":
                 runner.advance(converted_decoder_layer(self.config, plan, self.family, record.rope_pairs, i,
@@ -345,6 +363,16 @@ class Conversion:
                 store.write_activations(self.kept, i, runner.hidden.cpu())
             clock.lap("calibration")
         clock.report(bar, i)
+
+    def refined(self, i: int, result: tuple, layer: tuple | None = None) -> dict[str, torch.Tensor]:
+        """Layer i after `refined_layer` (its `result`), kept in the resume folder; `layer` = (prefix, the layer's
+        tensors, its record), by default what `waiting` holds for it. Returns its refined attention tensors."""
+        prefix, layer_tensors, layer_record = self.waiting.pop(i) if layer is None else layer
+        mla_tensors, trained, layer_record["refine"] = result
+        layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
+        self.record.add(layer_record)
+        self.keep_layer(i, prefix, layer_tensors, mla_tensors, layer_record)
+        return mla_tensors
 
     def keep_layer(self, i: int, prefix: str, layer_tensors: dict, mla_tensors: dict, layer_record: dict) -> None:
         """Layer i's output tensors into the resume folder. Unchanged tensors (MLP, norms, unless refined with the

@@ -60,6 +60,7 @@ class Plan:
     memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
     refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
     refine_queries: int = 0  # positions of a window a step takes its loss at (0: all)
+    refine_workers: int = 1  # processes refining layers at once (mla_convert.conversion.workers)
     refine_seconds: float = 0.0
     refine_precision: str = "float32"  # what the refinement steps compute in, as resolved
     refine_scope: str = refine.DEFAULT_SCOPE
@@ -164,6 +165,8 @@ class Plan:
         }
         if m.get("kept_hidden"):
             parts["hidden states kept from the statistics pass"] = m["kept_hidden"]
+        if self.refine_steps and self.refine_workers > 1 and m["calibrated"]:  # each: its runtime and layer's targets
+            parts["refinement workers"] = self.refine_workers * (BASELINE + tokens * hidden * 4)
         writing = m["shard_bytes"] + (attn + mlp) * out + BASELINE
         if writing > sum(parts.values()):  # the writer's phase is the heavier one: it is what the estimate shows
             parts = {"runtime": BASELINE, "shard writer buffer": m["shard_bytes"], "one kept layer": (attn + mlp) * out}
@@ -209,7 +212,9 @@ class Plan:
              else "calibration: none (weight-only statistics)"),
             f"refinement: {self.refine_steps} steps per layer"
             + (f" (loss at {self.refine_queries} positions a window)" if self.refine_steps and self.refine_queries
-               else "") + f"; model stage: {self.refine_model_steps} steps"
+               else "")
+            + (f", {self.refine_workers} layers at once" if self.refine_steps and self.refine_workers > 1 else "")
+            + f"; model stage: {self.refine_model_steps} steps"
             + (f"; training steps in {self.refine_precision}" if self.refine_steps or self.refine_model_steps else ""),
             self.describe_time(),
             f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.2f} GiB"

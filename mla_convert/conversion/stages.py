@@ -35,12 +35,13 @@ def refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensor
         slow = tuple(p for n, p in layer.named_parameters() if not n.startswith("self_attn."))
     else:
         module, forward, slow = layer.self_attn, refine.attention_output, ()
+    clock = time.perf_counter()
     record = refine.refine_module(module, *targets, position_embeddings, options.refine_steps, options.refine_lr,
                                      seq_len=options.refine_seq_len, seed=options.seed + i, forward=forward,
                                      slow=slow, slow_lr=options.refine_lr * options.refine_mlp_lr_scale,
                                      precision=options.refine_precision, queries=options.refine_queries)
-    log.info("refine: layer %d held-out error %.4g -> %.4g (%s)", i, record["before"], record["after"],
-             "kept" if record["kept"] else "not kept")
+    log.info("refine: layer %d held-out error %.4g -> %.4g (%s), %.1f s", i, record["before"], record["after"],
+             "kept" if record["kept"] else "not kept", time.perf_counter() - clock)
     row = {"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}}
     trained = {n: t.detach().cpu() for n, t in layer.state_dict().items() if not n.startswith("self_attn.")}
     return ({k: v.detach() for k, v in layer.self_attn.state_dict().items()},
