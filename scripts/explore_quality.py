@@ -19,9 +19,10 @@ benchmarks/quality/quality_probes.jsonl (series D; series C scored `wiki-dev` al
 `--dump-source DIR` writes a safetensors copy of the embedded model (for probes of other tools).
 `--score NAME FOLDER` scores a converted folder (e.g. the main job's) on the same windows and appends its row
 (its conversion options from the folder's provenance.json); FOLDER `source` scores the embedded source.
-`--model-stage NAME FOLDER [steps=N lr=X scope=S seq_len=T top=K]` runs the model stage (`--refine-model-steps`,
-mla_convert.refine.refine_model) on a converted folder with the calibration windows its provenance names (the same
-cached tokens), writes out/probe-NAME and scores it: what the stage adds to a conversion without converting again. Its
+`--model-stage NAME FOLDER [steps=N lr=X scope=S seq_len=T top=K precision=P]` runs the model stage
+(`--refine-model-steps`, mla_convert.refine.refine_model; steps in float32 unless precision=bfloat16) on a converted
+folder with the calibration windows its provenance names (the same cached tokens), writes out/probe-NAME and scores
+it: what the stage adds to a conversion without converting again. Its
 row holds the held-out KL at each check (`curve`: [step, KL]).
 """
 
@@ -168,7 +169,8 @@ def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     start = time.time()
     rec = refine.refine_model(model, tokens, teacher, kw.get("steps", refine.MODEL_STEPS), kw.get("lr", refine.MODEL_LR),
                               seq_len=kw.get("seq_len", refine.SEQ_LEN), seed=opts["seed"],
-                              scope=kw.get("scope", refine.MODEL_SCOPE), top=kw.get("top"))
+                              scope=kw.get("scope", refine.MODEL_SCOPE), top=kw.get("top"),
+                              precision=kw.get("precision", "float32"))
     seconds = time.time() - start
     out = ROOT / "out" / f"probe-{name}"
     shutil.rmtree(out, ignore_errors=True)

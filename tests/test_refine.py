@@ -266,14 +266,14 @@ def test_cli_defaults_are_the_library_defaults():
         for option in group.commands[name].params:
             if option.name not in fields or option.default is None:
                 continue
-            auto = (option.name in ("refine_steps", "refine_model_steps", "refine_queries")
+            auto = (option.name in ("refine_steps", "refine_model_steps", "refine_queries", "refine_workers")
                     and getattr(library, option.name) is None)
             expected = "auto" if auto else None
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
             checked.add(option.name)
     assert {"calib_seq_len", "calib_sample_tokens", "refine_lr",
             "refine_seq_len", "refine_queries", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr",
-            "refine_model_scope", "refine_precision"} <= checked
+            "refine_model_scope", "refine_precision", "refine_workers"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
     assert library.refine_model_lr == refine.MODEL_LR and library.refine_model_scope == refine.MODEL_SCOPE
     assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE

@@ -27,7 +27,7 @@ AUTO_MIN_SECONDS = 120  # ... where the refinement is estimated to take at least
 # takes about 6 s to start: importing torch and transformers)
 # The layers' phase on 2 cores: its time in one process over its time with two single-threaded workers (the
 # estimate divides by it wherever workers run).
-SPEEDUP = 1.15
+SPEEDUP = 1.2
 
 
 def resolve_workers(requested: int | None, device: str, steps: int, propagate: str, layers: int,
