@@ -69,3 +69,22 @@ def test_auto_workers_where_they_pay(monkeypatch):
     assert workers.resolve_workers(4, "cpu", 200, "source", 3, 0) == 3
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert workers.resolve_workers(None, "cpu", 200, "source", 30, long) == 1
+
+
+@pytest.mark.parametrize("queries", [16, 0])
+def test_estimate_counts_the_workers(four_layers, calib_text, queries):
+    """`--dry-run`'s refinement estimate with two workers is one process's over `workers.speedup` of the step's kind,
+    and the plan says that layers refine two at once."""
+    from mla_convert.checkpoint import open_source
+    from mla_convert.convert import ConvertOptions, convert
+
+    def plan(processes: int):
+        options = ConvertOptions(calib_data=str(calib_text), calib_samples=4, calib_seq_len=64, rank=4, refine_steps=50,
+                                 refine_queries=queries, refine_workers=processes)
+        return convert(open_source(str(four_layers)), four_layers.parent / "never", options, dry_run=True)
+
+    alone, shared = plan(1), plan(2)
+    assert shared.refine_seconds == pytest.approx(alone.refine_seconds / workers.speedup(queries))
+    assert workers.speedup(queries) == (workers.SPEEDUP if queries else workers.SPEEDUP_WHOLE)
+    assert "2 layers at once" in shared.describe() and "layers at once" not in alone.describe()
+    assert not (four_layers.parent / "never").exists()

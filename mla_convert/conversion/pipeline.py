@@ -129,7 +129,7 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
     plan.refine_steps, plan.refine_precision, plan.refine_queries = steps, precision, queries
     plan.refine_workers = processes
     if processes > 1:
-        plan.refine_seconds /= workers.SPEEDUP
+        plan.refine_seconds /= workers.speedup(queries)
     model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window, rate)
                    if options.calib_data and options.calib_propagate == "source" and options.needs_statistics() else 0)
     options = dataclasses.replace(options, refine_model_steps=model_steps)

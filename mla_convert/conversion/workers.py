@@ -25,9 +25,17 @@ log = logging.getLogger(__name__)
 AUTO_CPU_WORKERS = 2  # `--refine-workers auto` on a CPU with at least this many threads
 AUTO_MIN_SECONDS = 120  # ... where the refinement is estimated to take at least this long in one process (a worker
 # takes about 6 s to start: importing torch and transformers)
-# The layers' phase on 2 cores: its time in one process over its time with two single-threaded workers (the
-# estimate divides by it wherever workers run).
+# The layers' phase on 2 cores: its time in one process over its time with two single-threaded workers, for steps at
+# chosen positions (`--refine-queries`) and at every position of a window (the estimate divides by it wherever
+# workers run).
 SPEEDUP = 1.2
+SPEEDUP_WHOLE = 1.4
+POLL_SECONDS = 0.5  # how long this process waits on its workers at a time
+
+
+def speedup(queries: int) -> float:
+    """What two workers divide the refinement's estimate by, for steps at `queries` positions (0: every position)."""
+    return SPEEDUP if queries else SPEEDUP_WHOLE
 
 
 def resolve_workers(requested: int | None, device: str, steps: int, propagate: str, layers: int,
@@ -80,7 +88,10 @@ class RefinePool:
         self.running[self.pool.submit(_refine, args)] = i
 
     def _collect(self, when: str) -> None:
-        finished, _ = wait(self.running, return_when=when)
+        while True:  # in short waits: a Ctrl-C that the kernel hands to another thread reaches this one between them
+            finished, pending = wait(self.running, timeout=POLL_SECONDS, return_when=when)
+            if finished and (when == FIRST_COMPLETED or not pending):
+                break
         for future in sorted(finished, key=self.running.get):
             i = self.running.pop(future)
             try:
