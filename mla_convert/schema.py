@@ -354,6 +354,9 @@ RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
      "--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)"),
     (lambda o: o.refine_model_steps and o.calib_data is None,
      "--refine-model-steps trains on calibration text: pass --calib-data (or --refine-model-steps 0)"),
+    (lambda o: (o.refine_workers or 1) > 1 and not o.device.startswith("cpu"),
+     "--refine-workers {o.refine_workers} refines layers in CPU processes; on --device {o.device} they refine one at "
+     "a time: drop --refine-workers (or pass 1)"),
     (lambda o: (o.refine_workers or 1) > 1 and o.calib_propagate != "source",
      "--refine-workers {o.refine_workers} refines layers at once, which needs each layer's inputs from the source's "
      "stream: use --calib-propagate source (or --refine-workers 1)"),

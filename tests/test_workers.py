@@ -88,3 +88,15 @@ def test_estimate_counts_the_workers(four_layers, calib_text, queries):
     assert workers.speedup(queries) == (workers.SPEEDUP if queries else workers.SPEEDUP_WHOLE)
     assert "2 layers at once" in shared.describe() and "layers at once" not in alone.describe()
     assert not (four_layers.parent / "never").exists()
+
+
+def test_workers_on_a_gpu_are_refused(four_layers, calib_text):
+    """Workers are CPU processes: asked for on a GPU device, the plan refuses them with one line that names the fix
+    (`auto` takes one process there)."""
+    from mla_convert.checkpoint import open_source
+    from mla_convert.convert import ConvertOptions, convert
+    from mla_convert.errors import UserError
+
+    options = ConvertOptions(calib_data=str(calib_text), rank=4, refine_steps=5, refine_workers=2, device="cuda")
+    with pytest.raises(UserError, match="--refine-workers 2 refines layers in CPU processes.*drop --refine-workers"):
+        convert(open_source(str(four_layers)), four_layers.parent / "never", options, dry_run=True)
