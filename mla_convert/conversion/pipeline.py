@@ -345,11 +345,11 @@ class Conversion:
             job = (self.config, plan, self.family, record.rope_pairs, i, layer_tensors, mla_tensors, targets,
                    runner.embeddings_at(i), options, device)
             targets = None
+            self.waiting[i] = (prefix, layer_tensors, layer_record)
             if pool is not None:
-                self.waiting[i] = (prefix, layer_tensors, layer_record)
                 pool.submit(i, job)
             else:
-                mla_tensors = self.refined(i, refined_layer(*job), (prefix, layer_tensors, layer_record))
+                mla_tensors = self.refined(i, refined_layer(*job))
             del job
             clock.lap("refine")
         else:
@@ -364,10 +364,10 @@ class Conversion:
             clock.lap("calibration")
         clock.report(bar, i)
 
-    def refined(self, i: int, result: tuple, layer: tuple | None = None) -> dict[str, torch.Tensor]:
-        """Layer i after `refined_layer` (its `result`), kept in the resume folder; `layer` = (prefix, the layer's
-        tensors, its record), by default what `waiting` holds for it. Returns its refined attention tensors."""
-        prefix, layer_tensors, layer_record = self.waiting.pop(i) if layer is None else layer
+    def refined(self, i: int, result: tuple) -> dict[str, torch.Tensor]:
+        """Layer i after `refined_layer` (its `result`; the rest of the layer is what `waiting` holds for it), kept
+        in the resume folder. Returns its refined attention tensors."""
+        prefix, layer_tensors, layer_record = self.waiting.pop(i)
         mla_tensors, trained, layer_record["refine"] = result
         layer_tensors.update(trained)  # the MLP and norms, where the whole layer was trained and kept
         self.record.add(layer_record)

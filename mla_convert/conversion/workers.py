@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 AUTO_CPU_WORKERS = 2  # `--refine-workers auto` on a CPU with at least this many threads
 AUTO_MIN_SECONDS = 120  # ... where the refinement is estimated to take at least this long in one process (a worker
-# takes about 6 s to start: importing torch and transformers)
+# starts by importing torch and transformers)
 # The layers' phase on 2 cores: its time in one process over its time with two single-threaded workers, for steps at
 # chosen positions (`--refine-queries`) and at every position of a window (the estimate divides by it wherever
 # workers run).
