@@ -3,7 +3,8 @@ one (narrow, wide) pair per default, below and from `WIDE_FROM`. Imported withou
 say the same rule the conversion applies (`rule_text`).
 
 Why these values: docs/decisions.md#calibration-windows, #self-text-temperature-length-and-batch,
-#refinement-steps-rate-and-window and #refinement-at-wide-budgets."""
+#refinement-steps-rate-and-window, #refinement-at-wide-budgets and
+#the-model-stages-cost-on-a-cpu-issue-52-tenth-session."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ CALIB_SAMPLES = (16, 32)  # --calib-samples: a wider latent and its refinement f
 CALIB_TEMPERATURE = (1.2, 1.0)  # --calib-temperature of `self` text: varied text for a small latent
 REFINE_STEPS = (200, 300)  # --refine-steps auto (per layer): a wider latent has more to fit
 REFINE_QUERIES_CPU = (256, 0)  # --refine-queries auto on a CPU (0: every position; a GPU takes every position)
+MODEL_STEPS_CPU = (32, 64)  # --refine-model-steps auto on a CPU (a GPU takes refine.MODEL_STEPS)
 
 
 def by_cache_kept(kept: float, pair: tuple):

@@ -321,9 +321,13 @@ random positions of its windows (`layer_update_at`), every key still formed. Ret
 # windows: KL(source || converted) per token. Layer-wise targets cannot see how the errors of successive layers
 # compound; the source's own output distribution can. It reads no other text (the calibration windows, one held out),
 # and needs the source's final hidden states only, which the calibration stream already computed: no second model.
-# Steps and rate chosen on the development split, one rate for both budgets: docs/decisions.md#the-model-stage.
+# Steps and rate chosen on the development split: docs/decisions.md#the-model-stage. MODEL_STEPS on a GPU; on a CPU
+# `policy.MODEL_STEPS_CPU` by the cache kept (fewer at narrow budgets, for time:
+# docs/decisions.md#the-model-stages-cost-on-a-cpu-issue-52-tenth-session). MODEL_LR for a stage of MODEL_STEPS or more
+# steps, SHORT_MODEL_LR for a shorter one.
 MODEL_STEPS = 64
-MODEL_LR = DEFAULTS["refine_model_lr"]
+MODEL_LR = 1e-4
+SHORT_MODEL_LR = 2e-4
 MODEL_WARMUP = 0.1  # of the steps, linear, then cosine to zero
 LOGIT_CHUNK = 512  # positions whose logits are formed at once: memory does not grow with vocabulary x window
 MODEL_CHECKS = 8  # held-out evaluations during the stage: the best weights seen are kept (early stopping)
@@ -365,21 +369,30 @@ def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float
 
 
 def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS) -> int:
-    """The model stage's steps: `requested`, or (None, auto) MODEL_STEPS on a GPU or where the CPU estimate is at most
-    AUTO_MODEL_CPU_SECONDS and the model stage's memory (`model_stage_bytes`) at most half the machine's, else 0
-    (with a warning that says why)."""
+    """The model stage's steps: `requested`, or (None, auto) MODEL_STEPS on a GPU; on a CPU `policy.MODEL_STEPS_CPU`
+    by the cache kept where their estimate is at most AUTO_MODEL_CPU_SECONDS and the model stage's memory
+    (`model_stage_bytes`) at most half the machine's, else 0 (with a warning that says why)."""
     if requested is not None:
         return requested
     if not device.startswith("cpu"):
         return MODEL_STEPS
-    seconds = estimate_model_seconds(plan, MODEL_STEPS, seq_len, rate)
+    steps = policy.by_cache_kept(plan.ratio, policy.MODEL_STEPS_CPU)
+    seconds = estimate_model_seconds(plan, steps, seq_len, rate)
     needed, total = model_stage_bytes(plan, seq_len), machine_bytes()
     if seconds <= AUTO_MODEL_CPU_SECONDS and (total is None or needed <= total / 2):
-        return MODEL_STEPS
+        return steps
     log.warning("no model stage: on this CPU it would take about %.1f h and %.1f GiB (estimates); pass "
                 "--refine-model-steps %d to run it anyway, or convert with --device cuda", seconds / 3600,
-                needed / 2**30, MODEL_STEPS)
+                needed / 2**30, steps)
     return 0
+
+
+def resolve_model_lr(requested: float | None, steps: int) -> float:
+    """The model stage's rate: `requested`, or (None, auto) MODEL_LR for a stage of MODEL_STEPS or more steps and
+    SHORT_MODEL_LR for a shorter one."""
+    if requested is not None:
+        return requested
+    return MODEL_LR if steps >= MODEL_STEPS else SHORT_MODEL_LR
 
 
 def model_stage_bytes(plan, seq_len: int = SEQ_LEN, scope: str = MODEL_SCOPE) -> int:

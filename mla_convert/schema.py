@@ -133,6 +133,16 @@ def _processes(opt: Option, value: str | None) -> int | None:
     return _auto_int(opt, value, "processes")
 
 
+def _rate(opt: Option, value: str | None) -> float | None:
+    """`auto` (None: resolved by the plan) or a learning rate."""
+    if value is None or value == "auto":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"{opt.flag} must be auto or a learning rate, got {value!r}") from None
+
+
 def _at_least_one(opt: Option, v) -> str | None:
     return None if v >= 1 else f"{opt.flag} must be auto or 1 or more, got {v}"
 
@@ -275,11 +285,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("refine_model_steps", int, None, ("--refine-model-steps",), "The model stage, after the layers: train every "
            "converted attention this many Adam steps end to end so that the model's next-token distributions match "
            "the source's on the calibration windows (KL; one window held out and checked 8 times, the best weights "
-           "seen kept). Holds the whole model in memory. auto (default): 64 on a GPU, and on the CPU when the plan "
-           "estimates at most 30 min and half the machine's memory; 0: off (docs/decisions.md#the-model-stage).",
+           "seen kept). Holds the whole model in memory. auto (default): 64 on a GPU; on the CPU "
+           f"{policy.rule_text(policy.MODEL_STEPS_CPU)}, when the plan estimates at most 30 min and half the "
+           "machine's memory; 0: off (docs/decisions.md#the-model-stage).",
            nullable=True, cli_default="auto", cli_type=Optional[str], parse=_steps, check=_non_negative),
-    Option("refine_model_lr", float, 1e-4, ("--refine-model-lr",), "Learning rate of --refine-model-steps (Adam, "
-           "warmup then cosine).", check=_positive),
+    # None: auto (refine.resolve_model_lr), resolved in `convert`
+    Option("refine_model_lr", float, None, ("--refine-model-lr",), "Learning rate of --refine-model-steps (Adam, "
+           "warmup then cosine). auto (default): 1e-4 for 64 steps or more, 2e-4 for fewer.", nullable=True,
+           cli_default="auto", cli_type=Optional[str], parse=_rate, check=_positive_finite),
     Option("refine_model_scope", str, "attention", ("--refine-model-scope",), "What --refine-model-steps trains: "
            "attention (default: every converted attention) or layer (every decoder layer whole: attention, MLP and "
            "norms).", choices=("attention", "layer")),  # refine.MODEL_SCOPES

@@ -266,7 +266,8 @@ def test_cli_defaults_are_the_library_defaults():
         for option in group.commands[name].params:
             if option.name not in fields or option.default is None:
                 continue
-            auto = (option.name in ("refine_steps", "refine_model_steps", "refine_queries", "refine_workers")
+            auto = (option.name in ("refine_steps", "refine_model_steps", "refine_model_lr", "refine_queries",
+                                    "refine_workers")
                     and getattr(library, option.name) is None)
             expected = "auto" if auto else None
             assert option.default == (expected or getattr(library, option.name)), (name, option.name)
@@ -275,7 +276,7 @@ def test_cli_defaults_are_the_library_defaults():
             "refine_seq_len", "refine_queries", "refine_steps", "refine_mlp_lr_scale", "refine_model_steps", "refine_model_lr",
             "refine_model_scope", "refine_precision", "refine_workers"} <= checked
     assert library.refine_lr == refine.DEFAULT_LR and library.refine_seq_len == refine.SEQ_LEN
-    assert library.refine_model_lr == refine.MODEL_LR and library.refine_model_scope == refine.MODEL_SCOPE
+    assert library.refine_model_lr is None and library.refine_model_scope == refine.MODEL_SCOPE  # resolve_model_lr
     assert library.refine_mlp_lr_scale == refine.MLP_LR_SCALE
     assert library.calib_sample_tokens == selftext.SAMPLE_TOKENS
     temperature = [o for o in group.commands["convert"].params if o.name == "calib_temperature"]
@@ -419,13 +420,22 @@ def test_auto_model_steps_follow_the_estimated_cost(caplog):
     small.memory["vocab"] = 49152
     big = _shaped_plan(32, 4096, 32, 8, 128, 512, 64, 14336)  # Llama-3-8B shapes
     big.memory["vocab"] = 128256
-    assert refine.estimate_model_seconds(small, refine.MODEL_STEPS) <= refine.AUTO_MODEL_CPU_SECONDS
-    assert refine.resolve_model_steps(None, small, "cpu", refine.SEQ_LEN) == refine.MODEL_STEPS
+    narrow, wide = policy.MODEL_STEPS_CPU
+    assert refine.estimate_model_seconds(small, wide) <= refine.AUTO_MODEL_CPU_SECONDS
+    assert refine.resolve_model_steps(None, small, "cpu", refine.SEQ_LEN) == narrow < refine.MODEL_STEPS  # 25%
+    assert refine.resolve_model_steps(None, small, "cuda", refine.SEQ_LEN) == refine.MODEL_STEPS
+    half = _shaped_plan(30, 576, 9, 3, 64, 144, 48, 1536, nope_dims=64)  # SmolLM2-135M at 50%
+    half.memory["vocab"] = 49152
+    assert refine.resolve_model_steps(None, half, "cpu", refine.SEQ_LEN) == wide
     with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
         assert refine.resolve_model_steps(None, big, "cpu", refine.SEQ_LEN) == 0
     assert "--refine-model-steps" in caplog.text
     assert refine.resolve_model_steps(None, big, "cuda", refine.SEQ_LEN) == refine.MODEL_STEPS
     assert refine.resolve_model_steps(5, big, "cpu", refine.SEQ_LEN) == 5
+    # the rate follows the stage's length unless given
+    assert refine.resolve_model_lr(None, refine.MODEL_STEPS) == refine.MODEL_LR
+    assert refine.resolve_model_lr(None, narrow) == refine.SHORT_MODEL_LR > refine.MODEL_LR
+    assert refine.resolve_model_lr(3e-5, narrow) == 3e-5
     # the stage holds the whole model: an 8B model's float32 copy alone is over 30 GB
     assert refine.model_stage_bytes(big) > 30e9 > refine.model_stage_bytes(small)
 
