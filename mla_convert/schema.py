@@ -111,36 +111,30 @@ def _refine_seq_len(opt: Option, v) -> str | None:
     return None if v >= 16 else f"--refine-seq-len must be at least 16 tokens, got {v}"
 
 
-def _auto_int(opt: Option, value: str | None, what: str) -> int | None:
-    """`auto` (None: resolved by the plan) or a number of `what`."""
+def _auto(opt: Option, value: str | None, what: str, kind: type = int):
+    """`auto` (None: resolved by the plan) or `what`, a value of `kind`."""
     if value is None or value == "auto":
         return None
     try:
-        return int(value)
+        return kind(value)
     except ValueError:
-        raise UserError(f"{opt.flag} must be auto or a number of {what}, got {value!r}") from None
+        raise UserError(f"{opt.flag} must be auto or {what}, got {value!r}") from None
 
 
 def _steps(opt: Option, value: str | None) -> int | None:
-    return _auto_int(opt, value, "steps")
+    return _auto(opt, value, "a number of steps")
 
 
 def _count(opt: Option, value: str | None) -> int | None:
-    return _auto_int(opt, value, "positions")
+    return _auto(opt, value, "a number of positions")
 
 
 def _processes(opt: Option, value: str | None) -> int | None:
-    return _auto_int(opt, value, "processes")
+    return _auto(opt, value, "a number of processes")
 
 
 def _rate(opt: Option, value: str | None) -> float | None:
-    """`auto` (None: resolved by the plan) or a learning rate."""
-    if value is None or value == "auto":
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise UserError(f"{opt.flag} must be auto or a learning rate, got {value!r}") from None
+    return _auto(opt, value, "a learning rate", float)
 
 
 def _at_least_one(opt: Option, v) -> str | None:

@@ -57,7 +57,7 @@ def test_full_rank_is_left_exact(sources, convert_tiny):
         assert all(r["before"] < refine.EXACT and not r["kept"] for r in record)
         # the model stage ran (auto) and found nothing to gain either
         options = json.loads((refined / "provenance.json").read_text())["options"]
-        assert options["refine_model_steps"] == refine.MODEL_STEPS
+        assert options["refine_model_steps"] == refine.MODEL_STEPS and options["refine_model_lr"] == refine.MODEL_LR
         model_record = _plan(refined)["refine_model"]
         assert model_record["before"] < refine.EXACT and not model_record["kept"]
 
@@ -102,6 +102,10 @@ def test_converted_stream_trains_each_layer_on_the_inputs_it_will_see(sources, c
     plans = {p: _plan(f) for p, f in along.items()}
     options = {p: json.loads((f / "provenance.json").read_text())["options"] for p, f in along.items()}
     assert options["source"]["refine_steps"] == options["converted"]["refine_steps"] == refine.DEFAULT_STEPS
+    # a narrow budget on a CPU: the short model stage at its rate (none along the converted stream)
+    assert options["source"]["refine_model_steps"] == policy.MODEL_STEPS_CPU[0]
+    assert options["source"]["refine_model_lr"] == refine.SHORT_MODEL_LR
+    assert options["converted"]["refine_model_steps"] == 0
     assert options["converted"]["rank_allocation"] == "energy"
     assert plans["source"]["ranks"] == plans["converted"]["ranks"]
     assert plans["source"]["refine"][0] == plans["converted"]["refine"][0]
@@ -227,6 +231,8 @@ def test_cli_prints_the_auto_warnings_once(sources, calib_text, monkeypatch):
     (["--refine-queries", "half"], "--refine-queries must be auto or a number of positions"),
     (["--refine-queries", "-1"], "--refine-queries must be 0 or more"),
     (["--refine-model-lr", "0"], "--refine-model-lr must be positive"),
+    (["--refine-model-lr", "nan"], "--refine-model-lr must be positive"),
+    (["--refine-model-lr", "fast"], "--refine-model-lr must be auto or a learning rate"),
     (["--refine-model-steps", "4", "--calib-data", "none"], "--refine-model-steps trains on calibration text"),
     (["--refine-model-steps", "4", "--calib-propagate", "converted"], "--calib-propagate source"),
     (["--refine-model-scope", "model"], "--refine-model-scope must be one of attention, layer"),
