@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import types
 
 import pytest
@@ -17,6 +18,7 @@ from mla_convert import policy, refine, selftext
 from mla_convert.cli import app
 from mla_convert.conversion.plan import CALIB_SAMPLES, WIDE_CALIB_SAMPLES, Plan, max_rank
 from mla_convert.policy import WIDE_FROM
+from mla_convert.schema import OPTIONS
 from tiny import tiny_text
 
 from conftest import assert_user_error
@@ -442,6 +444,9 @@ def test_auto_model_steps_follow_the_estimated_cost(caplog):
     assert refine.resolve_model_lr(None, refine.MODEL_STEPS) == refine.MODEL_LR
     assert refine.resolve_model_lr(None, narrow) == refine.SHORT_MODEL_LR > refine.MODEL_LR
     assert refine.resolve_model_lr(3e-5, narrow) == 3e-5
+    help_text = next(o.help for o in OPTIONS if o.name == "refine_model_lr")  # says the same rule
+    assert [float(x) for x in re.findall(r"\d+e-\d+", help_text)] == [refine.MODEL_LR, refine.SHORT_MODEL_LR]
+    assert f"for {refine.MODEL_STEPS} steps or more" in help_text
     # the stage holds the whole model: an 8B model's float32 copy alone is over 30 GB
     assert refine.model_stage_bytes(big) > 30e9 > refine.model_stage_bytes(small)
 
