@@ -3,17 +3,18 @@ one (narrow, wide) pair per default, below and from `WIDE_FROM`. Imported withou
 say the same rule the conversion applies (`rule_text`).
 
 Why these values: docs/decisions.md#calibration-windows, #self-text-temperature-length-and-batch,
-#refinement-steps-rate-and-window, #refinement-at-wide-budgets and
-#the-model-stages-cost-on-a-cpu-issue-52-tenth-session."""
+#refinement-steps-rate-and-window, #refinement-at-wide-budgets,
+#the-model-stages-cost-on-a-cpu-issue-52-tenth-session and #the-50-defaults-steps-on-a-cpu-issue-52-eleventh-session."""
 
 from __future__ import annotations
 
 WIDE_FROM = 0.375  # halfway between the two budgets the defaults were chosen at (25% and 50%)
 CALIB_SAMPLES = (16, 32)  # --calib-samples: a wider latent and its refinement fit more from more text
 CALIB_TEMPERATURE = (1.2, 1.0)  # --calib-temperature of `self` text: varied text for a small latent
-REFINE_STEPS = (200, 300)  # --refine-steps auto (per layer): a wider latent has more to fit
-REFINE_QUERIES_CPU = (256, 0)  # --refine-queries auto on a CPU (0: every position; a GPU takes every position)
-MODEL_STEPS_CPU = (32, 64)  # --refine-model-steps auto on a CPU (a GPU takes refine.MODEL_STEPS)
+REFINE_STEPS = (200, 300)  # --refine-steps auto (per layer) on a GPU: a wider latent has more to fit
+REFINE_STEPS_CPU = (200, 600)  # ... on a CPU, where a step at the wide budget takes its loss at fewer positions
+REFINE_QUERIES_CPU = (256, 256)  # --refine-queries auto on a CPU (0: every position; a GPU takes every position)
+MODEL_STEPS_CPU = (32, 0)  # --refine-model-steps auto on a CPU (a GPU takes refine.MODEL_STEPS)
 
 
 def by_cache_kept(kept: float, pair: tuple):
@@ -23,5 +24,7 @@ def by_cache_kept(kept: float, pair: tuple):
 
 
 def rule_text(pair: tuple) -> str:
-    """The rule of `by_cache_kept` in words, for help texts."""
+    """The rule of `by_cache_kept` in words, for help texts (the value alone where both are the same)."""
+    if pair[0] == pair[1]:
+        return f"{pair[0]} at every budget"
     return f"{pair[0]} where the MLA cache is under {WIDE_FROM:.1%} of the source's, else {pair[1]}"

@@ -129,21 +129,23 @@ def estimate_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU
     return steps * plan.layers * step_flops(plan, seq_len, batch_for(seq_len), queries=queries) / rate
 
 
-def default_steps(kept: float) -> int:
+def default_steps(kept: float, device: str = "cuda") -> int:
     """The auto refinement steps per layer of a conversion that keeps `kept` (a fraction) of the source's KV cache
-    (`policy.REFINE_STEPS`)."""
-    return policy.by_cache_kept(kept, policy.REFINE_STEPS)
+    (`policy.REFINE_STEPS` on a GPU, `policy.REFINE_STEPS_CPU` on a CPU)."""
+    return policy.by_cache_kept(kept, policy.REFINE_STEPS_CPU if device.startswith("cpu") else policy.REFINE_STEPS)
 
 
-def resolve_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS) -> int:
+def resolve_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS,
+                  queries: int = 0) -> int:
     """The refinement steps per layer: `requested`, or (None, auto) `default_steps` of the cache kept on a GPU or
-    where the CPU estimate is at most AUTO_CPU_SECONDS, else 0 (with a warning that says what refining would cost)."""
+    where the CPU estimate (steps at `queries` positions) is at most AUTO_CPU_SECONDS, else 0 (with a warning that
+    says what refining would cost)."""
     if requested is not None:
         return requested
-    steps = default_steps(plan.ratio)
+    steps = default_steps(plan.ratio, device)
     if not device.startswith("cpu"):
         return steps
-    seconds = estimate_seconds(plan, steps, seq_len, rate)
+    seconds = estimate_seconds(plan, steps, seq_len, rate, queries)
     if seconds <= AUTO_CPU_SECONDS:
         return steps
     log.warning("not refining the converted layers: on this CPU it would take about %.1f h (estimate); pass "
@@ -322,8 +324,8 @@ random positions of its windows (`layer_update_at`), every key still formed. Ret
 # compound; the source's own output distribution can. It reads no other text (the calibration windows, one held out),
 # and needs the source's final hidden states only, which the calibration stream already computed: no second model.
 # Steps and rate chosen on the development split: docs/decisions.md#the-model-stage. MODEL_STEPS on a GPU; on a CPU
-# `policy.MODEL_STEPS_CPU` by the cache kept (fewer at narrow budgets, for time:
-# docs/decisions.md#the-model-stages-cost-on-a-cpu-issue-52-tenth-session). MODEL_LR for a stage of MODEL_STEPS or more
+# `policy.MODEL_STEPS_CPU` by the cache kept (fewer at narrow budgets, none at wide ones, for time:
+# docs/decisions.md#the-model-stages-cost-on-a-cpu-issue-52-tenth-session and the eleventh session's). MODEL_LR for a stage of MODEL_STEPS or more
 # steps, SHORT_MODEL_LR for a shorter one.
 MODEL_STEPS = 64
 MODEL_LR = 1e-4

@@ -50,14 +50,15 @@ def test_full_rank_is_left_exact(sources, convert_tiny):
     full = dict(rank=max_rank(src.config), rope_dims=src.config.num_key_value_heads * src.config.head_dim, force=True)
     plain = convert_tiny(sources["llama-gqa"], refine_steps=0, **full)
     for scope in refine.SCOPES:
-        refined = convert_tiny(sources["llama-gqa"], refine_steps=20, refine_scope=scope, **full)
+        refined = convert_tiny(sources["llama-gqa"], refine_steps=20, refine_model_steps=refine.MODEL_STEPS,
+                               refine_scope=scope, **full)
         a, b = _weights(plain), _weights(refined)
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)
         record = _plan(refined)["refine"]
         assert len(record) == src.config.num_hidden_layers
         assert all(r["before"] < refine.EXACT and not r["kept"] for r in record)
-        # the model stage ran (auto) and found nothing to gain either
+        # the model stage ran (a GPU's steps, at the auto rate) and found nothing to gain either
         options = json.loads((refined / "provenance.json").read_text())["options"]
         assert options["refine_model_steps"] == refine.MODEL_STEPS and options["refine_model_lr"] == refine.MODEL_LR
         model_record = _plan(refined)["refine_model"]
@@ -200,8 +201,17 @@ def test_auto_steps_follow_the_estimated_cost(caplog):
     assert refine.estimate_seconds(small, 100, 2048) > refine.estimate_seconds(small, 100, 1024)
     assert refine.batch_for(2048) == 1 and refine.batch_for(1024) == 2 and refine.batch_for(512) == 4
     half = _shaped_plan(30, 576, 9, 3, 64, 144, 48, 1536, nope_dims=64)  # SmolLM2-135M at 50%: refined on a CPU too
-    assert refine.resolve_steps(None, half, "cpu", refine.SEQ_LEN) == refine.WIDE_STEPS  # the wider latent, more steps
+    narrow_cpu, wide_cpu = policy.REFINE_STEPS_CPU
+    # the wider latent, more steps; on a CPU at fewer positions each (policy.REFINE_QUERIES_CPU), which the estimate
+    # counts: the same steps at every position would be over the CPU's limit
+    queries = refine.resolve_queries(None, refine.SEQ_LEN, half.ratio, "cpu")
+    assert refine.resolve_steps(None, half, "cpu", refine.SEQ_LEN, queries=queries) == wide_cpu > narrow_cpu
+    assert refine.estimate_seconds(half, wide_cpu, queries=queries) < refine.AUTO_CPU_SECONDS
+    assert refine.estimate_seconds(half, wide_cpu) > refine.AUTO_CPU_SECONDS
+    assert refine.resolve_steps(None, half, "cpu", refine.SEQ_LEN) == 0
+    assert refine.resolve_steps(None, half, "cuda", refine.SEQ_LEN) == refine.WIDE_STEPS
     assert refine.default_steps(0.25) == refine.DEFAULT_STEPS < refine.WIDE_STEPS == refine.default_steps(0.5)
+    assert refine.default_steps(0.25, "cpu") == narrow_cpu and refine.default_steps(0.5, "cpu") == wide_cpu
     # the whole layer costs more a step than its attention alone (the MLP's maps train too)
     layer, attention = (_shaped_plan(30, 576, 9, 3, 64, 64, 32, 1536, scope=s) for s in ("layer", "attention"))
     assert refine.step_flops(layer) > 1.5 * refine.step_flops(attention)
@@ -358,6 +368,9 @@ def test_auto_queries_follow_the_device_and_the_cache_kept():
     assert refine.resolve_queries(None, 2048, 0.25, "cuda") == 0
     assert refine.resolve_queries(None, narrow, 0.25, "cpu") == 0
     assert refine.resolve_queries(64, 2048, 0.25, "cuda") == 64
+    # the help text states the rule once where both budgets take the same value
+    assert policy.rule_text((256, 256)) == "256 at every budget"
+    assert policy.rule_text((256, 0)).startswith("256 where the MLA cache is under 37.5%")
 
 
 def test_model_stage_brings_a_lossy_conversion_closer_to_the_source(sources, convert_tiny):
@@ -429,7 +442,7 @@ def test_auto_model_steps_follow_the_estimated_cost(caplog):
     big = _shaped_plan(32, 4096, 32, 8, 128, 512, 64, 14336)  # Llama-3-8B shapes
     big.memory["vocab"] = 128256
     narrow, wide = policy.MODEL_STEPS_CPU
-    assert refine.estimate_model_seconds(small, wide) <= refine.AUTO_MODEL_CPU_SECONDS
+    assert 0 < refine.estimate_model_seconds(small, narrow) <= refine.AUTO_MODEL_CPU_SECONDS
     assert refine.resolve_model_steps(None, small, "cpu", refine.SEQ_LEN) == narrow < refine.MODEL_STEPS  # 25%
     assert refine.resolve_model_steps(None, small, "cuda", refine.SEQ_LEN) == refine.MODEL_STEPS
     half = _shaped_plan(30, 576, 9, 3, 64, 144, 48, 1536, nope_dims=64)  # SmolLM2-135M at 50%

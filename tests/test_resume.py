@@ -50,7 +50,7 @@ def killed_run(args: list[str], after: int) -> subprocess.CompletedProcess:
 def test_killed_conversion_resumes_to_the_same_bytes(four_layers, calib_text, tmp_path, propagate, after):
     """Killed after layer 1 (of 4), or after the last layer, before the model stage (which runs only along the
     source's stream): that stage then starts from the kept activations after the last layer."""
-    common = ["llama", str(four_layers), "--kv-budget", "0.5", "--calib-data", str(calib_text), "--calib-samples", "3",
+    common = ["llama", str(four_layers), "--kv-budget", "0.25", "--calib-data", str(calib_text), "--calib-samples", "3",
               "--calib-seq-len", "32", "--calib-propagate", propagate, "--dtype", "bfloat16", "-q"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert CliRunner().invoke(app, [*common, "-o", str(straight)]).exit_code == 0

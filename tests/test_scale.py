@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
-from mla_convert import refine
+from mla_convert import policy, refine
 from mla_convert.checkpoint import open_source
 from mla_convert.outputs import ShardedWriter
 from mla_convert.cli import app
@@ -152,9 +152,9 @@ def test_memory_estimate_does_not_grow_with_depth(tmp_path, calib_text, monkeypa
 
 
 def test_model_stage_memory_is_the_whole_model(tmp_path, calib_text):
-    """The model stage holds the whole converted model: where it runs (auto, on a tiny model) the estimate shows it
-    and grows with depth; without it the streamed estimate stays."""
-    staged = [plan_for(tmp_path, calib_text, n, refine_model_steps=None) for n in (2, 8)]
+    """The model stage holds the whole converted model: where it runs (auto, on a tiny model at a narrow budget) the
+    estimate shows it and grows with depth; without it the streamed estimate stays."""
+    staged = [plan_for(tmp_path, calib_text, n, rank=8, refine_model_steps=None) for n in (2, 8)]
     assert all(p.refine_model_steps > 0 and "model stage" in p.memory_parts() for p in staged)
     assert staged[1].memory_estimate() > staged[0].memory_estimate()
     assert staged[0].memory_parts()["model stage"] > 0
@@ -162,16 +162,16 @@ def test_model_stage_memory_is_the_whole_model(tmp_path, calib_text):
 
 
 def test_dry_run_prints_the_estimate_and_its_parts(sources, calib_text, monkeypatch):
-    args = ["llama", str(sources["llama-gqa"]), "--rank", "16", "--dry-run", "--calib-data", str(calib_text)]
+    args = ["llama", str(sources["llama-gqa"]), "--rank", "8", "--dry-run", "--calib-data", str(calib_text)]
     result = CliRunner().invoke(app, [*args, "--refine-model-steps", "0"])
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if "estimated peak memory" in line)
     assert "runtime" in line and "one layer's working set" in line and "GiB" in line
     assert "hidden states kept from the statistics pass" in line  # a tiny model's fit plan.KEEP_HIDDEN_BYTES
     monkeypatch.setattr("mla_convert.conversion.plan.KEEP_HIDDEN_BYTES", 0)  # as a large model's: none kept
-    result = CliRunner().invoke(app, args)  # auto runs the model stage on this tiny model: its memory is shown
+    result = CliRunner().invoke(app, args)  # auto runs the model stage on this tiny model (25%): its memory is shown
     line = next(line for line in result.output.splitlines() if "estimated peak memory" in line)
-    assert "model stage" in line and f"model stage: {refine.MODEL_STEPS} steps" in result.output
+    assert "model stage" in line and f"model stage: {policy.MODEL_STEPS_CPU[0]} steps" in result.output
 
 
 def test_progress_reports_each_layers_calibration_and_factorization(sources, convert_tiny, caplog):

@@ -119,8 +119,9 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
     window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
     precision = refine.resolve_precision(options.refine_precision, options.device, plan.hidden)
     rate = refine.cpu_rate(precision)
-    steps = refine.resolve_steps(options.refine_steps, plan, options.device, window, rate) if options.calib_data else 0
     queries = refine.resolve_queries(options.refine_queries, window, plan.ratio, options.device)
+    steps = (refine.resolve_steps(options.refine_steps, plan, options.device, window, rate, queries)
+             if options.calib_data else 0)
     plan.refine_seconds = refine.estimate_seconds(plan, steps, window, rate, queries)
     processes = workers.resolve_workers(options.refine_workers, options.device, steps, options.calib_propagate,
                                         plan.layers, plan.refine_seconds)
