@@ -129,10 +129,12 @@ def estimate_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU
     return steps * plan.layers * step_flops(plan, seq_len, batch_for(seq_len), queries=queries) / rate
 
 
-def default_steps(kept: float, device: str = "cuda") -> int:
-    """The auto refinement steps per layer of a conversion that keeps `kept` (a fraction) of the source's KV cache
-    (`policy.REFINE_STEPS` on a GPU, `policy.REFINE_STEPS_CPU` on a CPU)."""
-    return policy.by_cache_kept(kept, policy.REFINE_STEPS_CPU if device.startswith("cpu") else policy.REFINE_STEPS)
+def default_steps(kept: float, device: str = "cuda", queries: int = 0) -> int:
+    """The auto refinement steps per layer of a conversion that keeps `kept` (a fraction) of the source's KV cache:
+    `policy.REFINE_STEPS_CPU` on a CPU whose steps take `queries` positions of a window (the trade that pair was
+    measured for), else `policy.REFINE_STEPS` (a GPU's, and every position's)."""
+    subset = device.startswith("cpu") and queries > 0
+    return policy.by_cache_kept(kept, policy.REFINE_STEPS_CPU if subset else policy.REFINE_STEPS)
 
 
 def resolve_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS,
@@ -142,7 +144,7 @@ def resolve_steps(requested: int | None, plan, device: str, seq_len: int, rate: 
     says what refining would cost)."""
     if requested is not None:
         return requested
-    steps = default_steps(plan.ratio, device)
+    steps = default_steps(plan.ratio, device, queries)
     if not device.startswith("cpu"):
         return steps
     seconds = estimate_seconds(plan, steps, seq_len, rate, queries)

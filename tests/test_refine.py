@@ -208,10 +208,12 @@ def test_auto_steps_follow_the_estimated_cost(caplog):
     assert refine.resolve_steps(None, half, "cpu", refine.SEQ_LEN, queries=queries) == wide_cpu > narrow_cpu
     assert refine.estimate_seconds(half, wide_cpu, queries=queries) < refine.AUTO_CPU_SECONDS
     assert refine.estimate_seconds(half, wide_cpu) > refine.AUTO_CPU_SECONDS
-    assert refine.resolve_steps(None, half, "cpu", refine.SEQ_LEN) == 0
+    assert refine.resolve_steps(None, half, "cpu", refine.SEQ_LEN) == refine.WIDE_STEPS  # steps at every position
     assert refine.resolve_steps(None, half, "cuda", refine.SEQ_LEN) == refine.WIDE_STEPS
     assert refine.default_steps(0.25) == refine.DEFAULT_STEPS < refine.WIDE_STEPS == refine.default_steps(0.5)
-    assert refine.default_steps(0.25, "cpu") == narrow_cpu and refine.default_steps(0.5, "cpu") == wide_cpu
+    assert refine.default_steps(0.25, "cpu", 256) == narrow_cpu and refine.default_steps(0.5, "cpu", 256) == wide_cpu
+    # a CPU's steps at every position (a window no longer than the positions) are a GPU's count
+    assert refine.default_steps(0.5, "cpu", 0) == refine.WIDE_STEPS
     # the whole layer costs more a step than its attention alone (the MLP's maps train too)
     layer, attention = (_shaped_plan(30, 576, 9, 3, 64, 64, 32, 1536, scope=s) for s in ("layer", "attention"))
     assert refine.step_flops(layer) > 1.5 * refine.step_flops(attention)
