@@ -247,7 +247,8 @@ OPTIONS: tuple[Option, ...] = (
            "many Adam steps so that its outputs match the source's on the calibration text (real softmax and RoPE; "
            "kept only where a held-out calibration sequence improves). auto (default): on a GPU "
            f"{policy.rule_text(policy.REFINE_STEPS)}; on the CPU {policy.rule_text(policy.REFINE_STEPS_CPU)} at "
-           "--refine-queries positions a step (a GPU's at every position), when the plan estimates at most 1.5 h; 0: off (docs/decisions.md#refinement-steps-rate-and-window).", nullable=True, cli_default="auto",
+           "--refine-queries positions a step (a GPU's at every position), when the plan estimates at most 1.5 h; 0: "
+           "off (docs/decisions.md#refinement-steps-rate-and-window).", nullable=True, cli_default="auto",
            cli_type=Optional[str], parse=_steps, check=_non_negative),
     Option("refine_lr", float, 1e-3, ("--refine-lr",), "Learning rate of --refine-steps (Adam, cosine).",
            check=_positive),
