@@ -374,12 +374,15 @@ def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float
 def resolve_model_steps(requested: int | None, plan, device: str, seq_len: int, rate: float = CPU_FLOPS) -> int:
     """The model stage's steps: `requested`, or (None, auto) MODEL_STEPS on a GPU; on a CPU `policy.MODEL_STEPS_CPU`
     by the cache kept where their estimate is at most AUTO_MODEL_CPU_SECONDS and the model stage's memory
-    (`model_stage_bytes`) at most half the machine's, else 0 (with a warning that says why)."""
+    (`model_stage_bytes`) at most half the machine's, else 0 (with a warning that says why; none where the CPU's
+    default is 0 steps)."""
     if requested is not None:
         return requested
     if not device.startswith("cpu"):
         return MODEL_STEPS
     steps = policy.by_cache_kept(plan.ratio, policy.MODEL_STEPS_CPU)
+    if not steps:
+        return 0
     seconds = estimate_model_seconds(plan, steps, seq_len, rate)
     needed, total = model_stage_bytes(plan, seq_len), machine_bytes()
     if seconds <= AUTO_MODEL_CPU_SECONDS and (total is None or needed <= total / 2):

@@ -83,9 +83,11 @@ def tensor_shapes(shape: dict, layers: int) -> list[tuple[str, list[int]]]:
 
 
 def random_tensor(name: str, dims: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Normal weights (ones for norms) drawn on the generator's device (a GPU draws 16 GB in seconds), on the CPU."""
     if name.endswith("norm.weight"):
         return torch.ones(dims, dtype=torch.bfloat16)
-    return torch.empty(dims, dtype=torch.bfloat16).normal_(0, 0.1 if name.endswith("bias") else 0.02, generator=gen)
+    out = torch.empty(dims, dtype=torch.bfloat16, device=gen.device)
+    return out.normal_(0, 0.1 if name.endswith("bias") else 0.02, generator=gen).cpu()
 
 
 def write_shard(path: Path, tensors: list[tuple[str, list[int]]], make) -> None:
@@ -109,7 +111,8 @@ def write_shard(path: Path, tensors: list[tuple[str, list[int]]], make) -> None:
         f.truncate()
 
 
-def build(name: str, layers: int, folder: Path, sparse: bool = False, tokenizer_from: str | None = None) -> Path:
+def build(name: str, layers: int, folder: Path, sparse: bool = False, tokenizer_from: str | None = None,
+          device: str = "cpu") -> Path:
     """A random-weight (or, with `sparse`, all-hole) checkpoint of `name`'s shapes with `layers` layers; the tokenizer
     is the embedded SmolLM2-135M's, or the one saved in `tokenizer_from` (a machine without the embedded model)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -131,7 +134,7 @@ def build(name: str, layers: int, folder: Path, sparse: bool = False, tokenizer_
     else:
         _, tokenizer, _ = load_model(None)  # SmolLM2-135M's tokenizer (see the docstring)
     tokenizer.save_pretrained(folder)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)
     make = (lambda n, d: None) if sparse else (lambda n, d: random_tensor(n, d, gen))
     shards, current, size = [], [], 0
     for tname, dims in tensor_shapes({**SHAPES[name], "bias": bias}, layers):
@@ -212,17 +215,20 @@ def save(case: str, row: dict) -> None:
 
 def run(args) -> None:
     layers = args.layers or SHAPES[args.shape]["num_hidden_layers"]
-    case = f"{args.shape} {layers} layers, {args.samples} x {args.seq_len}, {args.device}"
+    budget = "" if args.kv_budget == 0.25 else f", {args.kv_budget:.0%} budget"
+    case = f"{args.shape} {layers} layers, {args.samples} x {args.seq_len}, {args.device}{budget}"
     src, out = WORK / f"{args.shape}-L{layers}", WORK / f"{args.shape}-L{layers}-mla"
     row = {"shape": args.shape, "layers": layers, "calibration": f"{args.samples} x {args.seq_len}",
            "device": args.device, "kv_budget": args.kv_budget, **harness.machine()}  # fmt: skip
     start = time.perf_counter()
     if not (args.keep and src.exists()):
-        build(args.shape, layers, src, tokenizer_from=args.tokenizer)
+        build(args.shape, layers, src, tokenizer_from=args.tokenizer, device=args.device)
     row["build_s"] = round(time.perf_counter() - start, 1)
     row["source_bytes"] = folder_bytes(src)
     conv = harness.convert(mla_args(SHAPES[args.shape]["family"], src, args, "--overwrite"), out).run
     output, wall, rss = conv.output, conv.wall_s, conv.peak_rss
+    if args.log:
+        args.log.write_text(output)
     row.update(parse_plan(output), wall_s=round(wall, 1), peak_rss_bytes=rss, output_bytes=folder_bytes(out),
                load_after=[round(x, 2) for x in os.getloadavg()])
     row["peak_over_estimate"] = round(rss / (row["estimate_gib"] * 2**30), 3) if row["estimate_gib"] else None
@@ -350,24 +356,28 @@ predate two later defaults: the nope query/key narrowed to head_dim - d_r (`--no
 and key maps, so fewer attention parameters and a slightly smaller output) and refinement (which auto skips on this CPU
 at these shapes, so their conversion work is unchanged). The 70B plan below is today's code.
 
-The `cuda` row ran on a lent NVIDIA H200 (16 cores; 2026-11-26): `python scripts/bench_scale.py run llama3-8b
---layers 4 --device cuda --tokenizer .dev/tokenizer --calib-file .dev/wiki.valid.tokens` (that machine has neither
-the embedded model nor ../shared, so the tokenizer and the text were carried; `scripts/gpu_checks.sh` runs it with the
-CUDA tests and the decode benchmark). On a GPU the defaults refine every layer (200 steps, whole layer) and run the
-model stage (64 steps), which auto skips on this CPU at 8B shapes (hours). Per layer: calibration 0.9 s,
-factorization 0.1 s, refinement 12.7 s; the model stage 9.8 s; 90.7 s in all for 4 layers, of which about 25 s are
-the process start and the shards' reads and writes. On the random weights refinement was kept in layer 0 only, so
-its MLP and norms (5 tensors) changed; the other 18 are byte-identical. The 32-layer conversion on the GPU was not
-run: the session's device time was 15 minutes, and building the 16 GB random checkpoint alone takes about 5.5 min
-there (81 s for 4 layers). From the per-layer times, 32 layers would take about 32 x 14 s = 7.5 min of layer work
-plus the model stage and I/O, roughly 10 min: an estimate, not a measurement. With `--refine-steps 0
---refine-model-steps 0` the layer work would be about 1 s a layer (0.9 s + 0.1 s measured above; that run was not
-made), plus reading and writing the shards.
+The `cuda` rows ran on lent NVIDIA H200s (16 cores): `python scripts/bench_scale.py run llama3-8b --layers N
+--device cuda [--kv-budget 0.5] --tokenizer .dev/tokenizer --calib-file .dev/wiki.valid.tokens` (that machine has
+neither the embedded model nor ../shared, so the tokenizer and the text were carried; `scripts/gpu_checks.sh` runs it
+with the CUDA tests and the decode benchmark). On a GPU the defaults refine every layer (whole layer, every position
+of the window: 200 steps at 25%, 300 at 50%) and run the model stage (64 steps), which auto skips on this CPU at 8B
+shapes (hours). The 8-layer rows (2026-11-30, commit abc6cc3 plus the random weights drawn on the GPU: 15-17 s to
+build 5.6 GB) at 25%: per layer calibration 0.5-0.6 s, factorization 0.1 s, refinement 13.4 s (11.9 s of training,
+the rest its targets and held-out checks), after a 6 s statistics pass over all 8; the model stage 12.7 s; 163 s in
+all, of which about 30 s are the process start and the shards' reads and writes; host memory peaked at 0.67 of the
+printed estimate (the 0.8-1.0 above is the CPU's). At 50%: refinement 19.6 s a layer,
+the model stage 14.8 s, 210 s in all. The 4-layer row (2026-11-26, older code) measured the same per layer (12.7 s).
+The 32-layer conversion on a GPU was not run (15 minutes of device time a session). From the 8-layer rows it takes
+about 32 x 14.8 s = 8 min of layer work at 25% (32 x 21 s = 11 min at 50%), plus a model stage of 32 layers (about
+1 min) and 16 GB of shards read and written (about 1.5 min): about 10 min at 25% and 14 min at 50%, an extrapolation,
+not a measurement. With `--refine-steps 0 --refine-model-steps 0` the layer work is under 1 s a layer. On the random
+weights refinement is kept only where it lowers the held-out error (layers 0 and 4-7 at 25%), so those layers' MLP
+and norms changed; the other tensors are byte-identical (the "unchanged" column).
 
 Attention parameters: with today's defaults they shrink a little (4 layers of 8B shapes: 0.168 G -> 0.145 G, the
-`cuda` row; the 70B plan: 12.08 G -> 11.13 G), because the nope query/key is narrowed to head_dim - d_r. Before that
-default the MLA query carried a rope part per head on top of the full head (`q_proj` [H (d_h + d_r), D]) and they grew
-(the CPU rows: 1.34 G -> 1.44 G at 32 layers). The KV cache is what shrinks (4x at `--kv-budget 0.25`).
+4-layer `cuda` row; the 70B plan: 12.08 G -> 11.13 G), because the nope query/key is narrowed to head_dim - d_r.
+Before that default the MLA query carried a rope part per head on top of the full head (`q_proj` [H (d_h + d_r), D])
+and they grew (the CPU rows: 1.34 G -> 1.44 G at 32 layers). The KV cache is what shrinks (4x at `--kv-budget 0.25`).
 """
 
 
@@ -384,6 +394,7 @@ def main() -> None:
         p.add_argument("--device", default="cpu")
         p.add_argument("--calib-file", type=Path, default=DATA / "wiki.valid.tokens",
                        help="calibration text (default: WikiText-2 validation from ../shared)")
+        p.add_argument("--log", type=Path, default=None, help="write the conversion's output to this file")
         p.add_argument("--tokenizer", default=None,
                        help="a saved tokenizer folder instead of the embedded SmolLM2-135M's (a machine without it)")
         p.add_argument("--keep", action="store_true", help="keep (and reuse) the source and output folders")

@@ -453,6 +453,12 @@ def test_auto_model_steps_follow_the_estimated_cost(caplog):
     with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
         assert refine.resolve_model_steps(None, big, "cpu", refine.SEQ_LEN) == 0
     assert "--refine-model-steps" in caplog.text
+    big_half = _shaped_plan(32, 4096, 32, 8, 128, 960, 64, 14336, nope_dims=64)  # 8B at 50%: the CPU's default is none
+    big_half.memory["vocab"] = 128256
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
+        assert refine.resolve_model_steps(None, big_half, "cpu", refine.SEQ_LEN) == wide == 0
+    assert "model stage" not in caplog.text  # nothing to skip: no warning offering "--refine-model-steps 0"
     assert refine.resolve_model_steps(None, big, "cuda", refine.SEQ_LEN) == refine.MODEL_STEPS
     assert refine.resolve_model_steps(5, big, "cpu", refine.SEQ_LEN) == 5
     # the rate follows the stage's length unless given
