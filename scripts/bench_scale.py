@@ -62,6 +62,10 @@ SHAPES = {  # the published configs' shapes (dtype bfloat16)
                        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                        head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, bias=False),
+    "smollm2-135m": dict(model_type="llama", family="llama", vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, bias=False),
 }  # fmt: skip
 
 
@@ -373,6 +377,14 @@ about 32 x 14.8 s = 8 min of layer work at 25% (32 x 21 s = 11 min at 50%), plus
 not a measurement. With `--refine-steps 0 --refine-model-steps 0` the layer work is under 1 s a layer. On the random
 weights refinement is kept only where it lowers the held-out error (layers 0 and 4-7 at 25%), so those layers' MLP
 and norms changed; the other tensors are byte-identical (the "unchanged" column).
+
+SmolLM2-135M's shapes (`smollm2-135m`: random weights, untied head) on the same H200 (2026-11-30, built with `build`
+on the GPU, then `mla-convert llama SRC --kv-budget 0.25 --device cuda -v`, the data-free default): 98 s in all,
+the self text sampled on the GPU, a 6 s statistics pass, then 1.3-1.5 s a layer (200 whole-window steps of about
+5.8 ms: bound by kernel launches, not arithmetic, at this size) and the model stage (64 steps). At 50% (300 steps)
+the layers took 2.4-2.6 s each; that run was stopped by the session's device time after 5 layers. On random weights
+the model stage is not kept (its held-out KL starts at 0.0018 and rises): the times are what the phases cost, the
+quality is not meaningful. The 2-core CPU's estimate for the same 25% run is 20 min.
 
 Attention parameters: with today's defaults they shrink a little (4 layers of 8B shapes: 0.168 G -> 0.145 G, the
 4-layer `cuda` row; the 70B plan: 12.08 G -> 11.13 G), because the nope query/key is narrowed to head_dim - d_r.
