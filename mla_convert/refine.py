@@ -14,13 +14,16 @@ that the closed form already reproduces, e.g. at full rank, has nothing to gain:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
+import time
 
 import torch
 
 from mla_convert import dtypes, policy
+from mla_convert.errors import UserError
 from mla_convert.schema import DEFAULTS, choices
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,12 @@ CPU_FLOPS = 1.5e11
 CPU_BF16_FLOPS = 3.0e11
 CPU_AVX512_BF16_FLOPS = 2.1e11
 SUBSET_RATE = 0.5
+# Those rates are the 2-core reference machine's; another CPU's are scaled by its speed relative to it (`cpu_speed`):
+# its float32 matrix-product rate (`gemm_flops`) over REFERENCE_GEMM_FLOPS, the reference's
+# (docs/decisions.md#the-estimate-on-this-cpu-issue-52-twelfth-session), or $MLA_CONVERT_CPU_SPEED where set.
+REFERENCE_GEMM_FLOPS = 1.9e11
+SPEED_BAND = (2 / 3, 1.5)
+CPU_SPEED_ENV = "MLA_CONVERT_CPU_SPEED"
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
 # back what the attention lost. MLP_LR_SCALE (`--refine-mlp-lr-scale`): the MLP's and norms' learning rate / the
@@ -73,12 +82,47 @@ def resolve_precision(requested: str, device: str, hidden: int) -> str:
 def cpu_rate(precision: str) -> float:
     """The flop/s the estimates assume on this machine's CPU for steps computed in `precision` (float32 |
     bfloat16: AMX tiles where the CPU has them, else its AVX512-BF16 instructions; on a CPU with neither, bfloat16 is
-    emulated, not measured, and estimated at the float32 rate)."""
+    emulated, not measured, and estimated at the float32 rate), scaled by its `cpu_speed`."""
     if precision != "bfloat16":
-        return CPU_FLOPS
-    if torch.cpu._is_amx_tile_supported():
-        return CPU_BF16_FLOPS
-    return CPU_AVX512_BF16_FLOPS if torch.cpu._is_avx512_bf16_supported() else CPU_FLOPS
+        rate = CPU_FLOPS
+    elif torch.cpu._is_amx_tile_supported():
+        rate = CPU_BF16_FLOPS
+    else:
+        rate = CPU_AVX512_BF16_FLOPS if torch.cpu._is_avx512_bf16_supported() else CPU_FLOPS
+    return rate * cpu_speed()
+
+
+def gemm_flops(size: int = 1024, seconds: float = 0.5, least: int = 5) -> float:
+    """This CPU's float32 matrix-product flop/s at torch's thread count: the fastest of the [size, size] products run
+    over `seconds` (at least `least` of them) after one to warm up; the fastest, since what else the machine runs
+    only slows a product down."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best, end, count = math.inf, time.perf_counter() + seconds, 0
+    while count < least or time.perf_counter() < end:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best, count = min(best, time.perf_counter() - start), count + 1
+    return 2 * size**3 / best
+
+
+@functools.cache
+def cpu_speed() -> float:
+    """This CPU's speed relative to the reference machine the estimates' rates were fitted on: $MLA_CONVERT_CPU_SPEED
+    where set (a positive number), else `gemm_flops` over REFERENCE_GEMM_FLOPS, measured once a process (half a
+    second), taken as 1 inside SPEED_BAND (the reference machine's own spread between hours and processes)."""
+    text = os.environ.get(CPU_SPEED_ENV, "").strip()
+    if not text:
+        speed = gemm_flops() / REFERENCE_GEMM_FLOPS
+        return 1.0 if SPEED_BAND[0] <= speed <= SPEED_BAND[1] else speed
+    try:
+        speed = float(text)
+    except ValueError:
+        speed = math.nan
+    if not (math.isfinite(speed) and speed > 0):
+        raise UserError(f"{CPU_SPEED_ENV}={text!r}: set it to a positive number (this CPU's speed relative to the "
+                        "2-core machine the time estimates assume, 2 for twice as fast), or unset it to measure")
+    return speed
 
 
 def _compute(x: torch.Tensor, precision: str):
@@ -367,7 +411,7 @@ def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float
     if not steps:
         return 0.0
     checks = (MODEL_CHECKS + 1) / 3 * model_step_flops(plan, seq_len, 0)
-    terms = plan.memory.get("samples", 0) * 2 * _head_flops(plan, seq_len) / CPU_FLOPS
+    terms = plan.memory.get("samples", 0) * 2 * _head_flops(plan, seq_len) / (CPU_FLOPS * cpu_speed())
     return (steps * model_step_flops(plan, seq_len) + checks) / rate + terms
 
 

@@ -16,6 +16,8 @@ from tiny import shard_k_and_v_apart, tiny_source, tiny_text  # noqa: E402
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 # text sampled from models for `--calib-data self` is cached: never in the user's cache during tests
 os.environ["MLA_CONVERT_CACHE"] = tempfile.mkdtemp(prefix="mla-convert-test-cache-")
+# time estimates (and the `auto` choices made on them) as on the reference machine, whatever machine runs the tests
+os.environ["MLA_CONVERT_CPU_SPEED"] = "1"
 
 
 def assert_user_error(code: int, output: str, *needles: str) -> None:

@@ -67,7 +67,7 @@ class Plan:
     refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate
     refine_model_seconds: float = 0.0
     refine_model_scope: str = refine.MODEL_SCOPE
-    calibration_seconds: float = 0.0  # the calibration stream's forwards on a 2-core CPU (conversion.timing)
+    calibration_seconds: float = 0.0  # the calibration stream's forwards on this CPU (conversion.timing)
     sample_seconds: float = 0.0  # the self text still to sample there
 
     def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
@@ -262,11 +262,13 @@ class Plan:
                 f"{cpu.rope_dims})")
 
     def describe_time(self) -> str:
-        """The time estimate's line: the total on a 2-core CPU and its phases."""
+        """The time estimate's line: the total on this CPU (its threads, its speed against the estimates' 2-core
+        reference: `refine.cpu_speed`) and its phases."""
         phases = {"self text": self.sample_seconds, "calibration": self.calibration_seconds,
                   "refinement": self.refine_seconds, "model stage": self.refine_model_seconds}
         minutes = ", ".join(f"{k} {v / 60:.0f}" for k, v in phases.items() if v)
-        return f"time on a 2-core CPU: about {timing.total_seconds(self) / 60:.0f} min" + (
+        machine = f"{torch.get_num_threads()} threads, {refine.cpu_speed():.2g}x the 2-core reference"
+        return f"time on this CPU ({machine}): about {timing.total_seconds(self) / 60:.0f} min" + (
             f" ({minutes} min)" if minutes else "")
 
 

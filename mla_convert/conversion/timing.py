@@ -1,10 +1,10 @@
-"""What a conversion will take on a 2-core CPU, phase by phase, as the plan prints it (`--dry-run`): the self text
-still to sample, the calibration stream's forwards (statistics and advancing the stream past each layer), the per-layer
-refinement and the model stage (those two: `mla_convert.refine`).
+"""What a conversion will take on this machine's CPU, phase by phase, as the plan prints it (`--dry-run`): the self
+text still to sample, the calibration stream's forwards (statistics and advancing the stream past each layer), the
+per-layer refinement and the model stage (those two: `mla_convert.refine`).
 
 Every phase is a flop count at a rate fitted on whole conversions on 2 CPU cores (the rates and the runs they come
-from: docs/decisions.md#conversion-time-on-2-cpu-cores-issue-52). On a GPU the phases take minutes; the estimate is
-what the CPU would take.
+from: docs/decisions.md#conversion-time-on-2-cpu-cores-issue-52), scaled by this CPU's speed relative to that machine
+(`refine.cpu_speed`). On a GPU the phases take minutes; the estimate is what the CPU would take.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ def calibration_seconds(plan, statistics_pass: bool) -> float:
         return 0.0
     passes = 2 if statistics_pass and not plan.memory.get("kept_hidden") else 1
     forwards = STATISTICS_FORWARDS + passes * ADVANCE_FORWARDS
-    return plan.layers * forwards * layer_forward_flops(plan) / refine.CPU_FLOPS
+    return plan.layers * forwards * layer_forward_flops(plan) / (refine.CPU_FLOPS * refine.cpu_speed())
 
 
 def sample_seconds(parameters: int, tokens: int, bf16: bool = False) -> float:
     """Sampling `tokens` of self text from a source of `parameters` parameters (in bfloat16 with `bf16`)."""
-    return tokens * 2 * parameters / (SAMPLE_BF16_FLOPS if bf16 else SAMPLE_FLOPS)
+    return tokens * 2 * parameters / ((SAMPLE_BF16_FLOPS if bf16 else SAMPLE_FLOPS) * refine.cpu_speed())
 
 
 def total_seconds(plan) -> float:
