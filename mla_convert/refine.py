@@ -14,11 +14,9 @@ that the closed form already reproduces, e.g. at full rank, has nothing to gain:
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import os
-import time
 
 import torch
 
@@ -49,10 +47,9 @@ CPU_BF16_FLOPS = 3.0e11
 CPU_AVX512_BF16_FLOPS = 2.1e11
 SUBSET_RATE = 0.5
 # Those rates are the 2-core reference machine's; another CPU's are scaled by its speed relative to it (`cpu_speed`):
-# its float32 matrix-product rate (`gemm_flops`) over REFERENCE_GEMM_FLOPS, the reference's
-# (docs/decisions.md#the-estimate-on-this-cpu-issue-52-twelfth-session), or $MLA_CONVERT_CPU_SPEED where set.
-REFERENCE_GEMM_FLOPS = 1.9e11
-SPEED_BAND = (2 / 3, 1.5)
+# its thread count over REFERENCE_THREADS, or $MLA_CONVERT_CPU_SPEED where set
+# (docs/decisions.md#the-estimate-on-this-cpu-issue-52-twelfth-session).
+REFERENCE_THREADS = 2
 CPU_SPEED_ENV = "MLA_CONVERT_CPU_SPEED"
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
 # layer (attention, MLP, norms) to what the source layer adds to the residual stream, so that the MLP can also take
@@ -92,36 +89,20 @@ def cpu_rate(precision: str) -> float:
     return rate * cpu_speed()
 
 
-def gemm_flops(size: int = 1024, seconds: float = 0.5, least: int = 5) -> float:
-    """This CPU's float32 matrix-product flop/s at torch's thread count: the fastest of the [size, size] products run
-    over `seconds` (at least `least` of them) after one to warm up; the fastest, since what else the machine runs
-    only slows a product down."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    best, end, count = math.inf, time.perf_counter() + seconds, 0
-    while count < least or time.perf_counter() < end:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best, count = min(best, time.perf_counter() - start), count + 1
-    return 2 * size**3 / best
-
-
-@functools.cache
 def cpu_speed() -> float:
-    """This CPU's speed relative to the reference machine the estimates' rates were fitted on: $MLA_CONVERT_CPU_SPEED
-    where set (a positive number), else `gemm_flops` over REFERENCE_GEMM_FLOPS, measured once a process (half a
-    second), taken as 1 inside SPEED_BAND (the reference machine's own spread between hours and processes)."""
+    """This CPU's speed relative to the 2-core machine the estimates' rates were fitted on: $MLA_CONVERT_CPU_SPEED
+    where set (a positive number), else torch's thread count over REFERENCE_THREADS (each core as fast as the
+    reference's)."""
     text = os.environ.get(CPU_SPEED_ENV, "").strip()
     if not text:
-        speed = gemm_flops() / REFERENCE_GEMM_FLOPS
-        return 1.0 if SPEED_BAND[0] <= speed <= SPEED_BAND[1] else speed
+        return torch.get_num_threads() / REFERENCE_THREADS
     try:
         speed = float(text)
     except ValueError:
         speed = math.nan
     if not (math.isfinite(speed) and speed > 0):
         raise UserError(f"{CPU_SPEED_ENV}={text!r}: set it to a positive number (this CPU's speed relative to the "
-                        "2-core machine the time estimates assume, 2 for twice as fast), or unset it to measure")
+                        "2-core machine the time estimates assume, 2 for twice as fast), or unset it")
     return speed
 
 

@@ -262,12 +262,13 @@ class Plan:
                 f"{cpu.rope_dims})")
 
     def describe_time(self) -> str:
-        """The time estimate's line: the total on this CPU (its threads, its speed against the estimates' 2-core
-        reference: `refine.cpu_speed`) and its phases."""
+        """The time estimate's line: the total on this CPU (at `refine.cpu_speed`: its threads, or the speed a user
+        set) and its phases."""
         phases = {"self text": self.sample_seconds, "calibration": self.calibration_seconds,
                   "refinement": self.refine_seconds, "model stage": self.refine_model_seconds}
         minutes = ", ".join(f"{k} {v / 60:.0f}" for k, v in phases.items() if v)
-        machine = f"{torch.get_num_threads()} threads, {refine.cpu_speed():.2g}x the 2-core reference"
+        setting, threads = os.environ.get(refine.CPU_SPEED_ENV, "").strip(), torch.get_num_threads()
+        machine = f"{refine.CPU_SPEED_ENV}={setting}" if setting else f"{threads} thread{'s' * (threads != 1)}"
         return f"time on this CPU ({machine}): about {timing.total_seconds(self) / 60:.0f} min" + (
             f" ({minutes} min)" if minutes else "")
 
