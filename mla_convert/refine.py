@@ -106,6 +106,13 @@ def cpu_speed() -> float:
     return speed
 
 
+def cpu_speed_source() -> str:
+    """Where `cpu_speed` comes from, for the plan's time line: the user's setting, or the thread count."""
+    text = os.environ.get(CPU_SPEED_ENV, "").strip()
+    threads = torch.get_num_threads()
+    return f"{CPU_SPEED_ENV}={text}" if text else f"{threads} thread{'s' * (threads != 1)}"
+
+
 def _compute(x: torch.Tensor, precision: str):
     """The context the training forwards run in: bfloat16 autocast on x's device, or nothing for float32."""
     return torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16")
@@ -392,7 +399,7 @@ def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float
     if not steps:
         return 0.0
     checks = (MODEL_CHECKS + 1) / 3 * model_step_flops(plan, seq_len, 0)
-    terms = plan.memory.get("samples", 0) * 2 * _head_flops(plan, seq_len) / (CPU_FLOPS * cpu_speed())
+    terms = plan.memory.get("samples", 0) * 2 * _head_flops(plan, seq_len) / cpu_rate("float32")
     return (steps * model_step_flops(plan, seq_len) + checks) / rate + terms
 
 

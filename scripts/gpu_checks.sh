@@ -9,7 +9,7 @@
 # Each step has its own time limit, and a step that fails or runs out does not stop the next. Everything it writes
 # goes to OUTDIR: log.txt, scale.json / scale.md (benchmarks/scale/ with the new row merged, only when the conversion
 # finished), decode_gpu_<gpu>.md/.json and decode_gpu_<gpu>_half.md/.json. LAYERS=32 needs SCALE_LIMIT of about 720
-# (8 layers took 163 s on an H200, the random weights drawn on the GPU in 17 s; 32 would take about 10 minutes).
+# (the per-layer times it is sized from: benchmarks/scale/README.md).
 #
 #   bash scripts/gpu_checks.sh OUTDIR [TOKENIZER_DIR CALIB_FILE]
 #

@@ -112,10 +112,10 @@ def test_cuda_conversion_is_exact_at_full_rank_and_matches_cpu(sources, convert_
         assert ((mla(ids).logits - reference).abs().max() / reference.abs().max()).item() < 1e-4
     # lossy: the same model up to float64 rounding (compared by logits: a latent direction may come out negated), the
     # refinement pinned to the same schedule (a CPU's auto schedule is its own)
-    logits, refine = [], dict(refine_steps=200, refine_queries=0, refine_model_steps=64)
+    logits, schedule = [], dict(refine_steps=200, refine_queries=0, refine_model_steps=64)
     for device in ("cpu", "cuda"):
         model = AutoModelForCausalLM.from_pretrained(convert_tiny(sources["llama-gqa"], rank=16, device=device,
-                                                                  **refine)).eval()
+                                                                  **schedule)).eval()
         with torch.no_grad():
             logits.append(model(ids).logits)
     assert ((logits[0] - logits[1]).abs().max() / logits[0].abs().max()).item() < 1e-3

@@ -267,9 +267,7 @@ class Plan:
         phases = {"self text": self.sample_seconds, "calibration": self.calibration_seconds,
                   "refinement": self.refine_seconds, "model stage": self.refine_model_seconds}
         minutes = ", ".join(f"{k} {v / 60:.0f}" for k, v in phases.items() if v)
-        setting, threads = os.environ.get(refine.CPU_SPEED_ENV, "").strip(), torch.get_num_threads()
-        machine = f"{refine.CPU_SPEED_ENV}={setting}" if setting else f"{threads} thread{'s' * (threads != 1)}"
-        return f"time on this CPU ({machine}): about {timing.total_seconds(self) / 60:.0f} min" + (
+        return f"time on this CPU ({refine.cpu_speed_source()}): about {timing.total_seconds(self) / 60:.0f} min" + (
             f" ({minutes} min)" if minutes else "")
 
 

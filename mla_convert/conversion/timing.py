@@ -43,7 +43,7 @@ def calibration_seconds(plan, statistics_pass: bool) -> float:
         return 0.0
     passes = 2 if statistics_pass and not plan.memory.get("kept_hidden") else 1
     forwards = STATISTICS_FORWARDS + passes * ADVANCE_FORWARDS
-    return plan.layers * forwards * layer_forward_flops(plan) / (refine.CPU_FLOPS * refine.cpu_speed())
+    return plan.layers * forwards * layer_forward_flops(plan) / refine.cpu_rate("float32")
 
 
 def sample_seconds(parameters: int, tokens: int, bf16: bool = False) -> float:
