@@ -40,10 +40,14 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # embedded model at both budgets, not an 8B model (hours). CPU_FLOPS: what 2 CPU cores without bfloat16 arithmetic
 # sustain in the refinement's float32 steps (the steps `auto` runs there); CPU_BF16_FLOPS: what 2 cores with AMX
 # sustain in its bfloat16 steps, CPU_AVX512_BF16_FLOPS what 2 cores with AVX512-BF16 but no AMX sustain in them;
-# SUBSET_RATE: the share of that rate a step at chosen positions (`--refine-queries`) sustains. Measured on whole
-# conversions (docs/decisions.md#refinement-on-the-cpu-when-auto-refines).
+# CPU_BF16_MODEL_FLOPS: what 2 cores with AMX sustain in the model stage's bfloat16 steps, whose whole-model matrix
+# products (the head's above all) AMX speeds more than the layer step's attention; SUBSET_RATE: the share of the rate
+# a step at chosen positions (`--refine-queries`) sustains. Measured on whole conversions
+# (docs/decisions.md#refinement-on-the-cpu-when-auto-refines,
+# docs/decisions.md#the-defaults-on-2-intel-xeon-cores-with-amx-issue-52-thirteenth-session).
 CPU_FLOPS = 1.5e11
 CPU_BF16_FLOPS = 3.0e11
+CPU_BF16_MODEL_FLOPS = 4.6e11
 CPU_AVX512_BF16_FLOPS = 2.1e11
 SUBSET_RATE = 0.5
 # Those rates are the 2-core reference machine's; another CPU's are scaled by its speed relative to it (`cpu_speed`):
@@ -76,14 +80,15 @@ def resolve_precision(requested: str, device: str, hidden: int) -> str:
     return "float32"
 
 
-def cpu_rate(precision: str) -> float:
+def cpu_rate(precision: str, model_stage: bool = False) -> float:
     """The flop/s the estimates assume on this machine's CPU for steps computed in `precision` (float32 |
     bfloat16: AMX tiles where the CPU has them, else its AVX512-BF16 instructions; on a CPU with neither, bfloat16 is
-    emulated, not measured, and estimated at the float32 rate), scaled by its `cpu_speed`."""
+    emulated, not measured, and estimated at the float32 rate), the model stage's steps with `model_stage`, scaled by
+    its `cpu_speed`."""
     if precision != "bfloat16":
         rate = CPU_FLOPS
     elif torch.cpu._is_amx_tile_supported():
-        rate = CPU_BF16_FLOPS
+        rate = CPU_BF16_MODEL_FLOPS if model_stage else CPU_BF16_FLOPS
     else:
         rate = CPU_AVX512_BF16_FLOPS if torch.cpu._is_avx512_bf16_supported() else CPU_FLOPS
     return rate * cpu_speed()

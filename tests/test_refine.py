@@ -160,10 +160,14 @@ def test_bfloat16_steps_fit_float32_weights(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert refine.resolve_precision("auto", "cpu", 576) == "bfloat16"
     assert refine.cpu_rate("bfloat16") == refine.CPU_BF16_FLOPS and refine.cpu_rate("float32") == refine.CPU_FLOPS
+    # the model stage's products are larger, and AMX speeds them more than the layer step's attention
+    assert refine.cpu_rate("bfloat16", model_stage=True) == refine.CPU_BF16_MODEL_FLOPS > refine.CPU_BF16_FLOPS
+    assert refine.cpu_rate("float32", model_stage=True) == refine.CPU_FLOPS
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert refine.resolve_precision("auto", "cpu", 576) == "bfloat16"
     assert refine.cpu_rate("bfloat16") == refine.CPU_AVX512_BF16_FLOPS < refine.CPU_BF16_FLOPS
+    assert refine.cpu_rate("bfloat16", model_stage=True) == refine.CPU_AVX512_BF16_FLOPS  # fitted on both stages
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert refine.resolve_precision("auto", "cuda", 576) == "float32"
     assert refine.resolve_precision("auto", "cpu", 64) == "float32"  # tiny layers: the casts cost more than they save

@@ -131,13 +131,14 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
     plan.refine_workers = processes
     if processes > 1:
         plan.refine_seconds /= workers.speedup(queries)
-    model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window, rate)
+    model_rate = refine.cpu_rate(precision, model_stage=True)
+    model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window, model_rate)
                    if options.calib_data and options.calib_propagate == "source" and options.needs_statistics() else 0)
     options = dataclasses.replace(options, refine_model_steps=model_steps,
                                   refine_model_lr=refine.resolve_model_lr(options.refine_model_lr, model_steps))
     plan.refine_model_steps = model_steps
     plan.refine_model_scope = options.refine_model_scope
-    plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window, rate)
+    plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window, model_rate)
     plan.calibration_seconds = timing.calibration_seconds(plan, options.rank_allocation == "energy")
     if options.calib_data:
         from mla_convert.calibration import self_tokens_to_sample
