@@ -98,7 +98,7 @@ def cpu_speed() -> float:
     """This CPU's speed relative to the 2-core machine the estimates' rates were fitted on: $MLA_CONVERT_CPU_SPEED
     where set (a positive number), else torch's thread count over REFERENCE_THREADS (each core as fast as the
     reference's)."""
-    text = os.environ.get(CPU_SPEED_ENV, "").strip()
+    text = _speed_setting()
     if not text:
         return torch.get_num_threads() / REFERENCE_THREADS
     try:
@@ -113,9 +113,13 @@ def cpu_speed() -> float:
 
 def cpu_speed_source() -> str:
     """Where `cpu_speed` comes from, for the plan's time line: the user's setting, or the thread count."""
-    text = os.environ.get(CPU_SPEED_ENV, "").strip()
-    threads = torch.get_num_threads()
+    text, threads = _speed_setting(), torch.get_num_threads()
     return f"{CPU_SPEED_ENV}={text}" if text else f"{threads} thread{'s' * (threads != 1)}"
+
+
+def _speed_setting() -> str:
+    """$MLA_CONVERT_CPU_SPEED as the user set it ("" where unset)."""
+    return os.environ.get(CPU_SPEED_ENV, "").strip()
 
 
 def _compute(x: torch.Tensor, precision: str):

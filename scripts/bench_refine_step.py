@@ -4,7 +4,7 @@ and under bfloat16 autocast: what `--refine-precision` trades (docs/decisions.md
 
     python scripts/bench_refine_step.py [--steps 5] [--attention sdpa|eager] [--shape NAME] [--seq-len 2048]
     python scripts/bench_refine_step.py --model out/FOLDER [--layer 3] [--seq-len 1024 --batch 2] [--compile]
-    python scripts/bench_refine_step.py --model out/FOLDER --queries 256 [--profile]
+    python scripts/bench_refine_step.py --model out/FOLDER --queries 256 [--profile [float32|bfloat16]]
 
 The layer is a Llama decoder layer of SmolLM2-135M's shape (hidden 576, 9 query / 3 kv heads, head_dim 64,
 intermediate 1536), of Llama-3-8B's (hidden 4096, 32 / 8 heads, head_dim 128, intermediate 14336), of the tests'
@@ -13,8 +13,8 @@ after a warm-up step, and what `--refine-steps` (200 by default) would cost a la
 `--model` takes one decoder layer of a converted (native MLA) checkpoint instead, as the refinement trains it
 (`refine.layer_update`); `--compile` runs its forward through `torch.compile`; `--batch` windows a step (the
 refinement takes 2048 / T windows of T tokens); `--queries N` takes the loss at N random positions a step
-(`refine.layer_update_at`, `--refine-queries`); `--profile` prints the operators of the float32 steps by their own
-CPU time (`torch.profiler`) instead of timing both precisions.
+(`refine.layer_update_at`, `--refine-queries`); `--profile` prints the operators of the steps in one precision
+(float32 unless named) by their own CPU time (`torch.profiler`) instead of timing both precisions.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="the forward through torch.compile")
     parser.add_argument("--batch", type=int, default=1, help="windows a step")
     parser.add_argument("--queries", type=int, default=0, help="with --model: the loss at this many positions a step")
-    parser.add_argument("--profile", action="store_true", help="profile --steps float32 steps (torch.profiler)")
+    parser.add_argument("--profile", choices=("float32", "bfloat16"), nargs="?", const="float32", default=None,
+                        help="profile --steps steps in this precision (default float32; torch.profiler)")
     args = parser.parse_args()
     if args.queries and (not args.model or args.compile):
         parser.error("--queries takes a converted layer (--model) and runs uncompiled (no --compile)")
@@ -113,10 +114,11 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        step(False)
+        bf16 = args.profile == "bfloat16"
+        step(bf16)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):
-                step(False)
+                step(bf16)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
     for bf16 in (False, True, False, True):
