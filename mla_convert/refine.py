@@ -277,6 +277,13 @@ def layer_update_at(layer, x, position_embeddings, index: torch.Tensor) -> torch
     return (out[0] if isinstance(out, tuple) else out) - part
 
 
+def adam(groups: list[dict]) -> torch.optim.Adam:
+    """Adam over parameter groups (each with its lr), fused into one kernel over every tensor where their device has
+    it (CPU, CUDA)."""
+    devices = {p.device.type for g in groups for p in g["params"]}
+    return torch.optim.Adam(groups, fused=devices <= {"cpu", "cuda"} or None)
+
+
 def _relative_error(module, forward, x, y, position_embeddings) -> float:
     """||forward(module, x) - y||^2 / ||y||^2 over one sequence x [1, T, D] (position embeddings [1, T, d])."""
     with torch.no_grad():
@@ -324,7 +331,7 @@ random positions of its windows (`layer_update_at`), every key still formed. Ret
     groups = [{"params": [p for p in params if id(p) not in slow_ids], "lr": lr}]
     if slow:
         groups.append({"params": list(slow), "lr": slow_lr})
-    optimizer = torch.optim.Adam(groups)
+    optimizer = adam(groups)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
     gen = torch.Generator().manual_seed(seed)
     seq_len = min(seq_len, total)
@@ -621,7 +628,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.Adam(params, lr=lr)
+    optimizer = adam([{"params": params, "lr": lr}])
     warmup, every = max(1, int(MODEL_WARMUP * steps)), max(1, steps // MODEL_CHECKS)
 
     def factor(s: int) -> float:

@@ -5,6 +5,7 @@ and under bfloat16 autocast: what `--refine-precision` trades (docs/decisions.md
     python scripts/bench_refine_step.py [--steps 5] [--attention sdpa|eager] [--shape NAME] [--seq-len 2048]
     python scripts/bench_refine_step.py --model out/FOLDER [--layer 3] [--seq-len 1024 --batch 2] [--compile]
     python scripts/bench_refine_step.py --model out/FOLDER --queries 256 [--profile [float32|bfloat16]]
+    python scripts/bench_refine_step.py --model out/FOLDER --queries 256 --grouped-ab [--rounds 3]
 
 The layer is a Llama decoder layer of SmolLM2-135M's shape (hidden 576, 9 query / 3 kv heads, head_dim 64,
 intermediate 1536), of Llama-3-8B's (hidden 4096, 32 / 8 heads, head_dim 128, intermediate 14336), of the tests'
@@ -14,7 +15,10 @@ after a warm-up step, and what `--refine-steps` (200 by default) would cost a la
 (`refine.layer_update`); `--compile` runs its forward through `torch.compile`; `--batch` windows a step (the
 refinement takes 2048 / T windows of T tokens); `--queries N` takes the loss at N random positions a step
 (`refine.layer_update_at`, `--refine-queries`); `--profile` prints the operators of the steps in one precision
-(float32 unless named) by their own CPU time (`torch.profiler`) instead of timing both precisions.
+(float32 unless named) by their own CPU time (`torch.profiler`) instead of timing both precisions; `--grouped-ab`
+times, in bfloat16 and in alternation for `--rounds` rounds, the step as the refinement takes it (a kv group's query
+heads stacked over its keys, `modeling_mla.grouped_sdpa`; Adam fused, `refine.adam`) against the step before them
+(each group's keys and values repeated for its heads; Adam's per-tensor update).
 """
 
 from __future__ import annotations
@@ -74,11 +78,16 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="the forward through torch.compile")
     parser.add_argument("--batch", type=int, default=1, help="windows a step")
     parser.add_argument("--queries", type=int, default=0, help="with --model: the loss at this many positions a step")
+    parser.add_argument("--grouped-ab", action="store_true",
+                        help="with --queries: the step with grouped attention and fused Adam against without")
+    parser.add_argument("--rounds", type=int, default=3, help="--grouped-ab: rounds of the alternation")
     parser.add_argument("--profile", choices=("float32", "bfloat16"), nargs="?", const="float32", default=None,
                         help="profile --steps steps in this precision (default float32; torch.profiler)")
     args = parser.parse_args()
     if args.queries and (not args.model or args.compile):
         parser.error("--queries takes a converted layer (--model) and runs uncompiled (no --compile)")
+    if args.grouped_ab and not args.queries:
+        parser.error("--grouped-ab times the step at chosen positions: give --queries")
     torch.manual_seed(0)
     batch = args.batch
     if args.model:
@@ -90,9 +99,11 @@ def main() -> None:
     x = torch.randn(batch, args.seq_len, config.hidden_size)
     target = torch.randn_like(x)
     embeddings = tuple(t.expand(batch, -1, -1) for t in rotary(x, torch.arange(args.seq_len)[None]))
-    optimizer = torch.optim.Adam(layer.parameters(), 1e-3)
+    from mla_convert.modeling import modeling_mla
+    from mla_convert.refine import adam, layer_update_at
+
+    optimizer = adam([{"params": list(layer.parameters()), "lr": 1e-3}])
     forward = update if args.model else plain
-    from mla_convert.refine import layer_update_at
     if args.compile:
         forward = torch.compile(forward, dynamic=False)
 
@@ -120,6 +131,21 @@ def main() -> None:
             for _ in range(args.steps):
                 step(bf16)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        return
+    if args.grouped_ab:
+        grouped = modeling_mla.grouped_fits
+        for _ in range(args.rounds):
+            for now in (False, True):
+                modeling_mla.grouped_fits = grouped if now else (lambda *a: False)
+                optimizer = adam([{"params": list(layer.parameters()), "lr": 1e-3}]) if now else \
+                    torch.optim.Adam(layer.parameters(), 1e-3)
+                step(True)
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    step(True)
+                seconds = (time.perf_counter() - start) / args.steps
+                print(f"{'grouped attention, fused Adam' if now else 'repeated keys, per-tensor Adam'}: "
+                      f"{seconds:.4f} s a step (bfloat16 autocast)")
         return
     for bf16 in (False, True, False, True):
         step(bf16)

@@ -76,3 +76,57 @@ def test_padded_prefill_then_absorbed_decode_matches_one_forward():
             out = model(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "per row"])
+def test_grouped_sdpa_equals_repeated_keys_forward_and_gradients(mask_kind):
+    """The query heads of a kv group stacked as one head's rows: the result and gradients of repeating the group's
+    keys and values for each of its heads, for a mask shared by the heads (bool or additive, one per batch row)."""
+    from mla_convert.modeling.modeling_mla import grouped_fits, grouped_sdpa
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, groups, q_len, kv_len, width = 2, 6, 2, 5, 11, 8
+    query = torch.randn(batch, heads, q_len, width, generator=gen, requires_grad=True)
+    key = torch.randn(batch, groups, kv_len, width, generator=gen, requires_grad=True)
+    value = torch.randn(batch, groups, kv_len, width, generator=gen, requires_grad=True)
+    rows = torch.tensor([1, 3, 6, 8, 10])  # chosen query positions, as a refinement step takes them
+    mask = (rows[:, None] >= torch.arange(kv_len)[None])[None, None]  # [1, 1, T, S]
+    if mask_kind == "additive":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    elif mask_kind == "per row":
+        mask = mask.repeat(batch, 1, 1, 1)
+        mask[1, 0, :, :2] = False  # the second row's first two keys are padding
+    assert grouped_fits(query, key, mask) and not grouped_fits(query, key, None)
+    got = grouped_sdpa(query, key, value, mask, scaling=0.3)
+    grads = torch.autograd.grad(got.square().sum(), (query, key, value))
+    per = heads // groups
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(per, dim=1), value.repeat_interleave(per, dim=1), attn_mask=mask, scale=0.3)
+    want_grads = torch.autograd.grad(want.square().sum(), (query, key, value))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_padded_batch_in_grouped_sdpa_equals_eager(shape, monkeypatch):
+    """A batch with left padding: its mask is shared by the heads, so sdpa takes the grouped form (where the layers
+    expand the latent); the logits at the real positions are eager attention's."""
+    from mla_convert.modeling import modeling_mla
+
+    calls = []
+    grouped = modeling_mla.grouped_sdpa
+    monkeypatch.setattr(modeling_mla, "grouped_sdpa", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+    ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(4))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :6] = 0
+    logits = []
+    for implementation in ("eager", "sdpa"):
+        model = tiny_mla(implementation, **SHAPES[shape])
+        for layer in model.model.layers:
+            layer.self_attn.use_latent_prefill = lambda *a: False  # the expanded form, as at full rank
+        with torch.no_grad():
+            logits.append(model(ids, attention_mask=attention_mask, use_cache=False).logits)
+    assert len(calls) == TINY["num_hidden_layers"]
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[1][real], logits[0][real], rtol=1e-5, atol=1e-5)

@@ -8,7 +8,8 @@ Per layer (shapes at the point of use; H query heads, G kv groups, d_c latent, d
     o_proj     [D, H*d_v]
 
 Prefill and training expand the latent to per-group K/V and run the usual attention (sdpa/eager; for sdpa the value
-is zero-padded to the query/key width so the fused kernel runs), except in layers whose latent is narrower than the
+is zero-padded to the query/key width so the fused kernel runs; under a mask shared by the heads, a kv group's query
+heads go in as rows of one head over its keys, `grouped_sdpa`), except in layers whose latent is narrower than the
 nope key (d_c < d_n): there sdpa attends over the latent itself, the key [c, k_r] one kv head shared by every query
 head (`use_latent_prefill`, `_latent_prefill`), which is fewer multiply-adds. Decode uses the absorbed form (A_CC_ME in the design
 notes): the query's nope part is multiplied into `W_uk`, scores are taken against the latent and the rope key apart
@@ -288,16 +289,11 @@ class MLAAttention(nn.Module):
                 query, key = nn.functional.pad(query, (0, d_v - d_qk)), nn.functional.pad(key, (0, d_v - d_qk))
             else:
                 value = nn.functional.pad(value, (0, d_qk - d_v))  # [B, G, S, d_n+d_r]
-        out, weights = attention(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )  # [B, T, H, d_v] (or padded width); weights [B, H, T, S] or None
+        dropout = 0.0 if not self.training else self.attention_dropout
+        if implementation == "sdpa" and grouped_fits(query, key, attention_mask):
+            return grouped_sdpa(query, key, value, attention_mask, self.scaling, dropout)[..., :d_v], None
+        out, weights = attention(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
+                                 **kwargs)  # [B, T, H, d_v] (or padded width); weights [B, H, T, S] or None
         return out[..., :d_v].transpose(1, 2), weights
 
     def use_latent_prefill(self, q_len: int, kv_len: int, attention_mask: torch.Tensor | None) -> bool:
@@ -423,6 +419,27 @@ class MLAAttention(nn.Module):
         from mla_convert.kernels import triton_available
 
         return self.kv_b_proj.weight.is_cuda and triton_available()
+
+
+def grouped_fits(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether `grouped_sdpa` takes this attention: kv groups shared by several query heads, and an explicit mask
+    that is the same for every head (with no mask, sdpa's causal kernel needs each row at its own position)."""
+    return (attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and key.shape[1] < query.shape[1])
+
+
+def grouped_sdpa(query, key, value, attention_mask, scaling: float, dropout: float = 0.0) -> torch.Tensor:
+    """sdpa over query [B, H, T, d] and one kv head per group (key, value [B, G, S, d]) with the H / G query heads of
+    a group stacked as rows of one head, their mask rows repeated: the fused kernel reads each group's keys once and no
+    per-head copy of keys and values is made (or summed back in the backward). The same products as repeating each
+    group's keys for its heads. -> [B, H, T, d_v]."""
+    bsz, heads, q_len, width = query.shape
+    groups = key.shape[1]
+    per = heads // groups
+    mask = attention_mask[:, :, None].expand(-1, -1, per, q_len, -1).reshape(attention_mask.shape[0], 1, per * q_len, -1)
+    out = nn.functional.scaled_dot_product_attention(query.reshape(bsz, groups, per * q_len, width), key, value,
+                                                     attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.view(bsz, heads, q_len, -1)
 
 
 def offset_causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
