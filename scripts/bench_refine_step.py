@@ -52,6 +52,15 @@ def update(layer, x, embeddings):
     return layer_update(layer, x, embeddings)
 
 
+def timed(step, bf16: bool, steps: int) -> float:
+    """Seconds a step of `step(bf16)` over `steps` steps, after one untimed."""
+    step(bf16)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(bf16)
+    return (time.perf_counter() - start) / steps
+
+
 def mla_layer(folder: str, index: int):
     """(decoder layer `index` of the converted checkpoint `folder`, trainable, float32; its config; its rotary)."""
     import sys
@@ -139,20 +148,12 @@ def main() -> None:
                 modeling_mla.grouped_fits = grouped if now else (lambda *a: False)
                 optimizer = adam([{"params": list(layer.parameters()), "lr": 1e-3}]) if now else \
                     torch.optim.Adam(layer.parameters(), 1e-3)
-                step(True)
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    step(True)
-                seconds = (time.perf_counter() - start) / args.steps
+                seconds = timed(step, True, args.steps)
                 print(f"{'grouped attention, fused Adam' if now else 'repeated keys, per-tensor Adam'}: "
                       f"{seconds:.4f} s a step (bfloat16 autocast)")
         return
     for bf16 in (False, True, False, True):
-        step(bf16)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step(bf16)
-        seconds = (time.perf_counter() - start) / args.steps
+        seconds = timed(step, bf16, args.steps)
         print(f"{'bfloat16 autocast' if bf16 else 'float32'}: {seconds:.3f} s a step, "
               f"{args.layer_steps * seconds / 60:.1f} min for {args.layer_steps} steps of one layer")
 
