@@ -374,8 +374,8 @@ random positions of its windows (`layer_update_at`), every key still formed. Ret
 # compound; the source's own output distribution can. It reads no other text (the calibration windows, one held out),
 # and needs the source's final hidden states only, which the calibration stream already computed: no second model.
 # Steps and rate chosen on the development split: docs/decisions.md#the-model-stage. MODEL_STEPS on a GPU; on a CPU
-# `policy.MODEL_STEPS_CPU` by the cache kept (fewer at narrow budgets, none at wide ones, for time: the reasons in
-# mla_convert/policy.py). MODEL_LR for a stage of MODEL_STEPS or more steps, SHORT_MODEL_LR for a shorter one.
+# `policy.MODEL_STEPS_CPU` by the cache kept (fewer, for time: the reasons in mla_convert/policy.py). MODEL_LR for a
+# stage of MODEL_STEPS or more steps, SHORT_MODEL_LR for a shorter one.
 MODEL_STEPS = 64
 MODEL_LR = 1e-4
 SHORT_MODEL_LR = 2e-4

@@ -469,7 +469,7 @@ def test_model_stage_restores_the_weights_when_the_held_out_kl_does_not_drop(sou
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_auto_model_steps_follow_the_estimated_cost(caplog):
+def test_auto_model_steps_follow_the_estimated_cost(caplog, monkeypatch):
     small = _shaped_plan(30, 576, 9, 3, 64, 64, 32, 1536)  # SmolLM2-135M at 25%
     small.memory["vocab"] = 49152
     big = _shaped_plan(32, 4096, 32, 8, 128, 512, 64, 14336)  # Llama-3-8B shapes
@@ -484,11 +484,16 @@ def test_auto_model_steps_follow_the_estimated_cost(caplog):
     with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
         assert refine.resolve_model_steps(None, big, "cpu", refine.SEQ_LEN) == 0
     assert "--refine-model-steps" in caplog.text
-    big_half = _shaped_plan(32, 4096, 32, 8, 128, 960, 64, 14336, nope_dims=64)  # 8B at 50%: the CPU's default is none
+    big_half = _shaped_plan(32, 4096, 32, 8, 128, 960, 64, 14336, nope_dims=64)  # 8B at 50%: the wide steps too long
     big_half.memory["vocab"] = 128256
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
-        assert refine.resolve_model_steps(None, big_half, "cpu", refine.SEQ_LEN) == wide == 0
+        assert refine.resolve_model_steps(None, big_half, "cpu", refine.SEQ_LEN) == 0 < wide
+    assert f"--refine-model-steps {wide}" in caplog.text
+    monkeypatch.setattr(policy, "MODEL_STEPS_CPU", (narrow, 0))  # a CPU default of none at the wide budget
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mla_convert.refine"):
+        assert refine.resolve_model_steps(None, big_half, "cpu", refine.SEQ_LEN) == 0
     assert "model stage" not in caplog.text  # nothing to skip: no warning offering "--refine-model-steps 0"
     assert refine.resolve_model_steps(None, big, "cuda", refine.SEQ_LEN) == refine.MODEL_STEPS
     assert refine.resolve_model_steps(5, big, "cpu", refine.SEQ_LEN) == 5
