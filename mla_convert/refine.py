@@ -410,12 +410,14 @@ def _head_flops(plan, positions: int) -> float:
 
 def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
     """The model stage's `steps` at `rate` flop/s, with its held-out passes (a forward at every position, about a
-    third of such a step: one before training and MODEL_CHECKS during it) and the teacher's terms of every calibration
-    window (`teacher_terms`: its logits and their expected head row, float32); 0 without steps."""
+    third of such a step: one before training and MODEL_CHECKS during it) and the teacher's terms of the windows it
+    reads (`teacher_terms`: its logits and their expected head row, float32; the held-out window and at most one more a
+    step); 0 without steps."""
     if not steps:
         return 0.0
     checks = (MODEL_CHECKS + 1) / 3 * model_step_flops(plan, seq_len, 0)
-    terms = plan.memory.get("samples", 0) * 2 * _head_flops(plan, seq_len) / cpu_rate("float32")
+    windows = min(plan.memory.get("samples", 0), steps + 1)  # the held-out window and those the steps draw
+    terms = windows * 2 * _head_flops(plan, seq_len) / cpu_rate("float32")
     return (steps * model_step_flops(plan, seq_len) + checks) / rate + terms
 
 
@@ -624,8 +626,7 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
     params = [p for name, p in model.named_parameters() if name in names]
     best = [p.detach().clone() for p in params]  # the weights with the lowest held-out KL so far
     frozen = [p for p in model.parameters() if p.requires_grad]
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
     optimizer = adam([{"params": params, "lr": lr}])
@@ -638,12 +639,13 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     gen, picks = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)  # windows, positions
-    xt, tt = tokens[train], teacher_terms(model, teacher[train])
+    xt, tt = tokens[train], {}  # a training window's teacher terms, formed when a step first draws it
     seq_len = min(seq_len, tokens.shape[1])
     for step in range(1, steps + 1):
         model.train()
         row = int(torch.randint(0, xt.shape[0], (1,), generator=gen))
-        ids, target = xt[row, :seq_len], tt[row, :seq_len]
+        tt[row] = tt[row] if row in tt else teacher_terms(model, teacher[row])
+        ids, target = xt[row, :seq_len], tt[row][:seq_len]
         with _compute(ids, precision):
             hidden = final_hidden(model, ids, None if bt is None else bt[row], first)
         if 0 < positions < seq_len:

@@ -555,6 +555,27 @@ def test_model_stage_keeps_the_best_weights_it_checked(sources, convert_tiny, mo
             assert record["kept"] and record["step"] <= _SpoilsLate.good and record["last"] > record["after"]
 
 
+def test_model_stage_forms_teacher_terms_of_the_windows_it_reads(sources, convert_tiny, monkeypatch):
+    """The teacher's terms are formed for the held-out window and for each window a step draws, once each: a short
+    stage over many windows forms few. A window's terms formed alone are those formed with the others."""
+    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
+    folder = convert_tiny(sources["llama-gqa"], rank=4, rope_dims=4, refine_steps=0, refine_model_steps=0)
+    ids = torch.randint(0, src.config.vocab_size, (12, 48), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        teacher = torch.cat([src.model(input_ids=x[None]).last_hidden_state for x in ids])
+    mla = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    together = refine.teacher_terms(mla, teacher)
+    for i in range(len(ids)):
+        torch.testing.assert_close(refine.teacher_terms(mla, teacher[i]), together[i], rtol=1e-6, atol=1e-7)
+    formed, real = [], refine.teacher_terms
+    monkeypatch.setattr(refine, "teacher_terms", lambda m, t: formed.append(t.shape[0] if t.dim() == 3 else 1)
+                        or real(m, t))
+    gen = torch.Generator().manual_seed(0)  # the stage's window draw, replayed
+    drawn = {int(torch.randint(0, len(ids) - 1, (1,), generator=gen)) for _ in range(3)}
+    record = refine.refine_model(mla, ids, teacher, 3, lr=3e-3)
+    assert sum(formed) == 1 + len(drawn) < len(ids) and len(record["curve"]) == 3
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_kl_from_teacher_terms_is_the_kl_of_the_teachers_logits(bias):
     """`teacher_terms` (the teacher's expected head row and constant, formed once) give the KL of the head's
