@@ -528,15 +528,22 @@ class _SpoilsLate(torch.optim.Adam):
                     p.add_(torch.randn(p.shape, generator=self.noise), alpha=0.5)
 
 
+def _stage_inputs(sources, convert_tiny, windows: int, seed: int):
+    """(a tiny converted folder without refinement, `windows` random 48-token windows, the source's final hidden
+    states on them): the model stage's inputs in its tests."""
+    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
+    folder = convert_tiny(sources["llama-gqa"], rank=4, rope_dims=4, refine_steps=0, refine_model_steps=0)
+    ids = torch.randint(0, src.config.vocab_size, (windows, 48), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        teacher = torch.cat([src.model(input_ids=x[None]).last_hidden_state for x in ids])
+    return folder, ids, teacher
+
+
 def test_model_stage_keeps_the_best_weights_it_checked(sources, convert_tiny, monkeypatch):
     """The stage checks the held-out window MODEL_CHECKS times and keeps the best weights seen: what the model holds
     afterwards scores exactly the record's `after`, the lowest of the checks (or the converted weights' own, if no
     check beat them), and a run that goes wrong late in training does not cost what it gained early."""
-    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
-    folder = convert_tiny(sources["llama-gqa"], rank=4, rope_dims=4, refine_steps=0, refine_model_steps=0)
-    ids = torch.randint(0, src.config.vocab_size, (5, 48), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        teacher = torch.cat([src.model(input_ids=x[None]).last_hidden_state for x in ids])
+    folder, ids, teacher = _stage_inputs(sources, convert_tiny, 5, 3)
     adam = torch.optim.Adam
     for lr, steps, spoiled in ((3e-3, 16, False), (3e-3, 16, True), (1e-2, 5, False)):
         monkeypatch.setattr(refine.torch.optim, "Adam", _SpoilsLate if spoiled else adam)
@@ -558,11 +565,7 @@ def test_model_stage_keeps_the_best_weights_it_checked(sources, convert_tiny, mo
 def test_model_stage_forms_teacher_terms_of_the_windows_it_reads(sources, convert_tiny, monkeypatch):
     """The teacher's terms are formed for the held-out window and for each window a step draws, once each: a short
     stage over many windows forms few. A window's terms formed alone are those formed with the others."""
-    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
-    folder = convert_tiny(sources["llama-gqa"], rank=4, rope_dims=4, refine_steps=0, refine_model_steps=0)
-    ids = torch.randint(0, src.config.vocab_size, (12, 48), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        teacher = torch.cat([src.model(input_ids=x[None]).last_hidden_state for x in ids])
+    folder, ids, teacher = _stage_inputs(sources, convert_tiny, 12, 4)
     mla = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     together = refine.teacher_terms(mla, teacher)
     for i in range(len(ids)):
@@ -608,11 +611,7 @@ def test_model_stage_at_chosen_positions(sources, convert_tiny, monkeypatch):
     """`positions`: a step's KL (and the head's logits) at that many random positions of its window, every layer
     still at every position; the held-out checks at every position. It trains, and its gradient is the mean KL's at
     the positions drawn."""
-    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
-    folder = convert_tiny(sources["llama-gqa"], rank=4, rope_dims=4, refine_steps=0, refine_model_steps=0)
-    ids = torch.randint(0, src.config.vocab_size, (5, 48), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        teacher = torch.cat([src.model(input_ids=x[None]).last_hidden_state for x in ids])
+    folder, ids, teacher = _stage_inputs(sources, convert_tiny, 5, 3)
     rows, real = [], refine._kl_chunks
     monkeypatch.setattr(refine, "_kl_chunks", lambda m, h, t, backward, **kw: rows.append((h.shape[0], backward))
                         or real(m, h, t, backward, **kw))
@@ -644,11 +643,7 @@ def test_model_stage_on_the_top_layers_trains_them_alone(sources, convert_tiny):
     """`refine_model(top=K)`: the frozen layers' outputs, computed once, carried through the layers above give the
     whole model's KL; only the last K layers' attention changes; the record's `after` is what the whole model scores
     afterwards."""
-    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
-    folder = convert_tiny(sources["llama-gqa"], rank=4, rope_dims=4, refine_steps=0, refine_model_steps=0)
-    ids = torch.randint(0, src.config.vocab_size, (5, 48), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        teacher = torch.cat([src.model(input_ids=x[None]).last_hidden_state for x in ids])
+    folder, ids, teacher = _stage_inputs(sources, convert_tiny, 5, 4)
     mla = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     n = len(mla.model.layers)
     assert n >= 2
