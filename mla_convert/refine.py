@@ -14,6 +14,7 @@ that the closed form already reproduces, e.g. at full rank, has nothing to gain:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -639,13 +640,13 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     gen, picks = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)  # windows, positions
-    xt, tt = tokens[train], {}  # a training window's teacher terms, formed when a step first draws it
+    xt = tokens[train]
+    terms = functools.cache(lambda row: teacher_terms(model, teacher[row]))  # formed when a step first draws the window
     seq_len = min(seq_len, tokens.shape[1])
     for step in range(1, steps + 1):
         model.train()
         row = int(torch.randint(0, xt.shape[0], (1,), generator=gen))
-        tt[row] = tt[row] if row in tt else teacher_terms(model, teacher[row])
-        ids, target = xt[row, :seq_len], tt[row][:seq_len]
+        ids, target = xt[row, :seq_len], terms(row)[:seq_len]
         with _compute(ids, precision):
             hidden = final_hidden(model, ids, None if bt is None else bt[row], first)
         if 0 < positions < seq_len:
