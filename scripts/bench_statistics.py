@@ -9,9 +9,6 @@ The text is the 50% default's (`self`, temperature 1.0, seed 0; `--windows` wind
 $MLA_CONVERT_CACHE (sampled first where the cache lacks it). `--reuse-freed` sets glibc's malloc to keep freed blocks of
 up to 1 GiB for reuse (`mallopt`: mmap threshold 1 GiB, heap trimmed past 2 GiB free) before the first layer: what the
 faults cost (docs/decisions.md#the-defaults-on-2-intel-xeon-cores-with-amx-issue-52-thirteenth-session).
-The package is imported before torch, as the command does it, so torch backs large blocks with huge pages
-(`THP_MEM_ALLOC_ENABLE`, set by `import mla_convert`); `THP_MEM_ALLOC_ENABLE=0 python scripts/bench_statistics.py`
-measures the plain pages (docs/decisions.md#the-statistics-passs-page-faults-issue-52-sixteenth-session).
 """
 
 from __future__ import annotations
@@ -19,13 +16,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import resource
 import sys
 import time
 from pathlib import Path
 
-import mla_convert  # noqa: F401  (first: it sets torch's huge-page allocation before torch is imported)
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,9 +48,8 @@ def main() -> None:
     tokens = calibration_tokens(source, "self", args.windows, 2048, 0, temperature=1.0)
     runner = LayerRunner(source.config, source.get_raw("model.embed_tokens.weight"), tokens)
     kept, cpu = {}, torch.device("cpu")
-    thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.windows} windows of 2048, "
-          f"reuse freed blocks: {args.reuse_freed}, THP_MEM_ALLOC_ENABLE={thp}")
+          f"reuse freed blocks: {args.reuse_freed}")
     for i in range(args.layers):
         layer = source_decoder_layer(source.config, family, i, float32_on(raw_layer(source, i, family), cpu))
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -66,7 +60,7 @@ def main() -> None:
         runner.advance(layer)
         kept[i] = runner.hidden.clone()
         end, after = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        row = {"layer": i, "windows": args.windows, "reuse_freed": args.reuse_freed, "thp_alloc": thp,
+        row = {"layer": i, "windows": args.windows, "reuse_freed": args.reuse_freed,
                "second_moment_s": round(moments - start, 2), "attention_statistics_s": round(attention - moments, 2),
                "advance_and_keep_s": round(end - attention, 2), "total_s": round(end - start, 2),
                "system_s": round(after.ru_stime - before.ru_stime, 2), "minor_faults": after.ru_minflt - before.ru_minflt}

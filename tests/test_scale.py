@@ -182,36 +182,3 @@ def test_progress_reports_each_layers_calibration_and_factorization(sources, con
     timings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("layer ")]
     assert [t.split(":")[0] for t in timings] == ["layer 0", "layer 1"]
     assert all("calibration" in t and "factorization" in t and "refine" in t for t in timings)  # refined by default
-
-
-def _allocation_report(first: str, env: dict | None = None) -> tuple[str, bool]:
-    """In a fresh interpreter that imports `first` ("mla_convert" or "torch") first: the THP_MEM_ALLOC_ENABLE value
-    torch sees and whether a freshly written 64 MB tensor is backed by huge pages (AnonHugePages)."""
-    import os
-    import subprocess
-    import sys
-
-    code = (f"import {first}\nimport os, mla_convert, torch\n"
-            "t = torch.empty(16 << 20)\nt.fill_(1.0)\n"
-            "huge = sum(int(line.split()[1]) for line in open('/proc/self/smaps') if line.startswith('AnonHugePages'))\n"
-            "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), huge >= 32 << 10)\n")
-    environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | (env or {})
-    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
-    value, huge = out.stdout.split()
-    return value, huge == "True"
-
-
-def test_the_package_asks_torch_for_huge_pages_when_imported_first():
-    """`import mla_convert` before torch (the command's order) sets THP_MEM_ALLOC_ENABLE=1 for torch, and where the
-    kernel honours madvise a fresh large block is then backed by huge pages; a value the user set is kept, and a
-    process that imported torch first is left as it is."""
-    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not setting.is_file():
-        pytest.skip("no transparent huge pages on this system")
-    honoured = "[never]" not in setting.read_text()
-    value, huge = _allocation_report("mla_convert")
-    assert value == "1" and huge == honoured
-    assert _allocation_report("mla_convert", {"THP_MEM_ALLOC_ENABLE": "0"})[0] == "0"
-    value, huge = _allocation_report("torch")
-    assert value == "None"  # unset
-    assert huge == ("[always]" in setting.read_text())
