@@ -4,8 +4,9 @@ say the same rule the conversion applies (`rule_text`).
 
 Why these values: docs/decisions.md#calibration-windows, #self-text-temperature-length-and-batch,
 #refinement-steps-rate-and-window, #refinement-at-wide-budgets,
-#the-model-stages-cost-on-a-cpu-issue-52-tenth-session, #the-50-defaults-steps-on-a-cpu-issue-52-eleventh-session
-and #a-short-model-stage-at-50-on-a-cpu-issue-52-fifteenth-session."""
+#the-model-stages-cost-on-a-cpu-issue-52-tenth-session, #the-50-defaults-steps-on-a-cpu-issue-52-eleventh-session,
+#a-short-model-stage-at-50-on-a-cpu-issue-52-fifteenth-session and
+#one-model-stage-step-at-50-on-a-cpu-issue-52-seventeenth-session."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ CALIB_TEMPERATURE = (1.2, 1.0)  # --calib-temperature of `self` text: varied tex
 REFINE_STEPS = (200, 300)  # --refine-steps auto (per layer) on a GPU: a wider latent has more to fit
 REFINE_STEPS_CPU = (200, 600)  # ... on a CPU, where a step at the wide budget takes its loss at fewer positions
 REFINE_QUERIES_CPU = (256, 256)  # --refine-queries auto on a CPU (0: every position; a GPU takes every position)
-MODEL_STEPS_CPU = (32, 8)  # --refine-model-steps auto on a CPU (a GPU takes refine.MODEL_STEPS)
+MODEL_STEPS_CPU = (32, 1)  # --refine-model-steps auto on a CPU (a GPU takes refine.MODEL_STEPS)
 
 
 def by_cache_kept(kept: float, pair: tuple):

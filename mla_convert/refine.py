@@ -411,12 +411,12 @@ def _head_flops(plan, positions: int) -> float:
 
 def estimate_model_seconds(plan, steps: int, seq_len: int = SEQ_LEN, rate: float = CPU_FLOPS) -> float:
     """The model stage's `steps` at `rate` flop/s, with its held-out passes (a forward at every position, about a
-    third of such a step: one before training and MODEL_CHECKS during it) and the teacher's terms of the windows it
-    reads (`teacher_terms`: its logits and their expected head row, float32; the held-out window and at most one more a
-    step); 0 without steps."""
+    third of such a step: one before training and about MODEL_CHECKS during it, one a step where the stage is
+    shorter) and the teacher's terms of the windows it reads (`teacher_terms`: its logits and their expected head
+    row, float32; the held-out window and at most one more a step); 0 without steps."""
     if not steps:
         return 0.0
-    checks = (MODEL_CHECKS + 1) / 3 * model_step_flops(plan, seq_len, 0)
+    checks = (min(steps, MODEL_CHECKS) + 1) / 3 * model_step_flops(plan, seq_len, 0)
     windows = min(plan.memory.get("samples", 0), steps + 1)  # the held-out window and those the steps draw
     terms = windows * 2 * _head_flops(plan, seq_len) / cpu_rate("float32")
     return (steps * model_step_flops(plan, seq_len) + checks) / rate + terms

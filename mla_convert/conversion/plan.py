@@ -214,7 +214,7 @@ class Plan:
             + (f" (loss at {self.refine_queries} positions a window)" if self.refine_steps and self.refine_queries
                else "")
             + (f", {self.refine_workers} layers at once" if self.refine_steps and self.refine_workers > 1 else "")
-            + f"; model stage: {self.refine_model_steps} steps"
+            + f"; model stage: {self.refine_model_steps} step{'' if self.refine_model_steps == 1 else 's'}"
             + (f"; training steps in {self.refine_precision}" if self.refine_steps or self.refine_model_steps else ""),
             self.describe_time(),
             f"source size {self.source_bytes / 2**20:.0f} MiB; estimated peak memory {self.memory_estimate() / 2**30:.2f} GiB"
