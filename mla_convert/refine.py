@@ -45,9 +45,10 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # products (the head's above all) AMX speeds more than the layer step's attention; SUBSET_RATE: the share of the rate
 # a step at chosen positions (`--refine-queries`) sustains. Measured on whole conversions
 # (docs/decisions.md#refinement-on-the-cpu-when-auto-refines,
-# docs/decisions.md#the-defaults-on-2-intel-xeon-cores-with-amx-issue-52-thirteenth-session).
+# docs/decisions.md#the-defaults-on-2-intel-xeon-cores-with-amx-issue-52-thirteenth-session,
+# docs/decisions.md#one-model-stage-step-at-50-on-a-cpu-issue-52-seventeenth-session).
 CPU_FLOPS = 1.5e11
-CPU_BF16_FLOPS = 3.0e11
+CPU_BF16_FLOPS = 4.1e11
 CPU_BF16_MODEL_FLOPS = 4.6e11
 CPU_AVX512_BF16_FLOPS = 2.1e11
 SUBSET_RATE = 0.5

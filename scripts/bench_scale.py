@@ -379,10 +379,12 @@ weights refinement is kept only where it lowers the held-out error (layers 0 and
 and norms changed; the other tensors are byte-identical (the "unchanged" column).
 
 What refining an 8B model would cost on the 2-core CPU, by the estimate `auto` decides on (`mla-convert llama SRC
---kv-budget B --dry-run` on an all-hole 32-layer checkpoint of Llama-3-8B's shapes, 2026-11-30): with the data-free
-default's text (16 or 32 windows of 2048 tokens) 6.5 h at 25% (200 steps at 256 positions) and 21.2 h at 50% (600
-steps), and from 1 x 512 tokens of a file 22.8 h and 70.3 h (a step then takes four 512-token windows' positions
-where a 2048-token window's step takes one 256-position subset): `auto` skips it over 1.5 h, and says so. The
+--kv-budget B --dry-run` on an all-hole 32-layer checkpoint of Llama-3-8B's shapes, 2026-11-30, 2 Intel Xeon cores
+with AMX, the bfloat16 rate refitted that day): with the data-free default's text (16 or 32 windows of 2048 tokens)
+3.3 h at 25% (200 steps at 256 positions) and 10.9 h at 50% (600 steps), and from 1 x 512 tokens of a file
+(`--calib-data wiki.valid.tokens --calib-samples 1 --calib-seq-len 512`) 11.7 h and 36.0 h (a step then takes four
+512-token windows' positions where a 2048-token window's step takes one 256-position subset): `auto` skips it over
+1.5 h, and says so. The
 data-free default's text alone is about 2 h to sample on that CPU at 25% (`--dry-run`: self text 121 min), which is
 why the runs above calibrate from a file.
 
