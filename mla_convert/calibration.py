@@ -169,6 +169,19 @@ def attention_input(layer, hidden: torch.Tensor) -> torch.Tensor:
     return hidden if norm is None else norm(hidden)
 
 
+# Windows a runner advances through a layer at once (`LayerRunner.batch`): 8 on a GPU; 1 on a CPU, where the
+# forward's temporaries for one window (its MLP products: [2048, intermediate] float32) stay small enough for glibc's
+# heap to reuse them instead of mapping fresh pages for each chunk. The same hidden states either way, bit for bit:
+# docs/decisions.md#one-model-stage-step-at-50-on-a-cpu-issue-52-seventeenth-session.
+BATCH = 8
+CPU_BATCH = 1
+
+
+def advance_batch(device) -> int:
+    """The runner's batch on `device` (BATCH, or CPU_BATCH on a CPU)."""
+    return CPU_BATCH if torch.device(device).type == "cpu" else BATCH
+
+
 class LayerRunner:
     """Runs calibration tokens through decoder layers one at a time.
 
@@ -176,7 +189,7 @@ class LayerRunner:
     `advance(layer_module)` replaces the hidden states by the layer's output.
     """
 
-    def __init__(self, config, embed: torch.Tensor, tokens: torch.Tensor, batch: int = 8,
+    def __init__(self, config, embed: torch.Tensor, tokens: torch.Tensor, batch: int = BATCH,
                  embed_scale: float | None = None):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

@@ -94,3 +94,27 @@ def test_by_distance_reads_each_query_row_back_from_its_own_position():
     # row 0 (query 2): d=0 -> key 2 (0.5), d=1 -> key 1 (0.3), d=2 -> key 0 (0.2)
     # row 1 (query 3): d=0 -> key 3 (0.4), d=1 -> 0.3, d=2 -> 0.2, d=3 -> 0.1
     torch.testing.assert_close(by_distance(probs), torch.tensor([[0.9, 0.6, 0.4, 0.1]]))
+
+
+@torch.no_grad()
+def test_advance_a_window_at_a_time_is_the_batched_advance_bit_for_bit():
+    """A CPU's runner advances one window at a time (`CPU_BATCH`, so that the layer's temporaries stay in the heap), a
+    GPU's `BATCH` at once: the hidden states are the same bits either way, so a conversion writes the same weights."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from mla_convert.calibration import BATCH, CPU_BATCH, advance_batch
+
+    assert advance_batch("cpu") == CPU_BATCH == 1 and advance_batch("cuda:1") == advance_batch("cuda") == BATCH > 1
+    torch.manual_seed(2)
+    config = LlamaConfig(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=60, head_dim=16)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    layers = [LlamaDecoderLayer(config, i).eval() for i in range(2)]
+    embed, tokens = torch.randn(60, 64), torch.randint(0, 60, (10, 48))
+    streams = [LayerRunner(config, embed, tokens, batch=batch) for batch in (CPU_BATCH, BATCH, 3)]
+    for layer in layers:
+        for runner in streams:
+            runner.advance(layer)
+        assert all(torch.equal(streams[0].hidden, runner.hidden) for runner in streams[1:])
+    assert streams[0].hidden.shape == (10, 48, 64)

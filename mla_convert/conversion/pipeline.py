@@ -434,12 +434,13 @@ class Conversion:
 
 
 def calibration_runner(source: Source, options: ConvertOptions):
-    from mla_convert.calibration import LayerRunner, calibration_tokens
+    from mla_convert.calibration import LayerRunner, advance_batch, calibration_tokens
 
+    device = resolve_device(options.device)
     tokens = calibration_tokens(source, options.calib_data, options.calib_samples, options.calib_seq_len, options.seed,
                                 temperature=options.calib_temperature, sample_tokens=options.calib_sample_tokens,
-                                device=resolve_device(options.device))
+                                device=device)
     embed = source.get_raw("model.embed_tokens.weight")  # rows are looked up, then made float32: no float32 table
     family = family_for(source.config)
     embed_scale = gemma_fields(source.config, None)["embed_scale"] if family.gemma(source.config) else None
-    return LayerRunner(source.config, embed, tokens, embed_scale=embed_scale)
+    return LayerRunner(source.config, embed, tokens, batch=advance_batch(device), embed_scale=embed_scale)
