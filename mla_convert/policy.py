@@ -6,7 +6,7 @@ Why these values: docs/decisions.md#calibration-windows, #self-text-temperature-
 #refinement-steps-rate-and-window, #refinement-at-wide-budgets,
 #the-model-stages-cost-on-a-cpu-issue-52-tenth-session, #the-50-defaults-steps-on-a-cpu-issue-52-eleventh-session,
 #a-short-model-stage-at-50-on-a-cpu-issue-52-fifteenth-session and
-#one-model-stage-step-at-50-on-a-cpu-issue-52-seventeenth-session."""
+#one-model-stage-step-at-50-and-the-stream-a-window-at-a-time-on-a-cpu-issue-52-seventeenth-session."""
 
 from __future__ import annotations
 

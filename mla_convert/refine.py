@@ -46,7 +46,7 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # a step at chosen positions (`--refine-queries`) sustains. Measured on whole conversions
 # (docs/decisions.md#refinement-on-the-cpu-when-auto-refines,
 # docs/decisions.md#the-defaults-on-2-intel-xeon-cores-with-amx-issue-52-thirteenth-session,
-# docs/decisions.md#one-model-stage-step-at-50-on-a-cpu-issue-52-seventeenth-session).
+# docs/decisions.md#one-model-stage-step-at-50-and-the-stream-a-window-at-a-time-on-a-cpu-issue-52-seventeenth-session).
 CPU_FLOPS = 1.5e11
 CPU_BF16_FLOPS = 4.1e11
 CPU_BF16_MODEL_FLOPS = 4.6e11

@@ -3,15 +3,15 @@
 sampled (cached), as the pass runs it: the input second moment, the attention statistics, the advance past the layer,
 the hidden states kept for the conversion pass.
 
-    python scripts/bench_statistics.py [--windows 32] [--layers 8] [--batch 8] [--reuse-freed] [--json FILE]
+    python scripts/bench_statistics.py [--windows 32] [--layers 8] [--batch 1] [--reuse-freed] [--json FILE]
 
 The text is the 50% default's (`self`, temperature 1.0, seed 0; `--windows` windows of 2048 tokens), read from
 $MLA_CONVERT_CACHE (sampled first where the cache lacks it). `--reuse-freed` sets glibc's malloc to keep freed blocks of
 up to 1 GiB for reuse (`mallopt`: mmap threshold 1 GiB, heap trimmed past 2 GiB free) before the first layer: what the
 faults cost (docs/decisions.md#the-defaults-on-2-intel-xeon-cores-with-amx-issue-52-thirteenth-session). `--batch`:
-the windows the advance runs through the layer at once (the runner's `batch`). Each row ends with a digest of the hidden
-states after the layer (the first 16 hex digits of their bytes' SHA-256), so that two settings can be checked to
-compute the same stream bit for bit.
+the windows the advance runs through the layer at once (the runner's `batch`; default: a CPU conversion's). Each row
+ends with a digest of the hidden states after the layer (the first 16 hex digits of their bytes' SHA-256), so that
+two settings can be checked to compute the same stream bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (the machine record)
 
-from mla_convert.calibration import LayerRunner, calibration_tokens, second_moment  # noqa: E402
+from mla_convert.calibration import (  # noqa: E402
+    LayerRunner, advance_batch, calibration_tokens, second_moment)
 from mla_convert.conversion.modules import float32_on, raw_layer, source_decoder_layer  # noqa: E402
 from mla_convert.conversion.pipeline import ATTENDED_EVERY  # noqa: E402
 from mla_convert.families import family_for  # noqa: E402
@@ -41,7 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--layers", type=int, default=8, help="the first N layers of the embedded SmolLM2-135M")
-    parser.add_argument("--batch", type=int, default=8, help="windows a chunk of the advance (the runner's batch)")
+    parser.add_argument("--batch", type=int, default=advance_batch("cpu"),
+                        help="windows a chunk of the advance (the runner's batch; default: a CPU conversion's)")
     parser.add_argument("--reuse-freed", action="store_true", help="glibc keeps freed blocks up to 1 GiB (mallopt)")
     parser.add_argument("--json", type=Path, default=None, help="append one record per layer to this file")
     args = parser.parse_args()
