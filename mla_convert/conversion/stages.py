@@ -20,6 +20,7 @@ from mla_convert.conversion.store import layer_file, read_layer
 from mla_convert.families import Family
 
 log = logging.getLogger(__name__)
+REFINED_LINE = "refine: layer %d held-out error %.4g -> %.4g (%s), %.1f s"  # scripts/bench_scale.py reads it
 
 
 def refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets, position_embeddings, options,
@@ -40,8 +41,8 @@ def refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensor
                                      seq_len=options.refine_seq_len, seed=options.seed + i, forward=forward,
                                      slow=slow, slow_lr=options.refine_lr * options.refine_mlp_lr_scale,
                                      precision=options.refine_precision, queries=options.refine_queries)
-    log.info("refine: layer %d held-out error %.4g -> %.4g (%s), %.1f s", i, record["before"], record["after"],
-             "kept" if record["kept"] else "not kept", time.perf_counter() - clock)
+    log.info(REFINED_LINE, i, record["before"], record["after"], "kept" if record["kept"] else "not kept",
+             time.perf_counter() - clock)
     row = {"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}}
     trained = {n: t.detach().cpu() for n, t in layer.state_dict().items() if not n.startswith("self_attn.")}
     return ({k: v.detach() for k, v in layer.self_attn.state_dict().items()},
