@@ -3,22 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from conftest import load_script
 from typer.testing import CliRunner
 
 from mla_convert.cli import app
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_quality.py"
-
 
 def _bench_quality():
-    spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_quality")
 
 
 @pytest.mark.parametrize("method", ["transmla", "mla-convert"])

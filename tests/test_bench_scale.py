@@ -1,12 +1,8 @@
 """What scripts/bench_scale.py reads from a conversion's output: the plan's steps and time estimate, each refined
 layer's seconds and held-out error (a worker's too), and the report's per-layer column."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_scale.py"
+from conftest import load_script
 
 OUTPUT = """\
 refining 2 layers at once, in worker processes of 1 thread(s)
@@ -23,10 +19,7 @@ source size 2836 MiB; estimated peak memory 12.78 GiB (x1.15 of: runtime 0.60)
 
 @pytest.fixture(scope="module")
 def bench_scale():
-    spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_scale")
 
 
 def test_plan_steps_and_time_estimate(bench_scale):

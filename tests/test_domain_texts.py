@@ -1,19 +1,12 @@
 """The texts of other domains (scripts/domain_texts.py): the table of contents is dropped, epigrams are mixed."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "domain_texts.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def domain_texts():
-    spec = importlib.util.spec_from_file_location("domain_texts", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("domain_texts")
 
 
 def test_body_starts_at_the_last_title(domain_texts):
