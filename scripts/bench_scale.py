@@ -215,7 +215,7 @@ def parse_plan(output: str) -> dict:
 
 def refined_layers(output: str) -> dict:
     """Each refined layer's seconds and held-out error (before, after), from its log line (`stages.refined_layer`),
-    which a layer refined in a worker process prints as well (its lap in the layer clock is then 0)."""
+    which a layer refined in a worker process prints as well (the layer clock then times only the hand-off)."""
     lines = re.findall(r"refine: layer (\d+) held-out error (\S+) -> (\S+) \((?:not )?kept\), ([\d.]+) s", output)
     return {"refine_seconds": {int(n): float(s) for n, _, _, s in lines},
             "refine_error": {int(n): [float(a), float(b)] for n, a, b, _ in lines}}
@@ -296,7 +296,8 @@ def unchanged(r: dict) -> str:
 
 
 def last_layer(r: dict) -> str:
-    """The last layer's seconds a phase; its refinement as its own log line says (a worker's lap is not the layer's)."""
+    """The last layer's seconds a phase; its refinement as its own log line says (rows written before the clock
+    named a worker's hand-off apart carry a `refine` lap of about 0 for it)."""
     text, refined = "; ".join(r.get("layer_seconds") or ["-"]), r.get("refine_seconds")
     if not refined:  # rows from before the log line was read, and runs that did not refine
         return text

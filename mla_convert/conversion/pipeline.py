@@ -354,7 +354,7 @@ class Conversion:
             else:
                 mla_tensors = self.refined(i, refined_layer(*job))
             del job
-            clock.lap("refine")
+            clock.lap("refine" if pool is None else "sent to a worker")  # a worker's refinement logs its own time
         else:
             record.add(layer_record)
             self.keep_layer(i, prefix, layer_tensors, mla_tensors, layer_record)
