@@ -44,15 +44,14 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from mla_convert.kvquant import round_trip_latent
 from mla_convert.modeling.compat import cache_kwargs, output_cache, renamed_cache_kwarg, take_cache
 from mla_convert.modeling.configuration_mla import MLAConfig
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch without distributed support: no tensor parallelism, no DTensor weights
-
-    class DTensor:  # noqa: D101
-        pass
+    DTensor = type("DTensor", (), {})  # a class nothing is an instance of
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -222,13 +221,14 @@ class MLAAttention(nn.Module):
             q = self.q_proj(hidden_states).view(bsz, q_len, -1, d_n + d_r).transpose(1, 2)
         q_nope, q_rope = q.split([d_n, d_r], dim=-1)  # [B, H, T, d_n], [B, H, T, d_r]
         latent, k_rope = self.kv_a_proj(hidden_states).split([d_c, d_r], dim=-1)  # [B, T, d_c], [B, T, d_r]
-        latent = latent.unsqueeze(1)  # [B, 1, T, d_c]
-        k_rope = k_rope.unsqueeze(1)  # [B, 1, T, d_r]
+        latent, k_rope = latent.unsqueeze(1), k_rope.unsqueeze(1)  # [B, 1, T, d_c], [B, 1, T, d_r]
         if d_r:
             cos, sin = self._rope_cos_sin(position_embeddings)
             q_rope = rotate(q_rope, cos, sin)
             if self.qk_norm != "exact":  # exact qk norm: cached before norm and rotation (see _normalized_keys)
                 k_rope = rotate(k_rope, cos, sin)
+        if self.config.latent_cache_type:  # each row as a block-quantized cache gives it back (every form reads it)
+            latent, k_rope = round_trip_latent(latent, k_rope, self.config.latent_cache_type)
         filled = None  # a static cache's count of written rows (0-d tensor on the cache's device), else None
         capacity = None  # a static cache's row count where only its written rows are attended to
         if cache is not None:

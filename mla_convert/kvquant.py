@@ -1,0 +1,216 @@
+"""Quantized KV caches as the engines store them: ggml's block types (llama.cpp's `--cache-type-k/-v`), bit for bit.
+
+A cached row (one token's key or value of one layer in the source; the latent and rope key `[c, k_r]` in an MLA model)
+is cut into blocks of 32 values; each block keeps a float16 scale (and a float16 minimum for the `_1` types) and one
+small integer per value. `round_trip(x, kind)` gives exactly what an engine reads back after writing `x`: ggml's
+reference rounding (`quantize_row_*_ref` in ggml-quants.c; tests/test_kvquant.py checks it against gguf-py's bit-exact
+port), float16 scales rounded to nearest even, arithmetic in float32.
+
+Where the values sit along the row decides which ones share a block, and so the error (not the bytes):
+llama.cpp stores a Llama key with each RoPE pair's two dims side by side (the GGUF's permuted q/k rows), so a block
+holds 16 whole frequency pairs; transformers' rotate_half layout puts the first halves of all 32 pairs in one block.
+And since April 2026 llama.cpp rotates each quantized head by a Hadamard matrix before storing it (`engine_rotation`),
+which spreads a head's outlier dims over all its blocks: `read_source_cache_as` simulates a source's cache with both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class CacheType:
+    name: str
+    bytes_per_block: int  # bytes one block of 32 values takes (float types: 32 values' bytes)
+    levels: int  # integer levels per value (0 for float types)
+    offset: bool  # "_1" types: a per-block minimum as well as a scale
+
+
+CACHE_TYPES = {
+    "f32": CacheType("f32", 128, 0, False),
+    "f16": CacheType("f16", 64, 0, False),
+    "bf16": CacheType("bf16", 64, 0, False),
+    "q8_0": CacheType("q8_0", 34, 255, False),
+    "q5_1": CacheType("q5_1", 24, 32, True),
+    "q5_0": CacheType("q5_0", 22, 32, False),
+    "q4_1": CacheType("q4_1", 20, 16, True),
+    "q4_0": CacheType("q4_0", 18, 16, False),
+}
+QUANTIZED = tuple(name for name, t in CACHE_TYPES.items() if t.levels)
+
+
+def cache_type(name: str) -> CacheType:
+    try:
+        return CACHE_TYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown cache type {name!r}: use one of {', '.join(CACHE_TYPES)}") from None
+
+
+def row_bytes(values: int, kind: str) -> float:
+    """Bytes a cached row of `values` takes in cache type `kind` (ggml pads nothing: a quantized row must be a
+    multiple of 32 values, see `check_row`)."""
+    return values * cache_type(kind).bytes_per_block / BLOCK
+
+
+def check_row(values: int, kind: str) -> None:
+    if cache_type(kind).levels and values % BLOCK:
+        raise ValueError(f"a {kind} cache needs rows of a multiple of {BLOCK} values, not {values}")
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).to(torch.float32)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf: halves away from zero (torch.round rounds them to even)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def _symmetric(blocks: torch.Tensor, levels: int) -> torch.Tensor:
+    """q4_0 / q5_0: the block's value of largest magnitude (its first, on ties) maps to -levels/2."""
+    half = levels // 2
+    index = blocks.abs().argmax(dim=-1, keepdim=True)
+    d = blocks.gather(-1, index) / -half
+    q = torch.trunc(blocks * _inverse(d) + (half + 0.5)).clamp(0, levels - 1)
+    return (q - half) * _fp16(d)
+
+
+def _affine(blocks: torch.Tensor, levels: int) -> torch.Tensor:
+    """q4_1 / q5_1: the block's minimum and step, both stored in float16."""
+    low = blocks.amin(dim=-1, keepdim=True)
+    d = (blocks.amax(dim=-1, keepdim=True) - low) / (levels - 1)
+    q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(0, levels - 1)
+    return q * _fp16(d) + _fp16(low)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    return _roundf(blocks * _inverse(d)) * _fp16(d)
+
+
+def round_trip(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """What a cache of type `kind` gives back for rows `x` [..., n] (blocks along the last dim), in x's dtype."""
+    spec = cache_type(kind)
+    if kind in ("f32",):
+        return x
+    if not spec.levels:
+        return x.to(torch.float16 if kind == "f16" else torch.bfloat16).to(x.dtype)
+    check_row(x.shape[-1], kind)
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+    if kind == "q8_0":
+        out = _q8_0(blocks)
+    elif spec.offset:
+        out = _affine(blocks, spec.levels)
+    else:
+        out = _symmetric(blocks, spec.levels)
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def interleaved_order(head_dim: int) -> torch.Tensor:
+    """rotate_half dims in llama.cpp's order: [0, h, 1, h+1, ...] (h = head_dim / 2), each RoPE pair side by side."""
+    half = head_dim // 2
+    return torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
+
+
+def round_trip_latent(latent: torch.Tensor, k_rope: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MLA cache row [c, k_r] through cache type `kind` (blocks run across the joint row, as llama.cpp caches it)."""
+    d_c = latent.shape[-1]
+    row = round_trip(torch.cat((latent, k_rope), dim=-1), kind)
+    return row[..., :d_c], row[..., d_c:]
+
+
+def hadamard(n: int, device=None) -> torch.Tensor:
+    """The orthonormal Sylvester-Walsh-Hadamard matrix of size n (a power of two): [[H, H], [H, -H]] / sqrt(n),
+    symmetric, its own inverse (ggml_gen_hadamard's)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard matrix needs a power-of-two size, not {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / n**0.5).to(device)
+
+
+def rotate_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., m] with each run of n values along the last dim multiplied by the Hadamard matrix of size n (m a
+    multiple of n): llama.cpp's rotation of rows before a quantized cache stores them (`ggml_mul_mat_aux`)."""
+    h = hadamard(n, x.device).to(x.dtype)
+    return (x.reshape(*x.shape[:-1], -1, n) @ h).reshape(x.shape)
+
+
+def engine_rotation(width: int, key: bool) -> int:
+    """The Hadamard size llama.cpp rotates a cached head of `width` values by before quantizing it (0: none): keys
+    by the largest power of two dividing the head, values by 64, only where the head is a multiple of 64
+    (llama_kv_cache's attn_rot_k / attn_rot_v, on by default since April 2026; LLAMA_ATTN_ROT_DISABLE=1 turns it off)."""
+    if width % 64:
+        return 0
+    if not key:
+        return 64
+    n = 64
+    while width % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def _round_trip_heads(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Keys or values [B, G, S, d] through a cache type whose rows hold every kv head of a token ([S, G*d], as
+    llama.cpp's cache rows: a block may span heads where d is not a multiple of 32)."""
+    rows = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+    return round_trip(rows, kind).view(x.shape[0], x.shape[2], x.shape[1], -1).transpose(1, 2)
+
+
+SOURCE_ATTENTION = "mla_convert_cache_types"  # the attention that reads a source's keys and values as a cache type
+
+
+def _source_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention over keys and values read back as llama.cpp stores them in the cache types of
+    `module.config.source_cache_types`: each head in the GGUF's order (RoPE pairs side by side), rotated by a
+    Hadamard matrix where llama.cpp rotates (`engine_rotation`), then block-quantized; the query rotated alike and
+    rounded as its CPU flash attention takes it (to q8_0 blocks against a quantized key, to float16 against a
+    float16 one); the output rotated back."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    k_kind, v_kind, rotation = module.config.source_cache_types
+    head = key.shape[-1]
+    order = interleaved_order(head).to(key.device)
+    back = torch.argsort(order)
+    query, key = query[..., order], key[..., order]
+    k_rot = engine_rotation(head, True) if rotation and cache_type(k_kind).levels else 0
+    v_rot = engine_rotation(value.shape[-1], False) if rotation and cache_type(v_kind).levels else 0
+    if k_rot:
+        query, key = rotate_rows(query, k_rot), rotate_rows(key, k_rot)
+    q_kind = "q8_0" if cache_type(k_kind).levels else "f16" if k_kind != "f32" else "f32"
+    if q_kind != "q8_0" or head % BLOCK == 0:  # (llama.cpp takes no quantized key whose head is not whole blocks)
+        query = round_trip(query, q_kind)
+    key = _round_trip_heads(key, k_kind)
+    if k_rot:  # scores are what they would be rotated; unrotating lets sdpa's rotate_half query meet its key
+        query, key = rotate_rows(query, k_rot), rotate_rows(key, k_rot)
+    query, key = query[..., back], key[..., back]
+    value = _round_trip_heads(rotate_rows(value, v_rot) if v_rot else value, v_kind)
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if v_rot:  # out [B, T, H, d_v]: back from the rotated value space
+        out = rotate_rows(out, v_rot)
+    return out, weights
+
+
+def read_source_cache_as(model, k_kind: str, v_kind: str | None = None, rotation: bool = True) -> None:
+    """Make a source model (transformers' own attention classes) attend over keys and values as llama.cpp's cache
+    types `k_kind` / `v_kind` store them, with its Hadamard rotation of quantized heads (`rotation`; False: as
+    llama.cpp before April 2026 or with LLAMA_ATTN_ROT_DISABLE=1). One forward over a window writes every row and
+    reads it back, as llama.cpp scores perplexity. Undo with `model.set_attn_implementation("sdpa")`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    v_kind = v_kind or k_kind
+    cache_type(k_kind), cache_type(v_kind)
+    AttentionInterface.register(SOURCE_ATTENTION, _source_attention)
+    AttentionMaskInterface.register(SOURCE_ATTENTION, sdpa_mask)
+    model.config.source_cache_types = (k_kind, v_kind, rotation)
+    model.set_attn_implementation(SOURCE_ATTENTION)

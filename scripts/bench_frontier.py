@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Quality per cache byte: the source with each cache type the engines offer against our conversions with each
+latent cache type, on the three development domains, relative to the source on the same windows.
+
+    python scripts/bench_frontier.py --models 25=out/smollm2-135m-mla-25,50=out/smollm2-135m-mla-50 \
+        [--windows 4] [--seq-len 2048] [--source-types f16,q8_0,...] [--latent-types f16,q8_0,...] \
+        [--bases native,balanced] [--out benchmarks/frontier]
+
+Routes (one line each on the chart):
+  source, llama.cpp   the source's keys and values as llama.cpp stores them (tokens in the GGUF's order, a Hadamard
+                      rotation of each quantized head since April 2026, ggml's blocks, the query rounded as its CPU
+                      flash attention takes it): `kvquant.read_source_cache_as`.
+  source, unrotated   the same without the rotation (llama.cpp before April 2026, or LLAMA_ATTN_ROT_DISABLE=1).
+  MODEL, BASIS        a conversion whose cached row [latent, rope key] is stored in each cache type
+                      (`latent_cache_type`), its latent in BASIS (mla_convert.latent_basis; folded in memory).
+Every point here is simulated in transformers with ggml's rounding bit for bit (tests/test_kvquant.py); a point
+measured in an engine would be labelled with it. Bytes per token are all layers' cached rows in the cache type
+(ggml's block sizes). The balanced basis is fitted on the first windows of the conversion's own calibration text
+(`--calib`, default the data-free self text the conversion sampled), never on a development text.
+Writes OUT/frontier.json (rewritten after each point: a stopped run keeps what it measured), OUT/frontier.md (the
+table) and OUT/frontier.png (x: bytes per token, log scale; y: perplexity ratio to the source, the geometric mean
+over the domains).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+DEV = ROOT / "out" / "dev"
+TEXTS = {"wiki-dev": DEV / "wiki.valid.second-half.tokens", "devref-dev": DEV / "devref.txt",
+         "fortunes-dev": DEV / "fortunes.txt"}  # fmt: skip
+SOURCE_TYPES = "f16,q8_0,q5_1,q5_0,q4_1,q4_0"
+LATENT_TYPES = "f16,q8_0,q5_0,q4_0"
+
+
+def perplexities(model, ids: dict, args) -> dict:
+    from mla_convert.evaluate import perplexity
+
+    return {name: perplexity(model, t, args.seq_len, args.windows, progress=False)["perplexity"] for name, t in ids.items()}
+
+
+def calibration_windows(model, args, count: int = 4):
+    """The first `count` windows of the calibration text a default conversion to this model's share of the cache
+    reads (`--calib self`: the self text at its temperature, from the cache the conversion filled), or of a text."""
+    from mla_convert import selftext
+    from mla_convert.calibration import calibration_tokens
+    from mla_convert.checkpoint import open_source
+
+    source = open_source(args.source)
+    kept = model.config.kv_cache_elements_per_token() / (2 * model.config.num_key_value_heads * model.config.head_dim
+                                                         * model.config.num_hidden_layers)
+    return calibration_tokens(source, args.calib, count, args.seq_len, seed=0,
+                              temperature=selftext.calib_temperature(kept))
+
+
+def source_points(args, ids: dict, record) -> None:
+    from mla_convert import evaluate, kvquant
+
+    model, _, _ = evaluate.load_model(args.source)
+    layers, row = model.config.num_hidden_layers, 2 * model.config.num_key_value_heads * model.config.head_dim
+    for rotation in (True, False):
+        for kind in args.source_types.split(","):
+            route = "source, llama.cpp" if rotation else "source, unrotated"
+            if kind in ("f16", "f32") and not rotation:
+                continue  # rotation applies to quantized types only
+            kvquant.read_source_cache_as(model, kind, rotation=rotation)
+            record(route, kind, layers * kvquant.row_bytes(row, kind), perplexities(model, ids, args))
+
+
+def model_points(label: str, folder: str, args, ids: dict, record) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import mla_convert  # noqa: F401
+    from mla_convert import evaluate, kvquant, latent_basis
+
+    model, _, _ = evaluate.load_model(folder)
+    rows = [r + model.config.qk_rope_head_dim for r in model.config.kv_lora_ranks]
+    moments = None
+    for basis in args.bases.split(","):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype).eval()
+        if basis != "native":
+            if moments is None:
+                moments = latent_basis.latent_moments(model, calibration_windows(model, args))
+            latent_basis.fold_maps(model, latent_basis.basis_maps(model, basis, moments))
+        for kind in args.latent_types.split(","):
+            if kind in ("f16", "f32") and basis != "native":
+                continue  # a basis changes nothing in 16 bits
+            model.config.latent_cache_type = None if kind == "f32" else kind
+            byte_count = sum(kvquant.row_bytes(r, kind) for r in rows)
+            record(f"{label}, {basis}", kind, byte_count, perplexities(model, ids, args))
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def report(data: dict, out: Path) -> None:
+    points = data["points"]
+    source = next(p for p in points if p["route"] == "source, llama.cpp" and p["cache"] == "f16")
+    full = 2 * source["bytes_per_token"]  # the source's 16-bit cache is the reference: fractions of it
+    lines = ["| route | cache type | bytes per token (all layers) | fraction of the source's 16-bit | "
+             + " | ".join(f"{t} ratio" for t in data["texts"]) + " | geometric mean | measured |",
+             "|---|---|---:|---:|" + "---:|" * len(data["texts"]) + "---:|---|"]
+    for p in sorted(points, key=lambda p: (-p["bytes_per_token"], p["route"])):
+        ratios = [p["perplexity"][t] / source["perplexity"][t] for t in data["texts"]]
+        p["ratio"] = geomean(ratios)
+        lines.append(f"| {p['route']} | {p['cache']} | {p['bytes_per_token']:,.0f} | {p['bytes_per_token'] / full * 2:.3f} | "
+                     + " | ".join(f"{r:.3f}" for r in ratios) + f" | {p['ratio']:.3f} | {p['measured']} |")
+    (out / "frontier.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for route in dict.fromkeys(p["route"] for p in points):
+        line = sorted((p for p in points if p["route"] == route), key=lambda p: p["bytes_per_token"])
+        ax.plot([p["bytes_per_token"] for p in line], [p["ratio"] for p in line], marker="o", label=route)
+        for p in line:
+            ax.annotate(p["cache"], (p["bytes_per_token"], p["ratio"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("KV-cache bytes per token, all layers (log)")
+    ax.set_ylabel("perplexity / source's (16-bit), geometric mean of 3 dev domains")
+    ax.set_title(f"SmolLM2-135M: quality per cache byte ({data['windows']} x {data['seq_len']} tokens per domain; "
+                 "simulated, ggml rounding)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "frontier.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="", help="LABEL=FOLDER,... (converted MLA folders)")
+    ap.add_argument("--source", default=None, help="the source (default: the embedded default)")
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--source-types", default=SOURCE_TYPES)
+    ap.add_argument("--latent-types", default=LATENT_TYPES)
+    ap.add_argument("--bases", default="native,balanced")
+    ap.add_argument("--calib", default="self", help="text the balanced basis is fitted on (a conversion's spec)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "frontier")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the table and chart from frontier.json")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "frontier.json"
+    if args.report_only:
+        report(json.loads(path.read_text()), args.out)
+        return
+    import torch
+
+    from mla_convert import evaluate
+    from mla_convert.data import load_text
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_quality
+
+    bench_quality.prepare_texts()
+    _, tokenizer, _ = evaluate.load_model(args.source)
+    ids = {name: evaluate.tokenize(tokenizer, load_text(str(p))) for name, p in TEXTS.items()}
+    data = json.loads(path.read_text()) if path.is_file() else {"points": []}
+    data.update(texts=list(TEXTS), windows=args.windows, seq_len=args.seq_len, threads=torch.get_num_threads(),
+                machine=platform.processor() or platform.machine())
+    done = {(p["route"], p["cache"]) for p in data["points"]}
+
+    def record(route, kind, byte_count, ppl):
+        data["points"] = [p for p in data["points"] if (p["route"], p["cache"]) != (route, kind)]
+        data["points"].append({"route": route, "cache": kind, "bytes_per_token": byte_count, "perplexity": ppl,
+                               "measured": "simulated (transformers, ggml rounding)", "at": time.strftime("%F %T")})
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"{route:28s} {kind:5s} {byte_count:9,.0f} B/token  " + "  ".join(f"{t} {v:.3f}" for t, v in ppl.items()),
+              flush=True)
+
+    if not any(r.startswith("source") for r, _ in done):
+        source_points(args, ids, record)
+    for spec in [s for s in args.models.split(",") if s]:
+        label, _, folder = spec.partition("=")
+        model_points(label, folder, args, ids, record)
+    report(data, args.out)
+
+
+if __name__ == "__main__":
+    main()

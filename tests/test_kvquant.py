@@ -1,0 +1,166 @@
+"""Quantized caches as the engines store them (mla_convert.kvquant) and a latent basis made for them
+(mla_convert.latent_basis): ggml's rounding bit for bit, the native model's quantized latent cache read alike in every
+attention form, and the basis folded into the weights without changing a logit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import mla_convert  # noqa: F401
+from mla_convert import kvquant, latent_basis
+from mla_convert.convert import max_rank
+from mla_convert.modeling.compat import output_cache
+
+GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
+
+
+def rows(seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(48, 256, generator=gen) * torch.rand(48, 1, generator=gen) * 3
+    x[:, 5] *= 40  # an outlier channel
+    x[0] = 0  # an empty block: scale 0
+    x[1, :32] = 1.0  # ties everywhere
+    x[2, :32] = torch.arange(32) - 16.0  # the largest magnitude negative
+    return x
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_TYPES))
+def test_round_trip_is_ggml_bit_for_bit(kind):
+    """gguf-py's quantizers are bit-exact ports of ggml-quants.c's reference rounding."""
+    import gguf
+    from gguf import quants
+
+    x = rows()
+    qtype = getattr(gguf.GGMLQuantizationType, GGUF_TYPES[kind])
+    reference = quants.dequantize(quants.quantize(x.numpy(), qtype), qtype)
+    np.testing.assert_array_equal(kvquant.round_trip(x, kind).numpy(), reference)
+
+
+def test_bytes_and_rows():
+    assert kvquant.row_bytes(96, "q4_0") == 54 and kvquant.row_bytes(96, "q8_0") == 102
+    assert kvquant.row_bytes(96, "f16") == 192 and kvquant.row_bytes(64, "q4_1") == 40
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kvquant.round_trip(torch.zeros(2, 48), "q4_0")
+    with pytest.raises(ValueError, match="unknown cache type"):
+        kvquant.cache_type("q3_x")
+    assert torch.equal(kvquant.round_trip(torch.ones(2, 48), "f16"), torch.ones(2, 48))
+
+
+def test_hadamard_and_engine_rotation():
+    h = kvquant.hadamard(64)
+    assert torch.allclose(h @ h, torch.eye(64), atol=1e-6) and torch.equal(h, h.T)
+    assert h[0, 0] == h[0, 1] == 1 / 8 and h[1, 1] == -1 / 8  # Sylvester's order: [[H, H], [H, -H]]
+    assert [kvquant.engine_rotation(w, True) for w in (64, 96, 128, 192, 576)] == [64, 0, 128, 64, 64]
+    assert [kvquant.engine_rotation(w, False) for w in (64, 96, 128)] == [64, 0, 64]
+    x = torch.randn(3, 128)
+    assert torch.allclose(kvquant.rotate_rows(kvquant.rotate_rows(x, 64), 64), x, atol=1e-5)
+
+
+def test_rotation_spreads_an_outlier():
+    """A head with one large dim: 4-bit blocks lose far less of it once rotated (why llama.cpp rotates)."""
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(1))
+    x[:, 3] *= 30
+    plain = (kvquant.round_trip(x, "q4_0") - x).norm()
+    rotated = (kvquant.rotate_rows(kvquant.round_trip(kvquant.rotate_rows(x, 64), "q4_0"), 64) - x).norm()
+    assert rotated < 0.5 * plain
+
+
+def tokens(length: int = 20) -> torch.Tensor:
+    return torch.randint(3, 300, (2, length), generator=torch.Generator().manual_seed(0))
+
+
+def test_source_cache_types(sources):
+    """f32 'cache' reads the source's own keys and values; q8_0 is close; q4_0 further; rotation changes q4_0."""
+    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
+    ids = tokens()
+    with torch.no_grad():
+        reference = src(ids).logits
+        out = {}
+        for kind, rotation in [("f32", True), ("q8_0", True), ("q4_0", True), ("q4_0", False)]:
+            kvquant.read_source_cache_as(src, kind, rotation=rotation)
+            out[kind, rotation] = src(ids).logits
+    err = {k: ((v - reference).abs().max() / reference.abs().max()).item() for k, v in out.items()}
+    assert err["f32", True] < 1e-6
+    assert 0 < err["q8_0", True] < 0.1 and err["q8_0", True] < err["q4_0", True], err
+    assert torch.equal(out["q4_0", True], out["q4_0", False])  # heads of 16: llama.cpp rotates none
+
+
+def test_source_rotation_where_llama_cpp_rotates(tmp_path):
+    """Heads of 64: the rotated q4_0 cache reads other values than the plain one, and closer to the source's."""
+    from tiny import tiny_source
+
+    src = AutoModelForCausalLM.from_pretrained(tiny_source("llama-gqa", tmp_path / "src", head_dim=64),
+                                               dtype=torch.float32).eval()
+    ids = tokens()
+    with torch.no_grad():
+        reference = src(ids).logits
+        kvquant.read_source_cache_as(src, "q4_0", rotation=True)
+        rotated = src(ids).logits
+        kvquant.read_source_cache_as(src, "q4_0", rotation=False)
+        plain = src(ids).logits
+    assert not torch.equal(rotated, plain)
+
+
+@pytest.fixture(scope="module")
+def converted(sources, convert_tiny):
+    """A tiny llama converted at full rank with every RoPE pair kept, and its source."""
+    src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
+    folder = convert_tiny(sources["llama-gqa"], rank=max_rank(src.config), rope_dims=32, rope_merge=True, force=True)
+    return src, folder
+
+
+def load(folder, **config):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **config).eval()
+    return model
+
+
+def test_latent_cache_type_reads_alike_in_prefill_and_decode(converted):
+    """The cached row [c, k_r] is quantized as it is written: a prefill and a token-by-token decode (absorbed form,
+    over the cache) read the same values, and they differ from the 32-bit model's."""
+    _, folder = converted
+    plain = load(folder)
+    row = plain.config.kv_lora_ranks[0] + plain.config.qk_rope_head_dim
+    if row % 32:
+        pytest.skip(f"the tiny conversion's cache row is {row} wide")
+    model = load(folder, latent_cache_type="q8_0")
+    ids = tokens()
+    with torch.no_grad():
+        whole = model(ids).logits
+        out = model(ids[:, :4], use_cache=True)
+        steps, cache = [out.logits], output_cache(out)
+        for t in range(4, ids.shape[1]):
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = output_cache(out)
+        stepped = torch.cat(steps, dim=1)
+        reference = plain(ids).logits
+    assert (whole - stepped).abs().max() < 1e-4 * whole.abs().max()
+    assert (whole - reference).abs().max() > 1e-4 * whole.abs().max()
+
+
+@pytest.mark.parametrize("basis", ["rotation", "balanced"])
+def test_latent_basis_changes_no_logit(converted, basis):
+    """The basis folded into kv_a_proj and kv_b_proj: the logits stay the source's at full rank (float rounding)."""
+    src, folder = converted
+    model = load(folder)
+    ids = tokens()
+    moments = latent_basis.latent_moments(model, ids) if basis == "balanced" else None
+    maps = latent_basis.basis_maps(model, basis, moments)
+    before = model.model.layers[0].self_attn.kv_b_proj.weight.clone()
+    latent_basis.fold_maps(model, maps)
+    assert not torch.allclose(before, model.model.layers[0].self_attn.kv_b_proj.weight)
+    with torch.no_grad():
+        reference, out = src(ids).logits, model(ids).logits
+    assert (reference - out).abs().max() < 1e-4 * reference.abs().max()
+
+
+def test_balanced_map_balances():
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    sigma, cost = a @ a.T + 0.1 * torch.eye(8, dtype=torch.float64), b @ b.T + 0.1 * torch.eye(8, dtype=torch.float64)
+    m = latent_basis.balanced_map(sigma, cost)
+    left, right = m @ sigma @ m.T, torch.linalg.inv(m).T @ cost @ torch.linalg.inv(m)
+    assert torch.allclose(left, right, atol=1e-8) and torch.allclose(left, torch.diag(torch.diagonal(left)), atol=1e-8)
