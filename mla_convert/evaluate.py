@@ -270,6 +270,34 @@ def kv_cache_bytes_per_token(model, tokens: int = 8) -> int:
     return cache_bytes(cache) // tokens
 
 
+def use_cache_type(model, kind: str) -> float:
+    """Make `model` read its KV cache as llama.cpp's cache type `kind` stores it (mla_convert.kvquant): a converted
+    model's cached row [latent, rope key], a source's keys and values (with llama.cpp's Hadamard rotation). -> the
+    bytes per token (all layers) that cache type stores. A row the type cannot hold is a UserError."""
+    from mla_convert import kvquant
+
+    config = model.config
+    if kind not in kvquant.CACHE_TYPES:
+        raise UserError(f"--cache-type must be one of {', '.join(kvquant.CACHE_TYPES)}, got {kind}")
+    if config.model_type == "mla":
+        rows = [rank + config.qk_rope_head_dim for rank in config.kv_lora_ranks]
+        if kvquant.cache_type(kind).levels and any(r % kvquant.BLOCK for r in rows):
+            raise UserError(f"--cache-type {kind} stores rows in blocks of {kvquant.BLOCK}; this model caches rows of "
+                            f"{sorted(set(rows))} values: use f16, or convert to a budget whose latent plus rope key "
+                            f"is a multiple of {kvquant.BLOCK}")
+        config.latent_cache_type = None if kind == "f32" else kind
+        return sum(kvquant.row_bytes(r, kind) for r in rows)
+    if getattr(config, "num_key_value_heads", None) is None or getattr(config, "head_dim", None) is None:
+        raise UserError(f"--cache-type needs a Llama-style source (num_key_value_heads, head_dim); "
+                        f"{config.model_type} has none: drop --cache-type")
+    row = 2 * config.num_key_value_heads * config.head_dim
+    if kvquant.cache_type(kind).levels and config.head_dim % kvquant.BLOCK:
+        raise UserError(f"--cache-type {kind} needs heads of a multiple of {kvquant.BLOCK} values, not "
+                        f"{config.head_dim}: use f16")
+    kvquant.read_source_cache_as(model, kind)
+    return config.num_hidden_layers * kvquant.row_bytes(row, kind)
+
+
 def cache_bytes(cache) -> int:
     """Bytes the key and value tensors of a transformers cache hold, all layers (0 for no cache)."""
     return tensor_bytes(t for layer in getattr(cache, "layers", []) for t in (layer.keys, layer.values))

@@ -14,6 +14,7 @@ from mla_convert import kvquant, latent_basis
 from mla_convert.convert import max_rank
 from mla_convert.modeling.compat import output_cache
 
+CLOSED_FORM = dict(refine_steps=0, refine_model_steps=0)  # no training: these tests read the cache, not the fit
 GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
 
 
@@ -108,7 +109,8 @@ def test_source_rotation_where_llama_cpp_rotates(tmp_path):
 def converted(sources, convert_tiny):
     """A tiny llama converted at full rank with every RoPE pair kept, and its source."""
     src = AutoModelForCausalLM.from_pretrained(sources["llama-gqa"], dtype=torch.float32).eval()
-    folder = convert_tiny(sources["llama-gqa"], rank=max_rank(src.config), rope_dims=32, rope_merge=True, force=True)
+    folder = convert_tiny(sources["llama-gqa"], rank=max_rank(src.config), rope_dims=32, rope_merge=True, force=True,
+                          **CLOSED_FORM)
     return src, folder
 
 
@@ -164,3 +166,29 @@ def test_balanced_map_balances():
     m = latent_basis.balanced_map(sigma, cost)
     left, right = m @ sigma @ m.T, torch.linalg.inv(m).T @ cost @ torch.linalg.inv(m)
     assert torch.allclose(left, right, atol=1e-8) and torch.allclose(left, torch.diag(torch.diagonal(left)), atol=1e-8)
+
+
+def test_eval_cache_type(sources, tmp_path, calib_text, convert_tiny):
+    """`eval --cache-type`: a converted model's latent row and a source's keys and values in ggml's blocks, the
+    bytes as the type stores them; what a type cannot hold is one error line."""
+    import json
+
+    from conftest import assert_user_error
+    from test_cli import run
+
+    out = convert_tiny(sources["llama-gqa"], rank=24, rope_dims=8, rank_allocation="uniform", **CLOSED_FORM)  # rows of 24 + 8 = 32
+    args = ("--data", calib_text, "--seq-len", 32, "--windows", 2, "-q")
+    code, output = run("eval", out, *args, "--json", tmp_path / "plain.json")
+    assert code == 0, output
+    code, output = run("eval", out, *args, "--cache-type", "q4_0", "--json", tmp_path / "q4.json")
+    assert code == 0 and "q4_0 cache" in output, output
+    plain, q4 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "q4"))
+    assert q4["kv_cache_bytes_per_token"] == 2 * 18 and q4["cache_type"] == "q4_0"  # 2 layers x one 18-byte block
+    assert q4["perplexity"] != plain["perplexity"]
+    assert_user_error(*run("eval", out, *args, "--cache-type", "q3_x"), "--cache-type must be one of")
+    assert_user_error(*run("eval", out, *args, "--cache-type", "q4_0", "--engine", "vllm"), "--engine transformers")
+    odd = convert_tiny(sources["llama-gqa"], rank=16, rope_dims=8, rank_allocation="uniform", **CLOSED_FORM)  # rows of 24
+    assert_user_error(*run("eval", odd, *args, "--cache-type", "q8_0"), "blocks of 32", "use f16")
+    assert_user_error(*run("eval", sources["llama-gqa"], *args, "--cache-type", "q8_0"), "heads of a multiple of 32")
+    code, output = run("eval", sources["llama-gqa"], *args, "--cache-type", "f16")
+    assert code == 0 and "KV cache 256 bytes/token" in output, output  # 2 layers x 2 x 2 heads x 16 x 2 bytes

@@ -39,6 +39,11 @@ def eval_command(
         "(needs scripts/install-vllm.sh), or llamacpp: score a .gguf in llama.cpp (needs scripts/install-llamacpp.sh), "
         "from the same token ids; the KV-cache bytes are then what the engine allocates."
     ),
+    cache_type: Optional[str] = typer.Option(
+        None, "--cache-type", help="Score with the KV cache stored in a llama.cpp cache type (f16, q8_0, q5_1, q5_0, "
+        "q4_1, q4_0; ggml's blocks, bit for bit): a converted model's cached latent and rope key, or a source's keys "
+        "and values as llama.cpp stores them (its Hadamard rotation included). --engine transformers only."
+    ),
     verbose: int = VerboseOpt,
     quiet: bool = QuietOpt,
 ) -> None:
@@ -56,9 +61,12 @@ def eval_command(
     warning = evaluate.calibration_overlap(model, data, text)
     if warning:
         typer.echo(f"warning: {warning}", err=True)
-    result, label = _score(engine, model, text, seq_len, windows, dtype, device, quiet)
+    if cache_type is not None and engine != "transformers":
+        raise UserError(f"--cache-type applies to --engine transformers; llama.cpp and vLLM take their own cache "
+                        f"options (drop --cache-type, or use --engine transformers)")
+    result, label = _score(engine, model, text, seq_len, windows, dtype, device, quiet, cache_type)
     result.update(model=label, data=data, dtype=dtype)
-    cache = dtype
+    cache = dtype if cache_type is None else f"{cache_type} cache: ggml's blocks, as llama.cpp stores them"
     if engine == "vllm":
         cache = f"{dtype}, as vLLM allocates it, {result['attention_backend']}"
     elif engine == "llamacpp":
@@ -86,7 +94,7 @@ def _check_record(model: Optional[str]) -> None:
 
 
 def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: int, dtype: str, device: str,
-           quiet: bool) -> tuple[dict, str]:
+           quiet: bool, cache_type: Optional[str] = None) -> tuple[dict, str]:
     """The perplexity result of `model` on `text` in `engine`, and the model's label."""
     from mla_convert import evaluate
 
@@ -120,8 +128,10 @@ def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: 
 
         with torch.inference_mode():
             net, tokenizer, label = evaluate.load_model(model, dtype, device)
+            stored = evaluate.use_cache_type(net, cache_type) if cache_type is not None else None
             result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
-            result["kv_cache_bytes_per_token"] = evaluate.kv_cache_bytes_per_token(net)
+            result["kv_cache_bytes_per_token"] = stored or evaluate.kv_cache_bytes_per_token(net)
+            result["cache_type"] = cache_type
         return result, label
     raise UserError(f"--engine must be transformers, vllm or llamacpp, got {engine}")
 
