@@ -32,7 +32,7 @@ CARD_TAGS = ("mla", "mla-convert")
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_CACHE_RE = re.compile(r"(?:^|/)models--([A-Za-z0-9][\w.-]*?)--([\w.-]+)/snapshots/[^/]+/?$")
 _STAGING_RE = re.compile(r"^\.(.+)\.incomplete(-[^/]+)?$")
-_STEP_TITLES = {"convert": "Conversion", "finetune": "Fine-tuning", "export": "Export"}
+_STEP_TITLES = {"convert": "Conversion", "finetune": "Fine-tuning", "export": "Export", "basis": "Latent basis"}
 
 
 def _chain(record: dict) -> list[dict]:

@@ -20,7 +20,13 @@ Both are measured, not assumed: docs/decisions.md ("Latent basis") records the p
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
+
+from mla_convert.errors import UserError
 
 BASES = ("native", "rotation", "balanced")
 
@@ -134,3 +140,66 @@ def fold_maps(model, maps: list[torch.Tensor]) -> None:
         if a.bias is not None:
             a.bias[:d_c] = (t @ a.bias[:d_c].double()).to(a.bias.dtype)
         b.weight.copy_((b.weight.double() @ torch.linalg.inv(t)).to(b.weight.dtype))
+
+
+def _calibration_windows(model, folder: Path, spec: str, samples: int, seq_len: int) -> torch.Tensor:
+    """Windows of `spec` as a conversion reads them: 'self' is text sampled from the conversion's source (named in
+    provenance.json), at the temperature a conversion to this share of the cache uses, from the same cache."""
+    from mla_convert import provenance, selftext
+    from mla_convert.calibration import calibration_tokens, check_calib_spec
+    from mla_convert.checkpoint import open_source
+
+    check_calib_spec(spec, samples)
+    source_name = ((provenance.load(folder) or {}).get("source") or {}).get("model")
+    if source_name is None and "self" in spec:
+        raise UserError(f"--calib-data {spec} samples text from the source this model was converted from, and "
+                        f"{folder} does not name one (provenance.json): pass --calib-data FILE")
+    config = model.config
+    kept = config.kv_cache_elements_per_token() / (2 * config.num_key_value_heads * config.head_dim
+                                                   * config.num_hidden_layers)
+    return calibration_tokens(open_source(source_name), spec, samples, seq_len, seed=0,
+                              temperature=selftext.calib_temperature(kept))
+
+
+def rebase_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, basis: str = "balanced",
+                      calib_data: str = "self", calib_samples: int = 4, calib_seq_len: int = 2048,
+                      overwrite: bool = False) -> dict:
+    """Write the native MLA checkpoint `folder` to `out` with its latent in `basis` (see the module docstring): the
+    same model in 32-bit arithmetic (the largest logit change on a calibration window is measured and recorded), a
+    latent that block-quantized caches hold better. -> the step's record."""
+    from mla_convert import provenance
+    from mla_convert.card import write_model_card
+    from mla_convert.evaluate import load_model
+    from mla_convert.outputs import check_output, staged_output
+
+    folder = Path(folder).expanduser()
+    if basis not in BASES:
+        raise UserError(f"--basis must be one of {', '.join(BASES)}, got {basis}")
+    if not (folder / "config.json").is_file() or json.loads((folder / "config.json").read_text()).get(
+            "model_type") != "mla":
+        raise UserError(f"{folder} is not a native MLA checkpoint folder (config.json with model_type mla): pass the "
+                        "output of `mla-convert llama|qwen|convert`")
+    check_output(Path(out), overwrite, (folder,))
+    model, tokenizer, _ = load_model(str(folder))
+    if model.config.qk_norm == "exact":
+        raise UserError("this model rebuilds its keys from the latent before a norm (qk_norm exact): its latent "
+                        "basis is fixed; nothing to do")
+    windows = _calibration_windows(model, folder, calib_data, calib_samples, calib_seq_len)
+    with torch.no_grad():
+        before = model(input_ids=windows[:1], use_cache=False).logits
+        moments = latent_moments(model, windows) if basis == "balanced" else None
+        fold_maps(model, basis_maps(model, basis, moments))
+        error = ((model(input_ids=windows[:1], use_cache=False).logits - before).abs().max() / before.abs().max()).item()
+    dtype = json.loads((folder / "config.json").read_text()).get("dtype") or "float32"
+    parent = provenance.load(folder)
+    record = {"basis": basis, "calib_data": calib_data, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
+              "max_rel_logit_change": error}
+    with staged_output(Path(out), overwrite, (folder,)) as stage:
+        model.to(getattr(torch, dtype)).save_pretrained(stage)
+        tokenizer.save_pretrained(stage)
+        provenance.save(stage, provenance.new(
+            "basis", source=(parent or {}).get("source"), method=f"latent basis: {basis}", options=record,
+            kv_cache=(parent or {}).get("kv_cache"), measurements={"basis_max_rel_logit_change": error},
+            parent=parent))  # fmt: skip
+        write_model_card(stage)
+    return record

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 DEV = ROOT / "out" / "dev"
 TEXTS = {"wiki-dev": DEV / "wiki.valid.second-half.tokens", "devref-dev": DEV / "devref.txt",
          "fortunes-dev": DEV / "fortunes.txt"}  # fmt: skip
-SOURCE_TYPES = "f16,q8_0,q5_1,q5_0,q4_1,q4_0"
+SOURCE_TYPES = "f16,q8_0,q5_0,q4_1,q4_0"
 LATENT_TYPES = "f16,q8_0,q5_0,q4_0"
 
 
@@ -68,11 +68,9 @@ def source_points(args, ids: dict, record) -> None:
 
     model, _, _ = evaluate.load_model(args.source)
     layers, row = model.config.num_hidden_layers, 2 * model.config.num_key_value_heads * model.config.head_dim
-    for rotation in (True, False):
-        for kind in args.source_types.split(","):
+    for rotation, kinds in ((True, args.source_types), (False, args.unrotated_types)):
+        for kind in [k for k in kinds.split(",") if k]:
             route = "source, llama.cpp" if rotation else "source, unrotated"
-            if kind in ("f16", "f32") and not rotation:
-                continue  # rotation applies to quantized types only
             kvquant.read_source_cache_as(model, kind, rotation=rotation)
             record(route, kind, layers * kvquant.row_bytes(row, kind), perplexities(model, ids, args))
 
@@ -149,6 +147,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--source-types", default=SOURCE_TYPES)
+    ap.add_argument("--unrotated-types", default="q8_0,q4_0", help="the source's types without llama.cpp's rotation")
     ap.add_argument("--latent-types", default=LATENT_TYPES)
     ap.add_argument("--bases", default="native,balanced")
     ap.add_argument("--calib", default="self", help="text the balanced basis is fitted on (a conversion's spec)")

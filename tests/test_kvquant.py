@@ -192,3 +192,27 @@ def test_eval_cache_type(sources, tmp_path, calib_text, convert_tiny):
     assert_user_error(*run("eval", sources["llama-gqa"], *args, "--cache-type", "q8_0"), "heads of a multiple of 32")
     code, output = run("eval", sources["llama-gqa"], *args, "--cache-type", "f16")
     assert code == 0 and "KV cache 256 bytes/token" in output, output  # 2 layers x 2 x 2 heads x 16 x 2 bytes
+
+
+def test_rebase_command(sources, tmp_path, calib_text, convert_tiny):
+    """`mla-convert rebase`: a new folder with its provenance and card, the same logits; bad input is one line."""
+    from conftest import assert_user_error
+    from test_cli import run
+
+    from mla_convert import provenance
+
+    out = convert_tiny(sources["llama-gqa"], rank=24, rope_dims=8, rank_allocation="uniform", **CLOSED_FORM)
+    target = tmp_path / "rebased"
+    args = ("--calib-data", calib_text, "--calib-samples", 2, "--calib-seq-len", 32, "-q")
+    code, output = run("rebase", out, "-o", target, *args)
+    assert code == 0 and "latent basis balanced" in output, output
+    assert provenance.load(target)["kind"] == "basis" and (target / "README.md").is_file()
+    ids = tokens()
+    with torch.no_grad():
+        before, after = load(out)(ids).logits, load(target)(ids).logits
+    assert (before - after).abs().max() < 1e-4 * before.abs().max()
+    assert_user_error(*run("rebase", out, "-o", target, *args), "--overwrite")
+    assert_user_error(*run("rebase", sources["llama-gqa"], "-o", tmp_path / "x", *args), "not a native MLA")
+    assert_user_error(*run("rebase", out, "-o", tmp_path / "y", "--basis", "diagonal", *args), "--basis must be")
+    code, output = run("rebase", out, "-o", target, *args, "--overwrite", "--basis", "rotation")
+    assert code == 0, output

@@ -76,6 +76,36 @@ def export_command(
     report_export(export(model, output, options, overwrite=overwrite), output, typer.echo)
 
 
+@app.command("rebase")
+@friendly
+def rebase_command(
+    model: Path = typer.Argument(..., help="A native MLA checkpoint folder (the output of `mla-convert llama`)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Folder to write the re-based checkpoint to."),
+    basis: str = typer.Option(
+        "balanced", "--basis", help="balanced (the latent's spread and its error's cost made equal, then rotated: "
+        "what 4-bit cache blocks hold best), rotation (a seeded random rotation) or native (a copy)."
+    ),
+    calib_data: str = typer.Option(
+        "self", "--calib-data", help="Text the balanced basis is fitted on, as for a conversion (default: self, the "
+        "text the conversion sampled from its source)."
+    ),
+    calib_samples: int = typer.Option(4, "--calib-samples", help="Windows of calibration text."),
+    calib_seq_len: int = typer.Option(2048, "--calib-seq-len", help="Tokens per calibration window."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder mla-convert wrote."),
+    verbose: int = VerboseOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Store a converted model's latent in a basis block-quantized caches hold well (llama.cpp's --cache-type-k q4_0,
+    `eval --cache-type`): the same model in 32-bit arithmetic, the change measured and recorded."""
+    setup_logging(verbose, quiet)
+    from mla_convert.latent_basis import rebase_checkpoint
+
+    record = rebase_checkpoint(model, output, basis, calib_data, calib_samples, calib_seq_len, overwrite)
+    typer.echo(f"wrote {output}: latent basis {basis} (largest logit change {record['max_rel_logit_change']:.2e} of "
+               f"the largest logit); serve it with a quantized cache, e.g. `mla-convert eval {output} --cache-type "
+               f"q4_0`, or export it (`mla-convert export {output} --format gguf`) for llama.cpp's --cache-type-k")
+
+
 # ------------------------------------------------------------------------------------------------------ finetune
 
 
