@@ -15,7 +15,7 @@ as the values sharing its block. So T decides what a 4-bit cache costs:
   G sums over the heads the value error through o_proj and the score error through the nope query's second moment,
   weighted by the spread of the head's values the score moves between (`_error_cost`).
 
-Both are measured, not assumed: docs/decisions.md ("Latent basis") records the probe that chose the default.
+Both are measured, not assumed: docs/decisions.md#latent-basis-for-quantized-caches.
 """
 
 from __future__ import annotations
