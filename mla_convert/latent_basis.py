@@ -14,6 +14,8 @@ as the values sharing its block. So T decides what a 4-bit cache costs:
   cover (tr(M Sigma M^T) tr(M^-T G M^-1) at its minimum, (sum sqrt(eig(Sigma G)))^2), then Q spreads it evenly.
   G sums over the heads the value error through o_proj and the score error through the nope query's second moment,
   weighted by the spread of the head's values the score moves between (`_error_cost`).
+  The rope key takes the same balance pair by pair (`rope_scales`: a scale per RoPE pair, its inverse in the query;
+  a pair's rotation commutes with it), since no rotation may mix its pairs.
 
 Both are measured, not assumed: docs/decisions.md#latent-basis-for-quantized-caches.
 """
@@ -77,22 +79,27 @@ def balanced_map(sigma: torch.Tensor, cost: torch.Tensor, floor: float = 1e-8) -
 
 
 @torch.no_grad()
-def latent_moments(model, windows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (E[c c^T] [d_c, d_c], each head's E[q_nope q_nope^T] [H, d_n, d_n]) over token windows [W, T], in
-    float64, from one forward per window (the model's own latents and queries, before any cache type)."""
+def latent_moments(model, windows: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer (E[c c^T] [d_c, d_c], each head's E[q_nope q_nope^T] [H, d_n, d_n], the rope key's pair energies
+    E[|k_r,j|^2] [d_r/2], each head's rope query pair energies [H, d_r/2]) over token windows [W, T], in float64, from
+    one forward per window (the model's own latents and queries, before any cache type)."""
     layers = [layer.self_attn for layer in model.model.layers]
-    sums: list[list] = [[0.0, 0.0] for _ in layers]
+    if any(attn.qk_norm for attn in layers):
+        raise ValueError("the balanced basis reads the nope query from q_proj, which a qk-norm layer normalizes after")
+    sums: list[list] = [[0.0, 0.0, 0.0, 0.0] for _ in layers]
     hooks = []
     for i, attn in enumerate(layers):
         d_c, d_n, d_r = attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim
 
-        def latent_hook(module, args, out, i=i, d_c=d_c):
+        def latent_hook(module, args, out, i=i, d_c=d_c, d_r=d_r):
             c = out[..., :d_c].reshape(-1, d_c).double()
             sums[i][0] = sums[i][0] + c.T @ c
+            sums[i][2] = sums[i][2] + _pair_energy(out[..., d_c:].reshape(-1, d_r).double()).sum(0)
 
         def query_hook(module, args, out, i=i, d_n=d_n, d_r=d_r):
-            q = out.reshape(-1, out.shape[-1] // (d_n + d_r), d_n + d_r)[..., :d_n].double()  # [N, H, d_n]
-            sums[i][1] = sums[i][1] + torch.einsum("nhd,nhe->hde", q, q)
+            q = out.reshape(-1, out.shape[-1] // (d_n + d_r), d_n + d_r).double()  # [N, H, d_n+d_r]
+            sums[i][1] = sums[i][1] + torch.einsum("nhd,nhe->hde", q[..., :d_n], q[..., :d_n])
+            sums[i][3] = sums[i][3] + _pair_energy(q[..., d_n:]).sum(0)  # [H, d_r/2]
 
         hooks += [attn.kv_a_proj.register_forward_hook(latent_hook), attn.q_proj.register_forward_hook(query_hook)]
     try:
@@ -102,7 +109,14 @@ def latent_moments(model, windows: torch.Tensor) -> list[tuple[torch.Tensor, tor
         for hook in hooks:
             hook.remove()
     count = windows.numel()
-    return [(s / count, q / count) for s, q in sums]
+    return [tuple(part / count for part in layer) for layer in sums]
+
+
+def _pair_energy(x: torch.Tensor) -> torch.Tensor:
+    """[..., d_r] in rotate_half layout (pair j at dims j and j + d_r/2) -> each pair's squared norm [..., d_r/2],
+    which RoPE's rotation leaves unchanged."""
+    half = x.shape[-1] // 2
+    return x[..., :half] ** 2 + x[..., half:] ** 2
 
 
 def basis_maps(model, basis: str, moments=None, seed: int = 0) -> list[torch.Tensor]:
@@ -120,9 +134,42 @@ def basis_maps(model, basis: str, moments=None, seed: int = 0) -> list[torch.Ten
         if basis == "rotation":
             maps.append(q)
             continue
-        sigma, query_moment = moments[i]
+        sigma, query_moment = moments[i][:2]
         maps.append(q @ balanced_map(sigma, _error_cost(attn, sigma, query_moment)))
     return maps
+
+
+def rope_scales(model, moments) -> list[torch.Tensor]:
+    """Per layer a scale s_j [d_r/2] of each rope key pair (the query's pair j takes 1/s_j: the score is unchanged,
+    and a pair's RoPE rotation commutes with a scale): s_j^4 = (what an error in pair j costs) / E[|k_r,j|^2], so that
+    every pair's spread and cost are equal in its block, the balanced basis of the latent taken pair by pair."""
+    scales = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        _, _, key_energy, query_energy = moments[i]
+        cost = query_energy.sum(0)  # the rope score error through every head's query (values' spread: a common factor)
+        floor = 1e-12 * max(float(key_energy.max()), float(cost.max()), 1e-300)
+        scales.append(((cost + floor) / (key_energy + floor)).pow(0.25))
+    return scales
+
+
+@torch.no_grad()
+def fold_rope_scales(model, scales: list[torch.Tensor]) -> None:
+    """Cache s_j k_r,j for every rope pair j: kv_a_proj's rope rows (and bias) by s, each head's rope query rows of
+    q_proj (and bias) by 1/s. Exact in exact arithmetic."""
+    for layer, s in zip(model.model.layers, scales):
+        attn = layer.self_attn
+        d_c, d_n, d_r = attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim
+        both = torch.cat((s, s))  # rotate_half layout: pair j at dims j and j + d_r/2
+        key_rows = slice(d_c, d_c + d_r)
+        for p in (attn.kv_a_proj.weight, attn.kv_a_proj.bias):
+            if p is not None:
+                p[key_rows] = (p[key_rows].double() * (both[:, None] if p.dim() == 2 else both)).to(p.dtype)
+        for p in (attn.q_proj.weight, attn.q_proj.bias):
+            if p is not None:
+                rows = p.view(attn.num_heads, d_n + d_r, *p.shape[1:])[:, d_n:]  # [H, d_r(, D)], a view
+                factor = (1 / both).view(1, d_r, *([1] * (p.dim() - 1)))
+                rows.copy_((rows.double() * factor).to(p.dtype))
 
 
 @torch.no_grad()
@@ -181,14 +228,16 @@ def rebase_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, basis: 
                         "output of `mla-convert llama|qwen|convert`")
     check_output(Path(out), overwrite, (folder,))
     model, tokenizer, _ = load_model(str(folder))
-    if model.config.qk_norm == "exact":
-        raise UserError("this model rebuilds its keys from the latent before a norm (qk_norm exact): its latent "
-                        "basis is fixed; nothing to do")
+    if model.config.qk_norm and basis != "native":
+        raise UserError("this model normalizes each query head (qk_norm, e.g. Qwen3): a latent basis for it is not "
+                        "built yet; serve it with a 16-bit or q8_0 cache")
     windows = _calibration_windows(model, folder, calib_data, calib_samples, calib_seq_len)
     with torch.no_grad():
         before = model(input_ids=windows[:1], use_cache=False).logits
         moments = latent_moments(model, windows) if basis == "balanced" else None
         fold_maps(model, basis_maps(model, basis, moments))
+        if basis == "balanced":
+            fold_rope_scales(model, rope_scales(model, moments))
         error = ((model(input_ids=windows[:1], use_cache=False).logits - before).abs().max() / before.abs().max()).item()
     dtype = json.loads((folder / "config.json").read_text()).get("dtype") or "float32"
     parent = provenance.load(folder)

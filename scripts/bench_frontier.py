@@ -90,6 +90,8 @@ def model_points(label: str, folder: str, args, ids: dict, record) -> None:
             if moments is None:
                 moments = latent_basis.latent_moments(model, calibration_windows(model, args))
             latent_basis.fold_maps(model, latent_basis.basis_maps(model, basis, moments))
+            if basis == "balanced":
+                latent_basis.fold_rope_scales(model, latent_basis.rope_scales(model, moments))
         for kind in args.latent_types.split(","):
             if kind in ("f16", "f32") and basis != "native":
                 continue  # a basis changes nothing in 16 bits
