@@ -218,3 +218,11 @@ def test_rebase_command(sources, tmp_path, calib_text, convert_tiny):
     assert_user_error(*run("rebase", out, "-o", tmp_path / "y", "--basis", "diagonal", *args), "--basis must be")
     code, output = run("rebase", out, "-o", target, *args, "--overwrite", "--basis", "rotation")
     assert code == 0, output
+
+
+def test_generate_cache_type(sources, convert_tiny):
+    from test_cli import run
+
+    out = convert_tiny(sources["llama-gqa"], rank=24, rope_dims=8, rank_allocation="uniform", **CLOSED_FORM)
+    code, output = run("generate", out, "-p", "w1 w2 w3", "-n", 4, "--cache-type", "q4_0")
+    assert code == 0 and "read as a q4_0 cache: 36 bytes/token" in output, output

@@ -171,6 +171,10 @@ def generate_command(
         "--max-new-tokens; on CUDA transformers compiles the decode step into CUDA graphs: the first decode step "
         "takes tens of seconds, the rest run much faster than dynamic; docs/decisions.md#static-cache-in-generate)."
     ),
+    cache_type: Optional[str] = typer.Option(
+        None, "--cache-type", help="Generate with the KV cache read as a llama.cpp cache type stores it (f16, q8_0, "
+        "q5_1, q5_0, q4_1, q4_0; see eval --cache-type)."
+    ),
     verbose: int = VerboseOpt,
     quiet: bool = QuietOpt,
 ) -> None:
@@ -185,6 +189,7 @@ def generate_command(
     evaluate.check_device(device)
     net, tokenizer, label = evaluate.load_model(model, dtype, device)
     evaluate.check_generation_config(net, label)
+    stored = evaluate.use_cache_type(net, cache_type) if cache_type is not None else None
     ids = encode_prompt(tokenizer, prompt, label, chat, device)
     run = generate(net, tokenizer, ids, max_new_tokens, sample=sample, temperature=temperature, seed=seed, cache=cache)
     typer.echo(run.text)
@@ -202,4 +207,7 @@ def generate_command(
     else:  # preallocated: the bytes are the capacity's, whatever was written
         typer.echo(f"KV cache: {run.bytes_per_token} bytes/token ({dtype}, all layers); {run.cached_tokens} tokens "
                    f"cached in a static cache of {run.capacity} tokens = {total} bytes ({total / 2**20:.2f} MiB)")
+    if stored is not None:
+        typer.echo(f"read as a {cache_type} cache: {stored:g} bytes/token as llama.cpp stores it (this process holds "
+                   "the values it reads back, de-quantized, at the size above)")
 
