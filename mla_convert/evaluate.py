@@ -280,13 +280,12 @@ def use_cache_type(model, kind: str) -> float:
     if kind not in kvquant.CACHE_TYPES:
         raise UserError(f"--cache-type must be one of {', '.join(kvquant.CACHE_TYPES)}, got {kind}")
     if config.model_type == "mla":
-        rows = [rank + config.qk_rope_head_dim for rank in config.kv_lora_ranks]
-        if kvquant.cache_type(kind).levels and any(r % kvquant.BLOCK for r in rows):
-            raise UserError(f"--cache-type {kind} stores rows in blocks of {kvquant.BLOCK}; this model caches rows of "
-                            f"{sorted(set(rows))} values: use f16, or convert to a budget whose latent plus rope key "
-                            f"is a multiple of {kvquant.BLOCK}")
+        padded = [r for r in config.kv_lora_ranks if kvquant.latent_padding(r, config.qk_rope_head_dim, kind)]
+        if padded:
+            log.warning("%d layers cache rows that are not whole %s blocks: their latent is zero-padded (exact), and "
+                        "the bytes count the padding", len(padded), kind)
         config.latent_cache_type = None if kind == "f32" else kind
-        return sum(kvquant.row_bytes(r, kind) for r in rows)
+        return sum(kvquant.latent_row_bytes(r, config.qk_rope_head_dim, kind) for r in config.kv_lora_ranks)
     if getattr(config, "num_key_value_heads", None) is None or getattr(config, "head_dim", None) is None:
         raise UserError(f"--cache-type needs a Llama-style source (num_key_value_heads, head_dim); "
                         f"{config.model_type} has none: drop --cache-type")

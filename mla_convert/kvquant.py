@@ -120,11 +120,25 @@ def interleaved_order(head_dim: int) -> torch.Tensor:
     return torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
 
 
+def latent_padding(d_c: int, d_r: int, kind: str) -> int:
+    """Zeros a row [c, k_r] needs after the latent to be whole blocks of `kind` (0 for float types): an engine takes
+    no quantized row of another width, so a converted layer whose d_c + d_r is not a multiple of 32 is served with
+    its latent zero-padded (exact: the zeros read back as zeros and meet zero weights)."""
+    return (-(d_c + d_r)) % BLOCK if cache_type(kind).levels else 0
+
+
+def latent_row_bytes(d_c: int, d_r: int, kind: str) -> float:
+    """Bytes of one layer's cached row [c, k_r] in `kind`, padded to whole blocks (`latent_padding`)."""
+    return row_bytes(d_c + d_r + latent_padding(d_c, d_r, kind), kind)
+
+
 def round_trip_latent(latent: torch.Tensor, k_rope: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """An MLA cache row [c, k_r] through cache type `kind` (blocks run across the joint row, as llama.cpp caches it)."""
-    d_c = latent.shape[-1]
-    row = round_trip(torch.cat((latent, k_rope), dim=-1), kind)
-    return row[..., :d_c], row[..., d_c:]
+    """An MLA cache row [c, k_r] through cache type `kind` (blocks run across the joint row, as llama.cpp caches it;
+    a row that is not whole blocks is zero-padded after the latent, see `latent_padding`)."""
+    d_c, pad = latent.shape[-1], latent_padding(latent.shape[-1], k_rope.shape[-1], kind)
+    parts = (latent, latent.new_zeros(*latent.shape[:-1], pad), k_rope) if pad else (latent, k_rope)
+    row = round_trip(torch.cat(parts, dim=-1), kind)
+    return row[..., :d_c], row[..., d_c + pad :]
 
 
 def hadamard(n: int, device=None) -> torch.Tensor:

@@ -82,7 +82,7 @@ def model_points(label: str, folder: str, args, ids: dict, record) -> None:
     from mla_convert import evaluate, kvquant, latent_basis
 
     model, _, _ = evaluate.load_model(folder)
-    rows = [r + model.config.qk_rope_head_dim for r in model.config.kv_lora_ranks]
+    d_r = model.config.qk_rope_head_dim
     moments = None
     for basis in args.bases.split(","):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype).eval()
@@ -96,7 +96,7 @@ def model_points(label: str, folder: str, args, ids: dict, record) -> None:
             if kind in ("f16", "f32") and basis != "native":
                 continue  # a basis changes nothing in 16 bits
             model.config.latent_cache_type = None if kind == "f32" else kind
-            byte_count = sum(kvquant.row_bytes(r, kind) for r in rows)
+            byte_count = sum(kvquant.latent_row_bytes(r, d_r, kind) for r in model.config.kv_lora_ranks)
             record(f"{label}, {basis}", kind, byte_count, perplexities(model, ids, args))
 
 

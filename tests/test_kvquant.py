@@ -42,6 +42,11 @@ def test_round_trip_is_ggml_bit_for_bit(kind):
 
 def test_bytes_and_rows():
     assert kvquant.row_bytes(96, "q4_0") == 54 and kvquant.row_bytes(96, "q8_0") == 102
+    assert kvquant.latent_padding(16, 32, "q4_0") == 16 and kvquant.latent_padding(16, 32, "f16") == 0
+    assert kvquant.latent_row_bytes(16, 32, "q4_0") == 36 and kvquant.latent_row_bytes(64, 32, "q4_0") == 54
+    latent, k_rope = torch.randn(3, 16), torch.randn(3, 32)
+    c, k = kvquant.round_trip_latent(latent, k_rope, "q8_0")
+    assert c.shape == latent.shape and torch.equal(k, kvquant.round_trip(k_rope, "q8_0"))  # k_r: its own block
     assert kvquant.row_bytes(96, "f16") == 192 and kvquant.row_bytes(64, "q4_1") == 40
     with pytest.raises(ValueError, match="multiple of 32"):
         kvquant.round_trip(torch.zeros(2, 48), "q4_0")
@@ -190,7 +195,9 @@ def test_eval_cache_type(sources, tmp_path, calib_text, convert_tiny):
     assert_user_error(*run("eval", out, *args, "--cache-type", "q3_x"), "--cache-type must be one of")
     assert_user_error(*run("eval", out, *args, "--cache-type", "q4_0", "--engine", "vllm"), "--engine transformers")
     odd = convert_tiny(sources["llama-gqa"], rank=16, rope_dims=8, rank_allocation="uniform", **CLOSED_FORM)  # rows of 24
-    assert_user_error(*run("eval", odd, *args, "--cache-type", "q8_0"), "blocks of 32", "use f16")
+    code, output = run("eval", odd, *args, "--cache-type", "q8_0", "--json", tmp_path / "odd.json")
+    assert code == 0 and "zero-padded" in output, output  # padded to one block: 34 bytes a layer
+    assert json.loads((tmp_path / "odd.json").read_text())["kv_cache_bytes_per_token"] == 2 * 34
     assert_user_error(*run("eval", sources["llama-gqa"], *args, "--cache-type", "q8_0"), "heads of a multiple of 32")
     code, output = run("eval", sources["llama-gqa"], *args, "--cache-type", "f16")
     assert code == 0 and "KV cache 256 bytes/token" in output, output  # 2 layers x 2 x 2 heads x 16 x 2 bytes

@@ -68,7 +68,8 @@ class MLAConfig(LlamaConfig):
     # "auto": the Triton kernel on CUDA when triton is importable, the torch reference elsewhere.
     mla_decode_kernel: str = "auto"
     # the cache type the cached row [latent, rope key] is stored in (mla_convert.kvquant: "q8_0", "q4_0", ... in
-    # ggml's blocks of 32, as llama.cpp's --cache-type-k stores it); None: the model's own dtype
+    # ggml's blocks of 32, as llama.cpp's --cache-type-k stores it, the latent zero-padded to whole blocks); None: the
+    # model's own dtype
     latent_cache_type: str | None = None
     qk_norm: str | None = None
     # each query attends to the last `sliding_window` positions only, its own included (Mistral's window); None: its
@@ -190,10 +191,9 @@ class MLAConfig(LlamaConfig):
         if self.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"qk_norm_scope must be head or projection, got {self.qk_norm_scope}")
         if self.latent_cache_type is not None:
-            from mla_convert.kvquant import check_row
+            from mla_convert.kvquant import cache_type
 
-            for rank in self.kv_lora_ranks:
-                check_row(rank + self.qk_rope_head_dim, self.latent_cache_type)
+            cache_type(self.latent_cache_type)  # a known type (a row that is not whole blocks is padded)
         if self.mla_decode_kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"mla_decode_kernel must be auto, torch or triton, got {self.mla_decode_kernel}")
 
