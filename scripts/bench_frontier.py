@@ -59,8 +59,8 @@ def calibration_windows(model, args, count: int = 4):
     source = open_source(args.source)
     kept = model.config.kv_cache_elements_per_token() / (2 * model.config.num_key_value_heads * model.config.head_dim
                                                          * model.config.num_hidden_layers)
-    return calibration_tokens(source, args.calib, count, args.seq_len, seed=0,
-                              temperature=selftext.calib_temperature(kept))
+    temperature = args.calib_temperature or selftext.calib_temperature(kept)
+    return calibration_tokens(source, args.calib, count, args.seq_len, seed=0, temperature=temperature)
 
 
 def source_points(args, ids: dict, record) -> None:
@@ -108,14 +108,14 @@ def geomean(values) -> float:
 def report(data: dict, out: Path) -> None:
     points = data["points"]
     source = next(p for p in points if p["route"] == "source, llama.cpp" and p["cache"] == "f16")
-    full = 2 * source["bytes_per_token"]  # the source's 16-bit cache is the reference: fractions of it
+    full = source["bytes_per_token"]  # the source's 16-bit cache is the reference: fractions of it
     lines = ["| route | cache type | bytes per token (all layers) | fraction of the source's 16-bit | "
              + " | ".join(f"{t} ratio" for t in data["texts"]) + " | geometric mean | measured |",
              "|---|---|---:|---:|" + "---:|" * len(data["texts"]) + "---:|---|"]
     for p in sorted(points, key=lambda p: (-p["bytes_per_token"], p["route"])):
         ratios = [p["perplexity"][t] / source["perplexity"][t] for t in data["texts"]]
         p["ratio"] = geomean(ratios)
-        lines.append(f"| {p['route']} | {p['cache']} | {p['bytes_per_token']:,.0f} | {p['bytes_per_token'] / full * 2:.3f} | "
+        lines.append(f"| {p['route']} | {p['cache']} | {p['bytes_per_token']:,.0f} | {p['bytes_per_token'] / full:.3f} | "
                      + " | ".join(f"{r:.3f}" for r in ratios) + f" | {p['ratio']:.3f} | {p['measured']} |")
     (out / "frontier.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     import matplotlib
@@ -125,11 +125,19 @@ def report(data: dict, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for route in dict.fromkeys(p["route"] for p in points):
-        line = sorted((p for p in points if p["route"] == route), key=lambda p: p["bytes_per_token"])
+        line = [p for p in points if p["route"] == route]
+        model, _, basis = route.partition(", ")
+        if basis not in ("native", "llama.cpp", "unrotated"):  # a basis changes nothing at 16 bits: the native point
+            line += [p for p in points if p["route"] == f"{model}, native" and p["cache"] in ("f16", "f32")]
+        line.sort(key=lambda p: p["bytes_per_token"])
         ax.plot([p["bytes_per_token"] for p in line], [p["ratio"] for p in line], marker="o", label=route)
         for p in line:
             ax.annotate(p["cache"], (p["bytes_per_token"], p["ratio"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
+    for share in (0.125, 0.25):
+        ax.axvline(share * full, color="grey", linestyle=":", linewidth=1)
+        ax.annotate(f"1/{round(1 / share)} of the source's bytes", (share * full, ax.get_ylim()[1]), fontsize=7,
+                    rotation=90, va="top", ha="right")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("KV-cache bytes per token, all layers (log)")
@@ -153,6 +161,8 @@ def main() -> None:
     ap.add_argument("--latent-types", default=LATENT_TYPES)
     ap.add_argument("--bases", default="native,balanced")
     ap.add_argument("--calib", default="self", help="text the balanced basis is fitted on (a conversion's spec)")
+    ap.add_argument("--calib-temperature", type=float, default=None,
+                    help="the self text's temperature, where the conversions were made with --calib-temperature")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "frontier")
     ap.add_argument("--report-only", action="store_true", help="rewrite the table and chart from frontier.json")
     args = ap.parse_args()
