@@ -21,6 +21,11 @@ norm and rotation, and attention rebuilds each group's key, normalizes it (`k_no
 form only; "calibrated": the query as in "exact", the key's per-token RMS replaced at conversion by a calibration
 statistic (folded into the weights), so the key side is plain MLA (absorbed decode).
 
+`latent_cache_type` (not a declared field: set on a loaded model, or passed to from_pretrained, and saved only when
+set): the cache type the cached row [latent, rope key] is stored in (mla_convert.kvquant: "q8_0", "q4_0", ... in
+ggml's blocks of 32, as llama.cpp's --cache-type-k stores it, the latent zero-padded to whole blocks); absent: the
+model's own dtype.
+
 `sliding_window` (sources whose queries see a window of recent positions, e.g. Mistral v0.1): the causal mask is
 limited to the window in every form (expanded, latent prefill, absorbed decode), and the cache keeps the window's rows.
 """
@@ -67,10 +72,6 @@ class MLAConfig(LlamaConfig):
     mla_attention_mode: str = "auto"
     # "auto": the Triton kernel on CUDA when triton is importable, the torch reference elsewhere.
     mla_decode_kernel: str = "auto"
-    # the cache type the cached row [latent, rope key] is stored in (mla_convert.kvquant: "q8_0", "q4_0", ... in
-    # ggml's blocks of 32, as llama.cpp's --cache-type-k stores it, the latent zero-padded to whole blocks); None: the
-    # model's own dtype
-    latent_cache_type: str | None = None
     qk_norm: str | None = None
     # each query attends to the last `sliding_window` positions only, its own included (Mistral's window); None: its
     # whole past. transformers' DynamicCache then keeps only the rows a later query can see.
@@ -190,10 +191,6 @@ class MLAConfig(LlamaConfig):
             raise ValueError("sliding_attention layers need a sliding_window")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"qk_norm_scope must be head or projection, got {self.qk_norm_scope}")
-        if self.latent_cache_type is not None:
-            from mla_convert.kvquant import cache_type
-
-            cache_type(self.latent_cache_type)  # a known type (a row that is not whole blocks is padded)
         if self.mla_decode_kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"mla_decode_kernel must be auto, torch or triton, got {self.mla_decode_kernel}")
 

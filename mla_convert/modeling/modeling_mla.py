@@ -227,8 +227,8 @@ class MLAAttention(nn.Module):
             q_rope = rotate(q_rope, cos, sin)
             if self.qk_norm != "exact":  # exact qk norm: cached before norm and rotation (see _normalized_keys)
                 k_rope = rotate(k_rope, cos, sin)
-        if self.config.latent_cache_type:  # each row as a block-quantized cache gives it back (every form reads it)
-            latent, k_rope = round_trip_latent(latent, k_rope, self.config.latent_cache_type)
+        if kind := getattr(self.config, "latent_cache_type", None):  # each row as a block cache type gives it back
+            latent, k_rope = round_trip_latent(latent, k_rope, kind)
         filled = None  # a static cache's count of written rows (0-d tensor on the cache's device), else None
         capacity = None  # a static cache's row count where only its written rows are attended to
         if cache is not None:
