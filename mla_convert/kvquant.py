@@ -40,7 +40,6 @@ CACHE_TYPES = {
     "q4_1": CacheType("q4_1", 20, 16, True),
     "q4_0": CacheType("q4_0", 18, 16, False),
 }
-QUANTIZED = tuple(name for name, t in CACHE_TYPES.items() if t.levels)
 
 
 def cache_type(name: str) -> CacheType:
@@ -99,7 +98,7 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 def round_trip(x: torch.Tensor, kind: str) -> torch.Tensor:
     """What a cache of type `kind` gives back for rows `x` [..., n] (blocks along the last dim), in x's dtype."""
     spec = cache_type(kind)
-    if kind in ("f32",):
+    if kind == "f32":
         return x
     if not spec.levels:
         return x.to(torch.float16 if kind == "f16" else torch.bfloat16).to(x.dtype)

@@ -189,6 +189,20 @@ def fold_maps(model, maps: list[torch.Tensor]) -> None:
         b.weight.copy_((b.weight.double() @ torch.linalg.inv(t)).to(b.weight.dtype))
 
 
+def apply_basis(model, basis: str, moments=None) -> None:
+    """Fold `basis` into every layer of `model` (the balanced one with its rope key's pair scales); `moments` from
+    `latent_moments` for the balanced basis."""
+    fold_maps(model, basis_maps(model, basis, moments))
+    if basis == "balanced":
+        fold_rope_scales(model, rope_scales(model, moments))
+
+
+def cache_kept(config) -> float:
+    """The share of its source's KV cache an MLA config keeps (elements per token, all layers)."""
+    return config.kv_cache_elements_per_token() / (2 * config.num_key_value_heads * config.head_dim
+                                                   * config.num_hidden_layers)
+
+
 def _calibration_windows(model, folder: Path, spec: str, samples: int, seq_len: int) -> torch.Tensor:
     """Windows of `spec` as a conversion reads them: 'self' is text sampled from the conversion's source (named in
     provenance.json), at the temperature a conversion to this share of the cache uses, from the same cache."""
@@ -201,11 +215,8 @@ def _calibration_windows(model, folder: Path, spec: str, samples: int, seq_len: 
     if source_name is None and "self" in spec:
         raise UserError(f"--calib-data {spec} samples text from the source this model was converted from, and "
                         f"{folder} does not name one (provenance.json): pass --calib-data FILE")
-    config = model.config
-    kept = config.kv_cache_elements_per_token() / (2 * config.num_key_value_heads * config.head_dim
-                                                   * config.num_hidden_layers)
     return calibration_tokens(open_source(source_name), spec, samples, seq_len, seed=0,
-                              temperature=selftext.calib_temperature(kept))
+                              temperature=selftext.calib_temperature(cache_kept(model.config)))
 
 
 def rebase_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, basis: str = "balanced",
@@ -222,8 +233,8 @@ def rebase_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, basis: 
     folder = Path(folder).expanduser()
     if basis not in BASES:
         raise UserError(f"--basis must be one of {', '.join(BASES)}, got {basis}")
-    if not (folder / "config.json").is_file() or json.loads((folder / "config.json").read_text()).get(
-            "model_type") != "mla":
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    if config.get("model_type") != "mla":
         raise UserError(f"{folder} is not a native MLA checkpoint folder (config.json with model_type mla): pass the "
                         "output of `mla-convert llama|qwen|convert`")
     check_output(Path(out), overwrite, (folder,))
@@ -235,11 +246,9 @@ def rebase_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, basis: 
     with torch.no_grad():
         before = model(input_ids=windows[:1], use_cache=False).logits
         moments = latent_moments(model, windows) if basis == "balanced" else None
-        fold_maps(model, basis_maps(model, basis, moments))
-        if basis == "balanced":
-            fold_rope_scales(model, rope_scales(model, moments))
+        apply_basis(model, basis, moments)
         error = ((model(input_ids=windows[:1], use_cache=False).logits - before).abs().max() / before.abs().max()).item()
-    dtype = json.loads((folder / "config.json").read_text()).get("dtype") or "float32"
+    dtype = config.get("dtype") or "float32"
     parent = provenance.load(folder)
     record = {"basis": basis, "calib_data": calib_data, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
               "max_rel_logit_change": error}

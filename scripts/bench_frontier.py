@@ -55,12 +55,11 @@ def calibration_windows(model, args, count: int = 4):
     from mla_convert import selftext
     from mla_convert.calibration import calibration_tokens
     from mla_convert.checkpoint import open_source
+    from mla_convert.latent_basis import cache_kept
 
-    source = open_source(args.source)
-    kept = model.config.kv_cache_elements_per_token() / (2 * model.config.num_key_value_heads * model.config.head_dim
-                                                         * model.config.num_hidden_layers)
-    temperature = args.calib_temperature or selftext.calib_temperature(kept)
-    return calibration_tokens(source, args.calib, count, args.seq_len, seed=0, temperature=temperature)
+    temperature = args.calib_temperature or selftext.calib_temperature(cache_kept(model.config))
+    return calibration_tokens(open_source(args.source), args.calib, count, args.seq_len, seed=0,
+                              temperature=temperature)
 
 
 def source_points(args, ids: dict, record) -> None:
@@ -89,9 +88,7 @@ def model_points(label: str, folder: str, args, ids: dict, record) -> None:
         if basis != "native":
             if moments is None:
                 moments = latent_basis.latent_moments(model, calibration_windows(model, args))
-            latent_basis.fold_maps(model, latent_basis.basis_maps(model, basis, moments))
-            if basis == "balanced":
-                latent_basis.fold_rope_scales(model, latent_basis.rope_scales(model, moments))
+            latent_basis.apply_basis(model, basis, moments)
         for kind in args.latent_types.split(","):
             if kind in ("f16", "f32") and basis != "native":
                 continue  # a basis changes nothing in 16 bits
@@ -163,6 +160,7 @@ def main() -> None:
     ap.add_argument("--calib", default="self", help="text the balanced basis is fitted on (a conversion's spec)")
     ap.add_argument("--calib-temperature", type=float, default=None,
                     help="the self text's temperature, where the conversions were made with --calib-temperature")
+    ap.add_argument("--texts", default="", help="NAME=FILE,... instead of the three development domains")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "frontier")
     ap.add_argument("--report-only", action="store_true", help="rewrite the table and chart from frontier.json")
     args = ap.parse_args()
@@ -176,14 +174,15 @@ def main() -> None:
     from mla_convert import evaluate
     from mla_convert.data import load_text
 
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_quality
 
-    bench_quality.prepare_texts()
+    texts = dict(pair.split("=", 1) for pair in args.texts.split(",") if pair) or TEXTS
+    if texts is TEXTS:
+        bench_quality.prepare_texts()
     _, tokenizer, _ = evaluate.load_model(args.source)
-    ids = {name: evaluate.tokenize(tokenizer, load_text(str(p))) for name, p in TEXTS.items()}
+    ids = {name: evaluate.tokenize(tokenizer, load_text(str(p))) for name, p in texts.items()}
     data = json.loads(path.read_text()) if path.is_file() else {"points": []}
-    data.update(texts=list(TEXTS), windows=args.windows, seq_len=args.seq_len, threads=torch.get_num_threads(),
+    data.update(texts=list(texts), windows=args.windows, seq_len=args.seq_len, threads=torch.get_num_threads(),
                 machine=platform.processor() or platform.machine())
     done = {(p["route"], p["cache"]) for p in data["points"]}
 

@@ -156,11 +156,8 @@ def test_latent_basis_changes_no_logit(converted, basis):
     model = load(folder)
     ids = tokens()
     moments = latent_basis.latent_moments(model, ids) if basis == "balanced" else None
-    maps = latent_basis.basis_maps(model, basis, moments)
     before = model.model.layers[0].self_attn.kv_b_proj.weight.clone()
-    latent_basis.fold_maps(model, maps)
-    if moments is not None:
-        latent_basis.fold_rope_scales(model, latent_basis.rope_scales(model, moments))
+    latent_basis.apply_basis(model, basis, moments)
     assert not torch.allclose(before, model.model.layers[0].self_attn.kv_b_proj.weight)
     with torch.no_grad():
         reference, out = src(ids).logits, model(ids).logits
