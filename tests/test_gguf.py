@@ -5,6 +5,7 @@ against the native model in transformers: log-probs, greedy tokens, perplexity a
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -221,6 +222,66 @@ def test_low_precision_types_run_close(tmp_path):
         got = run_llamacpp(tmp_path / f"{kind}.gguf", windows, n_ctx=256)["logprobs"][0]
         mean = sum(abs(a - b) for a, b in zip(got, ref)) / len(ref)
         assert mean < tolerance, (kind, mean)
+
+
+def mean_nll(result: dict) -> float:
+    flat = [x for w in result["logprobs"] for x in w]
+    return -sum(flat) / len(flat)
+
+
+@needs_llamacpp
+def test_quantized_cache_types_in_llamacpp_match_the_simulation(tmp_path):
+    """llama.cpp's q8_0 / q4_0 caches (flash attention) on a GGUF whose latent and rope key are whole blocks of 32
+    read the cached row [latent, rope key] as `latent_cache_type` simulates in transformers: the perplexity of each
+    within 1% of the simulation, and the simulation explains most of what the cache type changes. llama.cpp logs
+    attn_rot_k = 1 for this row of 64 values, yet its MLA path stores the row unrotated: LLAMA_ATTN_ROT_DISABLE=1
+    gives the same scores bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    _, native = convert_tiny("llama-gqa", tmp_path, rank=16, rope_dims=32, head_dim=64, hidden_size=128)
+    record = export_gguf(native, tmp_path / "m.gguf", "f32", pad_latent="llamacpp")
+    assert (record["kv_lora_rank"], record["qk_rope_head_dim"]) == (32, 32)  # latent padded to a whole block
+    windows = torch.randint(3, VOCAB, (4, 128), generator=torch.Generator().manual_seed(4)).tolist()
+    model = AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).eval()
+
+    def simulated(kind):
+        model.config.latent_cache_type = kind
+        with torch.no_grad():
+            ids = torch.tensor(windows)
+            logp = torch.log_softmax(model(ids).logits[:, :-1].double(), -1)
+            return {"logprobs": logp.gather(-1, ids[:, 1:, None])[..., 0].tolist()}
+
+    exact = mean_nll(simulated(None))
+    for kind in ("q8_0", "q4_0"):
+        got = run_llamacpp(tmp_path / "m.gguf", windows, n_ctx=256, cache_type=kind)
+        assert got["kv_cache"]["k_type"] == kind and re.search(r"flash_attn += enabled", got["log"])
+        engine, sim = mean_nll(got), mean_nll(simulated(kind))
+        assert abs(engine - sim) < 0.01, (kind, engine, sim)  # perplexity within 1%
+        if kind == "q4_0":
+            assert abs(engine - sim) < 0.5 * abs(engine - exact), (engine, sim, exact)
+            unrotated = run_llamacpp(tmp_path / "m.gguf", windows, n_ctx=256, cache_type=kind,
+                                     env={"LLAMA_ATTN_ROT_DISABLE": "1"})
+            assert mean_nll(unrotated) == engine
+
+
+@needs_llamacpp
+def test_quantized_cache_refused_for_rows_not_in_blocks(tmp_path):
+    """A GGUF whose latent is not whole blocks of 32: `eval --engine llamacpp --cache-type q4_0` refuses in one line
+    naming the re-export; the export's own report says which cache types the file takes."""
+    from typer.testing import CliRunner
+    from tiny import tiny_text
+
+    from mla_convert.cli import app
+
+    _, native = convert_tiny("llama-gqa", tmp_path)  # latent 24 + rope 8
+    result = CliRunner().invoke(app, ["export", str(native), "--format", "gguf", "-o", str(tmp_path / "m.gguf")])
+    assert result.exit_code == 0, result.output
+    assert "f16 (default), f32, bf16 only" in result.output and "--rope-dims 32" in result.output
+    text = tmp_path / "eval.txt"
+    text.write_text(tiny_text(seed=9))
+    result = CliRunner().invoke(app, ["eval", str(tmp_path / "m.gguf"), "--data", str(text), "--seq-len", "64",
+                                      "--windows", "1", "--engine", "llamacpp", "--cache-type", "q4_0"])
+    assert_user_error(result.exit_code, result.output, "--rope-dims 32", "24 + 8")
 
 
 @needs_llamacpp

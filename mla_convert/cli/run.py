@@ -42,7 +42,8 @@ def eval_command(
     cache_type: Optional[str] = typer.Option(
         None, "--cache-type", help="Score with the KV cache stored in a llama.cpp cache type (f16, q8_0, q5_1, q5_0, "
         "q4_1, q4_0; ggml's blocks, bit for bit): a converted model's cached latent and rope key, or a source's keys "
-        "and values as llama.cpp stores them (its Hadamard rotation included). --engine transformers only."
+        "and values as llama.cpp stores them (its Hadamard rotation included). With --engine llamacpp: llama.cpp's "
+        "own --cache-type-k/-v (iq4_nl too; flash attention on for quantized types)."
     ),
     verbose: int = VerboseOpt,
     quiet: bool = QuietOpt,
@@ -61,9 +62,9 @@ def eval_command(
     warning = evaluate.calibration_overlap(model, data, text)
     if warning:
         typer.echo(f"warning: {warning}", err=True)
-    if cache_type is not None and engine != "transformers":
-        raise UserError(f"--cache-type applies to --engine transformers; llama.cpp and vLLM take their own cache "
-                        f"options (drop --cache-type, or use --engine transformers)")
+    if cache_type is not None and engine == "vllm":
+        raise UserError("--cache-type applies to --engine transformers and llamacpp; vLLM takes its own cache options "
+                        "(drop --cache-type, or use another --engine)")
     result, label = _score(engine, model, text, seq_len, windows, dtype, device, quiet, cache_type)
     result.update(model=label, data=data, dtype=dtype)
     cache = dtype if cache_type is None else f"{cache_type} cache: ggml's blocks, as llama.cpp stores them"
@@ -122,7 +123,8 @@ def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: 
         if device != "cpu" or dtype != "float32":
             raise UserError("--device and --dtype apply to --engine transformers; llama.cpp runs the GGUF's own "
                             "tensor types on the CPU (drop them)")
-        return llamacpp_perplexity(model, evaluate.tokenize(gguf_tokenizer(model), text), seq_len, windows), str(model)
+        ids = evaluate.tokenize(gguf_tokenizer(model), text)
+        return llamacpp_perplexity(model, ids, seq_len, windows, cache_type=cache_type or "f16"), str(model)
     if engine == "transformers":
         import torch
 

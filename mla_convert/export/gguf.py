@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from mla_convert.errors import UserError
+from mla_convert.serving.llamacpp import llamacpp_cache_types
 
 log = logging.getLogger(__name__)
 
@@ -442,4 +443,5 @@ def report_gguf(record: dict, output: Path, say) -> None:
         f"{record['kv_lora_rank']} + rope {record['qk_rope_head_dim']}, {q}, rope_theta {record['rope_theta']:.6g}, "
         f"tokenizer pre {record['tokenizer_pre']}; llama.cpp caches {record['kv_cache_elements_per_token']} values "
         "per token (f16 cache: x2 bytes)")
+    say(llamacpp_cache_types(record["kv_lora_rank"], record["qk_rope_head_dim"]))
     say(f"run it: mla-convert eval {output} --engine llamacpp --data TEXT (llama.cpp from scripts/install-llamacpp.sh)")

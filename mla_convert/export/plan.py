@@ -15,6 +15,7 @@ import torch
 from mla_convert.errors import UserError
 from mla_convert.export.rope_fit import RopeFit, fit_deepseek_rope
 from mla_convert.rope import source_frequencies
+from mla_convert.serving.llamacpp import LLAMACPP_BLOCK
 
 FORMATS = ("deepseek",)
 # transformers builds kv_a_layernorm/q_a_layernorm as DeepseekV3RMSNorm(dim) with its default eps 1e-6; vLLM and
@@ -102,7 +103,11 @@ def _pad_layout(options: ExportOptions, kv_lora_rank: int, rope_dims: int) -> tu
     if options.pad_latent not in PAD_CHOICES:
         raise UserError(f"--pad-latent must be one of {', '.join(PAD_CHOICES)}, got {options.pad_latent}")
     if options.pad_latent == "llamacpp":  # a cached row of whole 64-value steps of ggml's f16 dot product
-        return -(-(kv_lora_rank + rope_dims) // LLAMACPP_ROW) * LLAMACPP_ROW - rope_dims, rope_dims
+        step = LLAMACPP_BLOCK if rope_dims % LLAMACPP_BLOCK == 0 else 1  # and a latent of whole quantized blocks
+        rank = -(-kv_lora_rank // step) * step
+        while (rank + rope_dims) % LLAMACPP_ROW:
+            rank += step
+        return rank, rope_dims
     rope_dims_out = FLASHMLA_LAYOUT[1]
     if rope_dims > rope_dims_out:
         raise UserError(f"--pad-latent {options.pad_latent} needs qk_rope_head_dim {rope_dims_out}, below this "

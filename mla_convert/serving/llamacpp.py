@@ -49,9 +49,10 @@ def kv_cache_from_log(text: str) -> dict | None:
 
 
 def run_llamacpp(model: str | os.PathLike, windows=(), prompts=(), new_tokens: int = 16, n_ctx: int = 2048,
-                 threads: int = 0, decode: dict | None = None, cache_type: str = "f16", timeout: float = 3600) -> dict:
+                 threads: int = 0, decode: dict | None = None, cache_type: str = "f16", timeout: float = 3600,
+                 flash_attn: bool | None = None, env: dict | None = None) -> dict:
     """llamacpp_score's RESULT for the GGUF `model`, plus "log" and "kv_cache"; RuntimeError with llama.cpp's last
-    lines on failure."""
+    lines on failure. `env`: extra environment for llama.cpp (LLAMA_ATTN_ROT_DISABLE=1: no cache rotation)."""
     python = llamacpp_python()
     if python is None:
         raise RuntimeError("no llama.cpp environment: run scripts/install-llamacpp.sh (or set "
@@ -61,35 +62,79 @@ def run_llamacpp(model: str | os.PathLike, windows=(), prompts=(), new_tokens: i
     request = {
         "model": str(Path(model).resolve()), "n_ctx": n_ctx, "threads": threads,
         "windows": [list(map(int, w)) for w in windows], "prompts": [list(map(int, p)) for p in prompts],
-        "new_tokens": new_tokens, "decode": decode, "cache_type": cache_type,
+        "new_tokens": new_tokens, "decode": decode, "cache_type": cache_type, "flash_attn": flash_attn,
     }  # fmt: skip
-    out = run_worker([str(python), str(WORKER)], request, f"llama.cpp failed on {model}", timeout)
+    out = run_worker([str(python), str(WORKER)], request, f"llama.cpp failed on {model}", timeout, env=env)
     out["kv_cache"] = kv_cache_from_log(out["log"])
     return out
 
 
-def llamacpp_perplexity(model: str | os.PathLike, ids, seq_len: int, windows: int, threads: int = 0) -> dict:
+LLAMACPP_BLOCK = 32  # values per block of llama.cpp's quantized cache types (q8_0 ... q4_0, iq4_nl)
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")  # llama.cpp's --cache-type-k
+
+
+def quantized_cache_ok(kv_lora_rank: int, rope_dims: int) -> bool:
+    """Whether llama.cpp's quantized cache types (blocks of 32) take an MLA GGUF: the latent (its V view) and the row
+    [latent, rope key] must be whole blocks. llama.cpp caches the MLA row unrotated (LLAMA_ATTN_ROT_DISABLE changes
+    nothing on it: tests/test_gguf.py)."""
+    return kv_lora_rank % LLAMACPP_BLOCK == 0 and rope_dims % LLAMACPP_BLOCK == 0
+
+
+def llamacpp_cache_types(kv_lora_rank: int, rope_dims: int) -> str:
+    """The line that says which llama.cpp cache types an MLA GGUF takes, and the fix where quantized ones are out."""
+    if quantized_cache_ok(kv_lora_rank, rope_dims):
+        return ("cache types: f16 (default), f32, bf16, and with flash attention (-fa on) q8_0, q5_1, q5_0, q4_1, "
+                "q4_0, iq4_nl (--cache-type-k and --cache-type-v alike)")
+    fix = ("re-export with --pad-latent llamacpp" if rope_dims % LLAMACPP_BLOCK == 0 else
+           f"convert with --rope-dims {LLAMACPP_BLOCK} or {2 * LLAMACPP_BLOCK}")
+    return (f"cache types: f16 (default), f32, bf16 only; llama.cpp's quantized cache types need kv_lora_rank and "
+            f"rope dims in whole blocks of {LLAMACPP_BLOCK} (here {kv_lora_rank} + {rope_dims}): {fix}")
+
+
+def gguf_mla_layout(model: str | os.PathLike) -> tuple[int, int] | None:
+    """(kv_lora_rank, rope dims) of an MLA GGUF (llama.cpp's deepseek2), None for another architecture."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(model)).fields
+
+    def value(key):
+        f = fields.get(key)
+        return int(f.parts[f.data[0]][0]) if f is not None else None
+
+    rank, rope = value("deepseek2.attention.kv_lora_rank"), value("deepseek2.rope.dimension_count")
+    return (rank, rope) if rank and rope is not None else None
+
+
+def llamacpp_perplexity(model: str | os.PathLike, ids, seq_len: int, windows: int, threads: int = 0,
+                        cache_type: str = "f16", env: dict | None = None) -> dict:
     """`evaluate.perplexity`'s protocol (the first `windows` non-overlapping windows of `seq_len` tokens of `ids`,
-    each scored on its own, from the same token ids) run in llama.cpp; adds llama.cpp's KV-cache bytes per token."""
+    each scored on its own, from the same token ids) run in llama.cpp with its cache in `cache_type` (flash attention
+    on for quantized types); adds llama.cpp's KV-cache bytes per token."""
     from mla_convert.errors import UserError
     from mla_convert.evaluate import eval_windows
 
     if llamacpp_python() is None:
         raise UserError("--engine llamacpp needs llama.cpp's environment: run scripts/install-llamacpp.sh (or set "
                         "MLA_CONVERT_LLAMACPP_PYTHON to the python of an environment with llama-cpp-python)")
+    if cache_type not in CACHE_TYPES:
+        raise UserError(f"--cache-type for llama.cpp is one of {', '.join(CACHE_TYPES)}, got {cache_type}")
+    layout = gguf_mla_layout(model) if cache_type not in ("f32", "f16", "bf16") else None
+    if layout and not quantized_cache_ok(*layout):
+        takes = llamacpp_cache_types(*layout).replace("cache types: ", "", 1)
+        raise UserError(f"--cache-type {cache_type}: {model} takes {takes}")
     chunks = eval_windows(ids, seq_len, windows).tolist()
     try:
-        res = run_llamacpp(model, windows=chunks, n_ctx=seq_len, threads=threads)
+        res = run_llamacpp(model, windows=chunks, n_ctx=seq_len, threads=threads, cache_type=cache_type, env=env)
     except RuntimeError as e:
         last = [line for line in str(e).splitlines() if line.strip()][-1]
-        raise UserError(f"llama.cpp could not run {model}: {last[:300]}") from None
+        raise UserError(f"llama.cpp could not run {model} with a {cache_type} cache: {last[:300]}") from None
     except subprocess.TimeoutExpired:
         raise UserError(f"llama.cpp did not finish scoring {model} within the time limit: lower --windows") from None
     flat = [x for w in res["logprobs"] for x in w]
     nll = -sum(flat) / len(flat)
     kv = res["kv_cache"] or {}
     return {"perplexity": math.exp(nll), "nll": nll, "tokens": len(flat), "windows": len(chunks), "seq_len": seq_len,
-            "engine": f"llama.cpp (llama-cpp-python {res['llama_cpp_version']})",
+            "engine": f"llama.cpp (llama-cpp-python {res['llama_cpp_version']})", "cache_type": cache_type,
             "kv_cache_bytes_per_token": kv.get("bytes_per_token"), "kv_cache_log": kv or None}  # fmt: skip
 
 

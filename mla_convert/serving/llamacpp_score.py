@@ -6,7 +6,10 @@ mla_convert (that environment has no torch). REQUEST is JSON:
     model       the .gguf path
     n_ctx       context length to allocate (the KV cache llama.cpp logs is for this many cells)
     threads     CPU threads (0: llama.cpp's default)
-    cache_type  "f16" (llama.cpp's default) or "f32" (exactness checks)
+    cache_type  the cache's ggml type, K and V alike (llama.cpp's --cache-type-k/-v): "f16" (its default), "f32"
+                (exactness checks), "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"
+    flash_attn  true / false / absent (llama.cpp's auto); a quantized V cache needs flash attention, so a quantized
+                cache_type turns it on unless this says false
     windows     token-id lists: each is evaluated from an empty cache, every position's logits kept
     prompts     token-id lists: greedy continuations of `new_tokens` tokens each (argmax of llama.cpp's logits)
     decode      optional {"contexts": [n, ...], "tokens": m, "ids": [...]}: one sequence, grown through the context
@@ -70,8 +73,14 @@ def main(request_path: str, result_path: str) -> None:
     decode = req.get("decode")
     kwargs = dict(model_path=req["model"], n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
                   logits_all=bool(windows), verbose=True)  # fmt: skip
-    if req.get("cache_type") == "f32":  # llama.cpp's default cache is f16
-        kwargs.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    kind = req.get("cache_type") or "f16"
+    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kind.upper()}")
+    kwargs.update(type_k=ggml_type, type_v=ggml_type)
+    flash = req.get("flash_attn")
+    if flash is None and kind not in ("f32", "f16", "bf16"):
+        flash = True
+    if flash is not None:
+        kwargs.update(flash_attn=bool(flash))
     if req.get("threads"):
         kwargs.update(n_threads=int(req["threads"]), n_threads_batch=int(req["threads"]))
     no_extra_buffers(llama_cpp)
