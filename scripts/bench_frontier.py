@@ -13,8 +13,12 @@ Routes (one line each on the chart):
   source, unrotated   the same without the rotation (llama.cpp before April 2026, or LLAMA_ATTN_ROT_DISABLE=1).
   MODEL, BASIS        a conversion whose cached row [latent, rope key] is stored in each cache type
                       (`latent_cache_type`), its latent in BASIS (mla_convert.latent_basis; folded in memory).
-Every point here is simulated in transformers with ggml's rounding bit for bit (tests/test_kvquant.py); a point
-measured in an engine would be labelled with it. Bytes per token are all layers' cached rows in the cache type
+  LABEL, llama.cpp (real)  a GGUF (`--gguf LABEL=FILE`; `source=auto`: the embedded default re-typed to f32) run in
+                      llama.cpp itself with each of its cache types (`--gguf-types`, flash attention on), on the same
+                      token ids; bytes per token from llama.cpp's own allocation log. A GGUF exported from a
+                      `--models` folder of the same LABEL gets its parity column: llama.cpp against the simulation.
+Simulated points are transformers with ggml's rounding bit for bit (tests/test_kvquant.py); real ones are labelled
+with the engine. Bytes per token are all layers' cached rows in the cache type
 (ggml's block sizes). The balanced basis is fitted on the first windows of the conversion's own calibration text
 (`--calib`, default the data-free self text the conversion sampled), never on a development text.
 Writes OUT/frontier.json (rewritten after each point: a stopped run keeps what it measured), OUT/frontier.md (the
@@ -97,6 +101,48 @@ def model_points(label: str, folder: str, args, ids: dict, record) -> None:
             record(f"{label}, {basis}", kind, byte_count, perplexities(model, ids, args))
 
 
+def gguf_points(label: str, gguf: str, args, ids: dict, record) -> None:
+    """`label`'s GGUF in llama.cpp itself at each of `--gguf-types` the file takes (flash attention for quantized
+    types); the source's (`auto`) is the embedded default re-typed to f32 by llama.cpp."""
+    from mla_convert.serving import llamacpp
+
+    if gguf == "auto":
+        from bench_llamacpp import source_gguf
+
+        gguf = str(source_gguf(ROOT / "out"))  # weights stay out of benchmarks/ (out/ is ignored)
+    layout = llamacpp.gguf_mla_layout(gguf)
+    for kind in args.gguf_types.split(","):
+        if layout and kind not in ("f32", "f16", "bf16") and not llamacpp.quantized_cache_ok(*layout):
+            print(f"{label}: skips {kind}: " + llamacpp.llamacpp_cache_types(*layout), flush=True)
+            continue
+        runs = {name: llamacpp.llamacpp_perplexity(gguf, t, args.seq_len, args.windows, cache_type=kind)
+                for name, t in ids.items()}  # fmt: skip
+        engine = next(iter(runs.values()))["engine"]
+        record(f"{label}, llama.cpp (real)", kind, next(iter(runs.values()))["kv_cache_bytes_per_token"],
+               {name: r["perplexity"] for name, r in runs.items()}, measured=f"real: {engine}, flash attention "
+               + ("on" if kind not in ("f32", "f16", "bf16") else "off"))
+
+
+def reference_for(point: dict, points: list) -> dict:
+    """The source's 16-bit point a ratio is taken against: llama.cpp's own for a real llama.cpp point (where
+    measured), the simulated one otherwise."""
+    real = [p for p in points if p["route"] == "source, llama.cpp (real)" and p["cache"] == "f16"]
+    simulated = [p for p in points if p["route"] == "source, llama.cpp" and p["cache"] == "f16"]
+    return (real if point["route"].endswith("(real)") and real else simulated or real)[0]
+
+
+def parity(point: dict, points: list) -> str:
+    """A real llama.cpp point of a GGUF against the simulation of its folder (route `LABEL, native`, same type)."""
+    if not point["route"].endswith(", llama.cpp (real)") or point["route"].startswith("source,"):
+        return ""
+    label = point["route"][: -len(", llama.cpp (real)")]
+    twin = [p for p in points if p["route"] == f"{label}, native" and p["cache"] == point["cache"]]
+    if not twin:
+        return ""
+    diffs = [point["perplexity"][t] / twin[0]["perplexity"][t] - 1 for t in point["perplexity"]]
+    return " / ".join(f"{d:+.2%}" for d in diffs)
+
+
 def geomean(values) -> float:
     values = list(values)
     return math.exp(sum(math.log(v) for v in values) / len(values))
@@ -104,16 +150,17 @@ def geomean(values) -> float:
 
 def report(data: dict, out: Path) -> None:
     points = data["points"]
-    source = next(p for p in points if p["route"] == "source, llama.cpp" and p["cache"] == "f16")
-    full = source["bytes_per_token"]  # the source's 16-bit cache is the reference: fractions of it
+    full = reference_for({"route": ""}, points)["bytes_per_token"]  # the source's 16-bit cache: fractions of it
     lines = ["| route | cache type | bytes per token (all layers) | fraction of the source's 16-bit | "
-             + " | ".join(f"{t} ratio" for t in data["texts"]) + " | geometric mean | measured |",
-             "|---|---|---:|---:|" + "---:|" * len(data["texts"]) + "---:|---|"]
+             + " | ".join(f"{t} ratio" for t in data["texts"]) + " | geometric mean | measured | llama.cpp vs "
+             "simulation (per domain) |", "|---|---|---:|---:|" + "---:|" * len(data["texts"]) + "---:|---|---|"]
     for p in sorted(points, key=lambda p: (-p["bytes_per_token"], p["route"])):
+        source = reference_for(p, points)
         ratios = [p["perplexity"][t] / source["perplexity"][t] for t in data["texts"]]
         p["ratio"] = geomean(ratios)
         lines.append(f"| {p['route']} | {p['cache']} | {p['bytes_per_token']:,.0f} | {p['bytes_per_token'] / full:.3f} | "
-                     + " | ".join(f"{r:.3f}" for r in ratios) + f" | {p['ratio']:.3f} | {p['measured']} |")
+                     + " | ".join(f"{r:.3f}" for r in ratios) + f" | {p['ratio']:.3f} | {p['measured']} | "
+                     + f"{parity(p, points)} |")
     (out / "frontier.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     import matplotlib
 
@@ -124,10 +171,11 @@ def report(data: dict, out: Path) -> None:
     for route in dict.fromkeys(p["route"] for p in points):
         line = [p for p in points if p["route"] == route]
         model, _, basis = route.partition(", ")
-        if basis not in ("native", "llama.cpp", "unrotated"):  # a basis changes nothing at 16 bits: the native point
+        if basis not in ("native", "llama.cpp", "unrotated", "llama.cpp (real)"):  # a basis: 16 bits as native
             line += [p for p in points if p["route"] == f"{model}, native" and p["cache"] in ("f16", "f32")]
         line.sort(key=lambda p: p["bytes_per_token"])
-        ax.plot([p["bytes_per_token"] for p in line], [p["ratio"] for p in line], marker="o", label=route)
+        style = dict(marker="s", linestyle="--") if route.endswith("(real)") else dict(marker="o")
+        ax.plot([p["bytes_per_token"] for p in line], [p["ratio"] for p in line], label=route, **style)
         for p in line:
             ax.annotate(p["cache"], (p["bytes_per_token"], p["ratio"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
@@ -140,7 +188,7 @@ def report(data: dict, out: Path) -> None:
     ax.set_xlabel("KV-cache bytes per token, all layers (log)")
     ax.set_ylabel("perplexity / source's (16-bit), geometric mean of 3 dev domains")
     ax.set_title(f"SmolLM2-135M: quality per cache byte ({data['windows']} x {data['seq_len']} tokens per domain; "
-                 "simulated, ggml rounding)", fontsize=9)
+                 "dashed: llama.cpp itself; solid: simulated, ggml rounding)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -160,6 +208,9 @@ def main() -> None:
     ap.add_argument("--calib", default="self", help="text the balanced basis is fitted on (a conversion's spec)")
     ap.add_argument("--calib-temperature", type=float, default=None,
                     help="the self text's temperature, where the conversions were made with --calib-temperature")
+    ap.add_argument("--gguf", default="", help="LABEL=FILE,... GGUFs run in llama.cpp itself (source=auto: the "
+                    "embedded default re-typed to f32)")
+    ap.add_argument("--gguf-types", default="f16,q8_0,q5_1,q5_0,q4_1,q4_0,iq4_nl", help="llama.cpp cache types")
     ap.add_argument("--texts", default="", help="NAME=FILE,... instead of the three development domains")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "frontier")
     ap.add_argument("--report-only", action="store_true", help="rewrite the table and chart from frontier.json")
@@ -186,16 +237,19 @@ def main() -> None:
                 machine=platform.processor() or platform.machine())
     done = {(p["route"], p["cache"]) for p in data["points"]}
 
-    def record(route, kind, byte_count, ppl):
+    def record(route, kind, byte_count, ppl, measured="simulated (transformers, ggml rounding)"):
         data["points"] = [p for p in data["points"] if (p["route"], p["cache"]) != (route, kind)]
         data["points"].append({"route": route, "cache": kind, "bytes_per_token": byte_count, "perplexity": ppl,
-                               "measured": "simulated (transformers, ggml rounding)", "at": time.strftime("%F %T")})
+                               "measured": measured, "at": time.strftime("%F %T")})
         path.write_text(json.dumps(data, indent=1) + "\n")
         print(f"{route:28s} {kind:5s} {byte_count:9,.0f} B/token  " + "  ".join(f"{t} {v:.3f}" for t, v in ppl.items()),
               flush=True)
 
-    if not any(r.startswith("source") for r, _ in done):
+    if not any(r in ("source, llama.cpp", "source, unrotated") for r, _ in done) and args.source_types:
         source_points(args, ids, record)
+    for spec in [s for s in args.gguf.split(",") if s]:
+        label, _, gguf = spec.partition("=")
+        gguf_points(label, gguf, args, ids, record)
     for spec in [s for s in args.models.split(",") if s]:
         label, _, folder = spec.partition("=")
         model_points(label, folder, args, ids, record)
