@@ -172,7 +172,7 @@ def attention_input(layer, hidden: torch.Tensor) -> torch.Tensor:
 # Windows a runner advances through a layer at once (`LayerRunner.batch`): 8 on a GPU; 1 on a CPU, where the
 # forward's temporaries for one window (its MLP products: [2048, intermediate] float32) stay small enough for glibc's
 # heap to reuse them instead of mapping fresh pages for each chunk. The same hidden states either way, bit for bit:
-# docs/decisions.md#one-model-stage-step-at-50-and-the-stream-a-window-at-a-time-on-a-cpu-issue-52-seventeenth-session
+# docs/decisions.md#the-statistics-pass-on-a-cpu
 BATCH = 8
 CPU_BATCH = 1
 

@@ -177,7 +177,7 @@ def load_text(spec: str) -> str:
 
 
 # Characters per tokenizer call at most: a tokenizer's working memory grows with the text of one call, so every text
-# is tokenized in pieces of at most this many characters (the measurements: docs/decisions.md).
+# is tokenized in pieces of at most this many characters (the measurements: docs/decisions.md#bounds-on-what-is-read).
 TOKENIZE_CHUNK_CHARS = 1 << 20
 
 # where a piece may end (see `_pieces`): after a newline that a line's first character follows; else before the

@@ -2,11 +2,9 @@
 one (narrow, wide) pair per default, below and from `WIDE_FROM`. Imported without torch, so that the CLI's help texts
 say the same rule the conversion applies (`rule_text`).
 
-Why these values: docs/decisions.md#calibration-windows, #self-text-temperature-length-and-batch,
-#refinement-steps-rate-and-window, #refinement-at-wide-budgets,
-#the-model-stages-cost-on-a-cpu-issue-52-tenth-session, #the-50-defaults-steps-on-a-cpu-issue-52-eleventh-session,
-#a-short-model-stage-at-50-on-a-cpu-issue-52-fifteenth-session and
-#one-model-stage-step-at-50-and-the-stream-a-window-at-a-time-on-a-cpu-issue-52-seventeenth-session."""
+Why these values: docs/decisions.md#calibration-windows, docs/decisions.md#self-text-temperature-length-and-batch,
+docs/decisions.md#refinement-steps-rate-and-window, docs/decisions.md#refinement-at-wide-budgets,
+docs/decisions.md#refinement-on-a-cpu-positions-and-steps and docs/decisions.md#the-model-stage-on-a-cpu."""
 
 from __future__ import annotations
 

@@ -44,9 +44,7 @@ BATCH = STEP_TOKENS // SEQ_LEN
 # CPU_BF16_MODEL_FLOPS: what 2 cores with AMX sustain in the model stage's bfloat16 steps, whose whole-model matrix
 # products (the head's above all) AMX speeds more than the layer step's attention; SUBSET_RATE: the share of the rate
 # a step at chosen positions (`--refine-queries`) sustains. Measured on whole conversions
-# (docs/decisions.md#refinement-on-the-cpu-when-auto-refines,
-# docs/decisions.md#the-defaults-on-2-intel-xeon-cores-with-amx-issue-52-thirteenth-session,
-# docs/decisions.md#one-model-stage-step-at-50-and-the-stream-a-window-at-a-time-on-a-cpu-issue-52-seventeenth-session).
+# (docs/decisions.md#time-estimate-and-when-auto-refines-on-a-cpu).
 CPU_FLOPS = 1.5e11
 CPU_BF16_FLOPS = 4.1e11
 CPU_BF16_MODEL_FLOPS = 4.6e11
@@ -54,7 +52,7 @@ CPU_AVX512_BF16_FLOPS = 2.1e11
 SUBSET_RATE = 0.5
 # Those rates are the 2-core reference machine's; another CPU's are scaled by its speed relative to it (`cpu_speed`):
 # its thread count over REFERENCE_THREADS, or $MLA_CONVERT_CPU_SPEED where set
-# (docs/decisions.md#the-estimate-on-this-cpu-issue-52-twelfth-session).
+# (docs/decisions.md#time-estimate-and-when-auto-refines-on-a-cpu).
 REFERENCE_THREADS = 2
 CPU_SPEED_ENV = "MLA_CONVERT_CPU_SPEED"
 # attention: train the converted attention to the source attention's outputs. layer: train the whole converted decoder
@@ -376,8 +374,8 @@ random positions of its windows (`layer_update_at`), every key still formed. Ret
 # compound; the source's own output distribution can. It reads no other text (the calibration windows, one held out),
 # and needs the source's final hidden states only, which the calibration stream already computed: no second model.
 # Steps and rate chosen on the development split: docs/decisions.md#the-model-stage. MODEL_STEPS on a GPU; on a CPU
-# `policy.MODEL_STEPS_CPU` by the cache kept (fewer, for time: the reasons in mla_convert/policy.py). MODEL_LR for a
-# stage of MODEL_STEPS or more steps, SHORT_MODEL_LR for a shorter one.
+# `policy.MODEL_STEPS_CPU` by the cache kept (fewer, for time: docs/decisions.md#the-model-stage-on-a-cpu). MODEL_LR
+# for a stage of MODEL_STEPS or more steps, SHORT_MODEL_LR for a shorter one.
 MODEL_STEPS = 64
 MODEL_LR = 1e-4
 SHORT_MODEL_LR = 2e-4

@@ -7,7 +7,8 @@ reference docs/options.md (`python -m mla_convert.schema --markdown`). Adding an
 what the option does is then the pipeline's business.
 
 This module imports no torch (the CLI builds its options from it before any model code loads). The defaults chosen
-by measurement say why in one line and point into docs/decisions.md.
+by measurement say why in one line and point into docs/decisions.md; each option with a default names its record there
+(`Option.why`), which docs/options.md links.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Option:
     parse: Callable[[Option, Any], Any] | None = None  # the flag's value -> the option's (raises UserError)
     show_default: bool = True  # whether --help shows "[default: ...]"
     cli_only: bool = False  # a flag of the convert commands that is no conversion option (output, target, ...)
+    why: str | None = None  # the docs/decisions.md record of the default (its anchor), linked from docs/options.md
 
     @property
     def flag(self) -> str:
@@ -169,38 +171,40 @@ OPTIONS: tuple[Option, ...] = (
     # None: conversion.plan.default_rope_dims (docs/decisions.md#rope-key-width)
     Option("rope_dims", int, None, ("--rope-dims",), "Dims d_r of the shared RoPE key (even). Default: a third of "
            "--kv-budget, at most three quarters of head_dim (with --target deepseek half of it as a power of "
-           "two, up to all of head_dim), and at most 64, the rope width vLLM's MLA kernels take; head_dim/2 (same caps) with --rank.", nullable=True),
+           "two, up to all of head_dim), and at most 64, the rope width vLLM's MLA kernels take; head_dim/2 (same caps) with --rank.", nullable=True,
+           why="rope-key-width"),
     # None: conversion.plan.default_nope_dims (docs/decisions.md#nope-key-width)
     Option("nope_dims", int, None, ("--nope-dims",), "Dims d_n of each head's nope query/key (the value keeps "
            "head_dim). Default: head_dim - d_r where d_r <= head_dim/2 with merged pairs (query/key as wide as the "
            "source's: attention costs what the source's does; the score energy kept per layer is in "
-           "provenance.json), else head_dim.", nullable=True),
+           "provenance.json), else head_dim.", nullable=True, why="nope-key-width"),
     # the flag's None tells the --target deepseek resolution (export.rope_fit) that it was not given
     Option("rope_strategy", str, "attention", ("--rope-strategy",), "Which frequency pairs keep RoPE: high, low, "
            "uniform, 2-norm or attention (the pairs whose score would suffer most under the calibration attention). "
            "Default: attention (2-norm without calibration text; docs/decisions.md#closed-form-options); with "
            "--target deepseek high, the fastest pairs (uniform when those do not fit).",
-           choices=("high", "low", "uniform", "2-norm", "attention"), cli_default=None),  # rope.STRATEGIES
+           choices=("high", "low", "uniform", "2-norm", "attention"), cli_default=None,
+           why="closed-form-options"),  # rope.STRATEGIES
     Option("rope_merge", bool, True, ("--rope-merge/--no-rope-merge",), "Merge RoPE pairs across kv heads (PCA per "
-           "frequency)."),
+           "frequency).", why="closed-form-options"),
     Option("factorization", str, "joint", ("--factorization",), "joint (K and V share the latent) or split.",
-           choices=("joint", "split")),
+           choices=("joint", "split"), why="factorization-and-method"),
     Option("method", str, "activation", ("--method",), "activation (whitened by calibration inputs) or weight (plain "
-           "SVD).", choices=("weight", "activation")),  # lowrank.METHODS
+           "SVD).", choices=("weight", "activation"), why="factorization-and-method"),  # lowrank.METHODS
     # kv: error in K/V; attention: keys by query-key score error, values by error after o_proj; scores: keys by score
     # error, values by their own (lowrank.OBJECTIVES)
     Option("objective", str, "kv", ("--objective",), "What the low-rank factorization keeps: kv (K/V outputs), "
            "attention (keys by their query-key score error, values by their error after o_proj) or scores (keys by "
            "score error, values by their own). Default: kv (docs/decisions.md#closed-form-options).",
-           choices=("kv", "attention", "scores"), cli_default=None),
+           choices=("kv", "attention", "scores"), cli_default=None, why="closed-form-options"),
     Option("kv_balance", float, 1.0, ("--kv-balance",), "Scale the key block so its energy is this multiple of the "
            "value block's before a joint factorization; none: no scaling (keys and values as the source makes them). "
            "Default: 1 (balanced).", nullable=True, cli_default=None, cli_type=Optional[str], parse=_balance,
-           check=_kv_balance),
+           check=_kv_balance, why="closed-form-options"),
     Option("dropped_rope", str, "expected", ("--dropped-rope",), "Pairs that lose RoPE: unrotated (plain nope dims) or "
            "expected (the query keeps the rotation expected under the head's calibration attention over distances). "
            "Default: expected (unrotated without calibration text).", choices=("unrotated", "expected"),
-           cli_default=None),
+           cli_default=None, why="closed-form-options"),
     # files/datasets and their weights: mla_convert.calibration; None: weight-only statistics
     Option("calib_data", str, "self", ("--calib-data",), "Calibration text: 'self' (text sampled from the source "
            "itself, seeded and cached: no data set needed; chat answers through its chat template), 'self-doc' "
@@ -209,39 +213,43 @@ OPTIONS: tuple[Option, ...] = (
            "several with weights: repeat the option or join with commas, each NAME or NAME:WEIGHT (e.g. --calib-data "
            "wiki.valid.tokens:0.5 --calib-data self:0.5; the windows are shared by weight). Never the text you "
            "evaluate on. Default: self.", nullable=True, cli_default=None, cli_type=Optional[list[str]],
-           parse=_calib_data, show_default=False),
+           parse=_calib_data, show_default=False, why="calibration-text"),
     # None: conversion.plan.default_calib_samples of the share of the source's cache kept; the refinement trains on
     # the first refine_seq_len tokens of all but one window
     Option("calib_samples", int, None, ("--calib-samples",), "Calibration windows. Default: "
            f"{policy.rule_text(policy.CALIB_SAMPLES)} (docs/decisions.md#calibration-windows).", nullable=True,
-           check=_calib_samples, show_default=False),
+           check=_calib_samples, show_default=False, why="calibration-windows"),
     # as long as the evaluation windows: the attention profiles see those distances
     Option("calib_seq_len", int, 2048, ("--calib-seq-len",), "Tokens per calibration window (the attention profiles "
-           "see distances up to this; match the contexts you serve).", check=_calib_seq_len),
+           "see distances up to this; match the contexts you serve).", check=_calib_seq_len, why="calibration-windows"),
     # None: selftext.calib_temperature of the share of the cache kept, resolved in `convert`
     # (docs/decisions.md#self-text-temperature-length-and-batch)
     Option("calib_temperature", float, None, ("--calib-temperature",), "Sampling temperature of the 'self' and "
            "'self-doc' calibration text (above 1: more varied text). Default: "
            f"{policy.rule_text(policy.CALIB_TEMPERATURE)} (docs/decisions.md#self-text-temperature-length-and-batch).", nullable=True,
-           check=_positive_finite, show_default=False),
+           check=_positive_finite, show_default=False, why="self-text-temperature-length-and-batch"),
     Option("calib_sample_tokens", int, 256, ("--calib-sample-tokens",), "New tokens at most per sampled 'self' answer "
-           "(an answer ends earlier at its EOS; a 'self-doc' document fills a window).", check=_positive),
+           "(an answer ends earlier at its EOS; a 'self-doc' document fills a window).", check=_positive,
+           why="self-text-temperature-length-and-batch"),
     Option("calib_propagate", str, "source", ("--calib-propagate",), "Later layers calibrate (and refine) on the "
            "source's (source) or the converted earlier layers' activations (converted: each layer fit to do what the "
-           "source layer does with the inputs it will see).", choices=("source", "converted")),
+           "source layer does with the inputs it will see).", choices=("source", "converted"),
+           why="calibration-stream"),
     # None: energy with calibration text, else uniform (options.resolve_allocation): docs/decisions.md#rank-allocation
     Option("rank_allocation", str, None, ("--rank-allocation",), "uniform: every layer gets the same latent dims. "
            "energy: the same total, shared among layers by their calibrated spectra (relative error removed per dim; "
            "per-layer kv_lora_rank, none above the vLLM MLA width the uniform rank needs). Default: energy (uniform "
-           "without calibration text or with --target deepseek).", choices=("uniform", "energy"), nullable=True),
+           "without calibration text or with --target deepseek).", choices=("uniform", "energy"), nullable=True,
+           why="rank-allocation"),
     Option("value_inputs", str, "attended", ("--value-inputs",), "attended (default): the value up-projection fits "
            "values on the attention-averaged inputs they are consumed through (calibrated). token: per token, as keys.",
-           choices=("token", "attended")),
+           choices=("token", "attended"), why="closed-form-options"),
     Option("key_inputs", str, "attended", ("--key-inputs",), "attended (default): each calibration token counts by the "
-           "attention its key receives (calibrated). token: every token alike.", choices=("token", "attended")),
+           "attention its key receives (calibrated). token: every token alike.", choices=("token", "attended"),
+           why="closed-form-options"),
     Option("latent_rounds", int, 0, ("--latent-rounds",), "With --value-inputs attended: rounds of refining the shared "
            "latent so that keys (on token inputs) and values (on attended inputs) are both fit (0: only the value "
-           "up-projection is refit).", check=_non_negative),
+           "up-projection is refit).", check=_non_negative, why="closed-form-options"),
     # None: auto (refine.resolve_steps), resolved in `convert` so that provenance records the number that ran
     Option("refine_steps", int, None, ("--refine-steps",), "After the factorization, train each converted layer this "
            "many Adam steps so that its outputs match the source's on the calibration text (real softmax and RoPE; "
@@ -249,33 +257,34 @@ OPTIONS: tuple[Option, ...] = (
            f"{policy.rule_text(policy.REFINE_STEPS)}; on the CPU {policy.rule_text(policy.REFINE_STEPS_CPU)} at "
            "--refine-queries positions a step (a GPU's at every position), when the plan estimates at most 1.5 h; 0: "
            "off (docs/decisions.md#refinement-steps-rate-and-window).", nullable=True, cli_default="auto",
-           cli_type=Optional[str], parse=_steps, check=_non_negative),
+           cli_type=Optional[str], parse=_steps, check=_non_negative, why="refinement-steps-rate-and-window"),
     Option("refine_lr", float, 1e-3, ("--refine-lr",), "Learning rate of --refine-steps (Adam, cosine).",
-           check=_positive),
+           check=_positive, why="refinement-steps-rate-and-window"),
     # each step trains on refine.STEP_TOKENS tokens
     Option("refine_seq_len", int, 2048, ("--refine-seq-len",), "Tokens per refinement window, from each calibration "
            "sequence's start (at most --calib-seq-len); each step trains on 2048 tokens (one window of 2048, two of "
-           "1024).", check=_refine_seq_len),
-    # refine.layer_update_at; its cost and quality: docs/decisions.md#conversion-time-on-2-cpu-cores-issue-52
+           "1024).", check=_refine_seq_len, why="refinement-steps-rate-and-window"),
+    # refine.layer_update_at; its cost and quality: docs/decisions.md#refinement-on-a-cpu-positions-and-steps
     Option("refine_queries", int, None, ("--refine-queries",), "Positions of each refinement window a step takes the "
            "whole layer's loss at (random each step; every key of the window is still formed and attended to): "
            "fewer cost less a step and refine less. auto (default): on the CPU "
            f"{policy.rule_text(policy.REFINE_QUERIES_CPU)}; on a GPU 0; 0: every position.", nullable=True,
-           cli_default="auto", cli_type=Optional[str], parse=_count, check=_non_negative),
-    # conversion.workers; measured: docs/decisions.md#layers-refined-in-two-processes-issue-52-ninth-session
+           cli_default="auto", cli_type=Optional[str], parse=_count, check=_non_negative,
+           why="refinement-on-a-cpu-positions-and-steps"),
+    # conversion.workers; measured: docs/decisions.md#refinement-workers
     Option("refine_workers", int, None, ("--refine-workers",), "Processes that refine layers at once, each with its "
            "share of the CPU threads (on the source's calibration stream the layers are independent). auto "
            "(default): 2 on a CPU with 2 or more threads where the refinement is estimated at 2 minutes or more, else "
            "1 (on a GPU, with --calib-propagate converted); 1: one layer at a time in the conversion's own process.", nullable=True, cli_default="auto",
-           cli_type=Optional[str], parse=_processes, check=_at_least_one),
+           cli_type=Optional[str], parse=_processes, check=_at_least_one, why="refinement-workers"),
     # docs/decisions.md#refinement-scope-and-the-mlps-rate
     Option("refine_scope", str, "layer", ("--refine-scope",), "What --refine-steps trains: layer (default: the whole "
            "decoder layer, MLP and norms too, to what the source layer adds to the residual stream) or attention (the "
            "converted attention, to the source attention's outputs; about half the refinement time).",
-           choices=("attention", "layer")),  # refine.SCOPES
+           choices=("attention", "layer"), why="refinement-scope-and-the-mlps-rate"),  # refine.SCOPES
     Option("refine_mlp_lr_scale", float, 1.0, ("--refine-mlp-lr-scale",), "With --refine-scope layer: the learning "
            "rate of the MLP and norms, as a multiple of --refine-lr (0: the attention alone trains, to the whole "
-           "layer's target).", check=_non_negative),
+           "layer's target).", check=_non_negative, why="refinement-scope-and-the-mlps-rate"),
     # the model stage (refine.refine_model); None: auto (refine.resolve_model_steps), resolved in `convert`
     Option("refine_model_steps", int, None, ("--refine-model-steps",), "The model stage, after the layers: train every "
            "converted attention this many Adam steps end to end so that the model's next-token distributions match "
@@ -283,28 +292,30 @@ OPTIONS: tuple[Option, ...] = (
            "seen kept). Holds the whole model in memory. auto (default): 64 on a GPU; on the CPU "
            f"{policy.rule_text(policy.MODEL_STEPS_CPU)}, when the plan estimates at most 30 min and half the "
            "machine's memory; 0: off (docs/decisions.md#the-model-stage).",
-           nullable=True, cli_default="auto", cli_type=Optional[str], parse=_steps, check=_non_negative),
+           nullable=True, cli_default="auto", cli_type=Optional[str], parse=_steps, check=_non_negative,
+           why="the-model-stage"),
     # None: auto (refine.resolve_model_lr), resolved in `convert`
     Option("refine_model_lr", float, None, ("--refine-model-lr",), "Learning rate of --refine-model-steps (Adam, "
            "warmup then cosine). auto (default): 1e-4 for 64 steps or more, 2e-4 for fewer.", nullable=True,
-           cli_default="auto", cli_type=Optional[str], parse=_rate, check=_positive_finite),
+           cli_default="auto", cli_type=Optional[str], parse=_rate, check=_positive_finite, why="the-model-stage"),
     Option("refine_model_scope", str, "attention", ("--refine-model-scope",), "What --refine-model-steps trains: "
            "attention (default: every converted attention) or layer (every decoder layer whole: attention, MLP and "
-           "norms).", choices=("attention", "layer")),  # refine.MODEL_SCOPES
+           "norms).", choices=("attention", "layer"), why="the-model-stage"),  # refine.MODEL_SCOPES
     # auto: resolved in `convert` (refine.resolve_precision); docs/decisions.md#refinement-precision
     Option("refine_precision", str, "auto", ("--refine-precision",), "What the training steps of --refine-steps and "
            "--refine-model-steps compute in: auto (default: bfloat16 on CPUs with AVX512-BF16 or AMX for models of "
            "hidden size 256 or more, float32 elsewhere and on GPUs), float32, or bfloat16 (autocast). Weights, "
            "targets and held-out checks stay float32 (docs/decisions.md#refinement-precision).",
-           choices=("auto", "float32", "bfloat16")),  # refine.PRECISIONS
-    Option("seed", int, 0, ("--seed",), "Seed for calibration sampling."),
+           choices=("auto", "float32", "bfloat16"), why="refinement-precision"),  # refine.PRECISIONS
+    Option("seed", int, 0, ("--seed",), "Seed for calibration sampling.", why="defaults-no-measurement-chose"),
     # auto is resolved by the CLI (conversion.pipeline.resolve_device): provenance records the device that ran
     Option("device", str, "cpu", ("--device",), "Where each layer's calibration and factorization run: cpu, cuda, "
            "cuda:N or auto (cuda when available). Layers stream one at a time either way; the checkpoint is written "
-           "from the CPU."),
+           "from the CPU.", why="defaults-no-measurement-chose"),
     # None: the source's (float32 for GGUF)
     Option("dtype", str, None, ("--dtype",), "Output dtype: float32, bfloat16 or float16. Default: the source's.",
-           choices=("float32", "bfloat16", "float16"), nullable=True),  # dtypes.DTYPES
+           choices=("float32", "bfloat16", "float16"), nullable=True,
+           why="defaults-no-measurement-chose"),  # dtypes.DTYPES
     Option("revision", str, None, ("--revision",), "Hub revision when MODEL is a hub id.", cli_only=True),
     Option("overwrite", bool, False, ("--overwrite",), "Replace a non-empty output folder.", cli_only=True),
     Option("dry_run", bool, False, ("--dry-run",), "Print the plan (shapes, cache sizes, memory) only.", cli_only=True),
@@ -314,17 +325,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("target", str, None, ("--target",), "native: any options. deepseek: choose (or refuse) options up front so "
            "the result exports exactly to stock DeepSeek-V3 (one geometric RoPE frequency set: --rope-strategy "
            "uniform/high, merged across kv heads); warns when vLLM/FlashMLA kernels will not take the layout. "
-           "Default: --format's.", cli_only=True),
+           "Default: --format's.", cli_only=True, why="defaults-no-measurement-chose"),
     Option("format", str, "native", ("--format",), "native: write the MLA checkpoint to OUT. deepseek: implies "
            "--target deepseek; write the native checkpoint to OUT-native and its verified DeepSeek-V3 export (for "
            "vLLM/SGLang, docs/serving.md) to OUT. gguf: implies --target deepseek; OUT is NAME.gguf (f32, for "
-           "llama.cpp), the native checkpoint goes to NAME-native.", cli_only=True),
+           "llama.cpp), the native checkpoint goes to NAME-native.", cli_only=True,
+           why="defaults-no-measurement-chose"),
     # ignored for sources without per-head q/k norms
     Option("qk_norm", str, "exact", ("--qk-norm",), "Sources with per-head q/k RMS norms (Qwen3): exact (the key is "
            "normalized per token at attention time: exact at full rank, expanded attention every step) or calibrated "
            "(the key's RMS replaced by its calibration RMS per layer and kv group: plain MLA keys, absorbed decode, "
            "an approximation; benchmarks/qwen3/README.md). Default: exact. Ignored for other sources.",
-           choices=("exact", "calibrated")),
+           choices=("exact", "calibrated"), why="qwen3s-key-norm"),
 )
 
 BY_NAME = {o.name: o for o in OPTIONS}
@@ -420,7 +432,8 @@ def markdown() -> str:
         values = ", ".join(o.choices) if o.choices else {bool: "flag", Path: "path", str: "text"}.get(o.type, o.type.__name__)
         values = f"auto, {values}" if o.parse is _steps else values
         field = "cli only" if o.cli_only else f"`{o.name}`"
-        lines.append(f"| {flags} | {field} | {_default_text(o)} | {values} | {o.help.replace('|', '/')} |")
+        default = _default_text(o) + (f" ([why](decisions.md#{o.why}))" if o.why else "")
+        lines.append(f"| {flags} | {field} | {default} | {values} | {o.help.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -291,7 +291,7 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
 def sampling_dtype(source, device: str = "cpu") -> torch.dtype:
     """What the source samples in: bfloat16 on a GPU and on CPUs where the source computes faster in it
     (`dtypes.cpu_prefers_bf16`), else float32. Why bfloat16 is the same distribution's text:
-    docs/decisions.md#the-self-text-in-bfloat16-and-cheaper-model-stage-steps-issue-52-sixth-session."""
+    docs/decisions.md#self-text-temperature-length-and-batch."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16
     hidden = getattr(source.config, "hidden_size", 0) or 0

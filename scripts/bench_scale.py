@@ -420,8 +420,8 @@ with AMX, the bfloat16 rate refitted that day): with the data-free default's tex
 data-free default's text alone is about 2 h to sample on that CPU at 25% (`--dry-run`: self text 121 min), and its
 statistics through 32 layers 4.7 h (calibration 282 min), which is why the runs above calibrate from a file.
 
-Measured on the same CPU (the "Time against the estimate" table; docs/decisions.md, "Refining an 8B layer on the
-CPU, measured"): 2 of the 32 layers with the default's text shape (16 x 2048 tokens of WikiText-2 validation), 25%,
+Measured on the same CPU (the "Time against the estimate" table;
+docs/decisions.md#time-estimate-and-when-auto-refines-on-a-cpu): 2 of the 32 layers with the default's text shape (16 x 2048 tokens of WikiText-2 validation), 25%,
 every other option the default. At 2 layers the estimate is 42 min, so `auto` refined them: 200 bfloat16 steps a
 layer at 256 positions, the two layers at once in workers of 1 thread, 553 s and 526 s, 9.2 min of wall time for
 both (the estimate: 10), about 4.6 min a layer, 2.5 h for 32 layers; the model stage (32 steps) 19.2 min (20); the

@@ -8,7 +8,7 @@ the hidden states kept for the conversion pass.
 The text is the 50% default's (`self`, temperature 1.0, seed 0; `--windows` windows of 2048 tokens), read from
 $MLA_CONVERT_CACHE (sampled first where the cache lacks it). `--reuse-freed` sets glibc's malloc to keep freed blocks of
 up to 1 GiB for reuse (`mallopt`: mmap threshold 1 GiB, heap trimmed past 2 GiB free) before the first layer: what the
-faults cost (docs/decisions.md#the-defaults-on-2-intel-xeon-cores-with-amx-issue-52-thirteenth-session). `--batch`:
+faults cost (docs/decisions.md#the-statistics-pass-on-a-cpu). `--batch`:
 the windows the advance runs through the layer at once (the runner's `batch`; default: a CPU conversion's). Each row
 ends with a digest of the hidden states after the layer (the first 16 hex digits of their bytes' SHA-256), so that
 two settings can be checked to compute the same stream bit for bit.

@@ -7,7 +7,7 @@ by position into parts that each read only the keys up to their last position.
 
 Shapes of the 50% default's step on SmolLM2-135M: 9 query heads over 3 kv groups, 256 of 2048 positions, query/key
 width 112 (the value padded to it, as the fused kernel needs). Why the split was not built:
-docs/decisions.md#the-defaults-on-2-intel-xeon-cores-with-amx-issue-52-thirteenth-session.
+docs/decisions.md#attention-forms-in-the-model.
 """
 
 from __future__ import annotations

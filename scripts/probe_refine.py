@@ -9,7 +9,7 @@ refined from that same start once per variant, each timed and scored on the held
 A variant is STEPS:SEQ_LEN[:QUERIES[:LR]] (a step takes 2048 / SEQ_LEN windows of SEQ_LEN tokens, as
 `--refine-seq-len` does; QUERIES positions of each, as `--refine-queries` does, 0: all; LR as `--refine-lr`). What
 follows `--` are `mla-convert llama` options (no output folder: a temporary one is used). A cheap proxy for the
-refinement's step settings (docs/decisions.md#conversion-time-on-2-cpu-cores-issue-52): each variant costs one
+refinement's step settings (docs/decisions.md#refinement-on-a-cpu-positions-and-steps): each variant costs one
 layer's refinement, not a whole conversion.
 """
 

@@ -3,7 +3,7 @@
 bfloat16) a token, at temperature 1 and at the calibration text's 1.2, on the first windows of the development
 split's first half (out/dev/wiki.valid.first-half.tokens, made by scripts/domain_texts.py). What decided that the
 self text samples in bfloat16 on CPUs with bfloat16 arithmetic
-(docs/decisions.md#the-self-text-in-bfloat16-and-cheaper-model-stage-steps-issue-52-sixth-session).
+(docs/decisions.md#self-text-temperature-length-and-batch).
 
     python scripts/probe_sampling_precision.py [MODEL] [--windows 4] [--seq-len 512]
 """

@@ -59,15 +59,91 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+DECISIONS = ROOT / "docs" / "decisions.md"
+DECISIONS_LOG = ROOT / "docs" / "history" / "decisions-log.md"  # the run history: nothing points into it
+DECISIONS_WORDS = 6000
+RECORD_FIELDS = ("Default", "Why", "Measured", "Command", "Date")
+
+
+def _decision_anchors() -> set[str]:
+    return {_slug(line.lstrip("#")) for line in DECISIONS.read_text(encoding="utf-8").splitlines()
+            if line.startswith("#")}
+
+
+def _pointing_files() -> list[Path]:
+    """The code and docs that may point into docs/decisions.md (the log and the benchmarks' run records aside)."""
+    return [*(ROOT / "mla_convert").rglob("*.py"), *(ROOT / "scripts").glob("*.py"), *(ROOT / "scripts").glob("*.sh"),
+            *(ROOT / "tests").rglob("*.py"), *(ROOT / "recipes").glob("*.yaml"), *(ROOT / "docs").glob("*.md"),
+            ROOT / "README.md"]
+
+
 def test_decision_pointers_resolve():
-    decisions = (ROOT / "docs" / "decisions.md").read_text(encoding="utf-8")
-    anchors = {_slug(line.lstrip("#")) for line in decisions.splitlines() if line.startswith("#")}
+    anchors = _decision_anchors()
     pointers = {}
-    for path in [*(ROOT / "mla_convert").rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]:
+    for path in [*_pointing_files(), *(ROOT / "benchmarks").rglob("*.md"), *(ROOT / "benchmarks").rglob("*.jsonl")]:
         for anchor in re.findall(r"decisions\.md#([\w-]+)", path.read_text(encoding="utf-8")):
             pointers.setdefault(anchor, str(path.relative_to(ROOT)))
     missing = {a: where for a, where in pointers.items() if a not in anchors}
     assert pointers and not missing, f"pointers into docs/decisions.md without a section: {missing}"
+
+
+def test_decisions_one_short_record_per_default():
+    """docs/decisions.md: under DECISIONS_WORDS words, a contents list that names its `##` records in order, and each
+    record in the same five fields (what the default is, why, the measurement, the command, the date)."""
+    text = DECISIONS.read_text(encoding="utf-8")
+    words = len(text.split())
+    assert words < DECISIONS_WORDS, (f"docs/decisions.md has {words} words: one short record per default; the run "
+                                     "history belongs in the log beside it")
+    assert "\n## Contents\n" in text, "docs/decisions.md has no `## Contents` list"
+    records = re.split(r"^## ", text, flags=re.M)[1:]
+    titles = [record.split("\n", 1)[0].strip() for record in records if not record.startswith("Contents\n")]
+    contents = text.split("\n## Contents\n", 1)[1].split("\n## ", 1)[0]
+    entries = re.findall(r"^- \[(.+?)\]\(#([\w-]+)\)$", contents, flags=re.M)
+    assert [title for title, _ in entries] == titles, "the contents list does not name the records, in their order"
+    assert [anchor for _, anchor in entries] == [_slug(title) for title in titles], "a contents link misses its record"
+    for record in records:
+        if record.startswith("Contents\n"):
+            continue
+        missing = [field for field in RECORD_FIELDS if f"\n- **{field}**" not in record]
+        assert not missing, f"record {record.splitlines()[0]!r} lacks {missing}"
+
+
+def test_every_option_default_links_to_its_record():
+    """Every default of docs/options.md links to its record: a row whose Default cell names a value (or `see
+    description`) has a default; `none` (nothing unless given) and `off` (a flag not given) choose nothing."""
+    anchors = _decision_anchors()
+    lines = (ROOT / "docs" / "options.md").read_text(encoding="utf-8").splitlines()
+    header = next(line for line in lines if line.startswith("| Option |"))
+    column = [cell.strip() for cell in header.strip("|").split("|")].index("Default")
+    checked, unlinked = 0, []
+    for line in lines:
+        if not line.startswith("| `"):
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        default = cells[column]
+        if default in ("none", "off"):
+            continue
+        checked += 1
+        link = re.search(r"\(decisions\.md#([\w-]+)\)", default)
+        if link is None or link.group(1) not in anchors:
+            unlinked.append(cells[0])
+    assert checked >= 30 and not unlinked, (f"defaults in docs/options.md without a record in docs/decisions.md "
+                                            f"(Option(why=...) in mla_convert/schema.py): {unlinked}")
+
+
+def test_nothing_points_into_the_decisions_log():
+    assert DECISIONS_LOG.is_file(), "the run history moved: keep docs/history/decisions-log.md"
+    name = DECISIONS_LOG.name
+    this = Path(__file__).resolve()
+    found = []
+    for path in _pointing_files():
+        if path.resolve() == this:
+            continue
+        text = path.read_text(encoding="utf-8")
+        # decisions.md links the log as a whole, once; nothing else names it, and nothing links into it
+        if f"{name}#" in text or (name in text and path != DECISIONS):
+            found.append(str(path.relative_to(ROOT)))
+    assert not found, f"pointers into the decisions log (point to a record in docs/decisions.md instead): {found}"
 
 
 def test_benchmarks_one_folder_each():
@@ -83,7 +159,7 @@ def test_benchmarks_one_folder_each():
 def test_readme_for_a_newcomer():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     words = len(readme.split())
-    assert words < 2500, f"README.md has {words} words: move details to docs/ and history to docs/decisions.md"
+    assert words < 2500, f"README.md has {words} words: move details to docs/ and run history to benchmarks/"
     for command in ("bash scripts/install.sh && bash scripts/main.sh",
                     "bash scripts/install.sh && bash scripts/install-vllm.sh && bash scripts/test.sh"):
         assert f"\n{command}\n" in readme, f"README.md lost its command {command!r} (CI and the main job run it)"

@@ -3,7 +3,7 @@ text still to sample, the calibration stream's forwards (statistics and advancin
 per-layer refinement and the model stage (those two: `mla_convert.refine`).
 
 Every phase is a flop count at a rate fitted on whole conversions on 2 CPU cores (the rates and the runs they come
-from: docs/decisions.md#conversion-time-on-2-cpu-cores-issue-52), scaled by this CPU's speed relative to that machine
+from: docs/decisions.md#time-estimate-and-when-auto-refines-on-a-cpu), scaled by this CPU's speed relative to that machine
 (`refine.cpu_speed`). On a GPU the phases take minutes; the estimate is what the CPU would take.
 """
 

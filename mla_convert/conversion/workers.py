@@ -3,9 +3,9 @@
 On the source's calibration stream (`--calib-propagate source`, the default) a layer's refinement needs only its own
 inputs and targets, never another converted layer, so several layers can train at once. On a CPU a refinement step at
 a few hundred positions (`--refine-queries`) is too small to keep every thread of one process busy: single-threaded
-processes, one per core, get more steps a second out of the same cores (measured: docs/decisions.md, "Layers refined in
-two processes"). Each worker is a spawned process (no fork of a process whose threads are running) that ignores
-Ctrl-C: the conversion's own process handles the interrupt and stops them. Tensors travel through shared memory.
+processes, one per core, get more steps a second out of the same cores (measured: docs/decisions.md#refinement-workers).
+Each worker is a spawned process (no fork of a process whose threads are running) that ignores Ctrl-C: the
+conversion's own process handles the interrupt and stops them. Tensors travel through shared memory.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def deepseek_compatible_rope_pairs(
 
 
 # data-free choices that keep one geometric frequency set for all layers, in the order --target deepseek tries them:
-# the fastest pairs first (docs/decisions.md#the-deepseek-v3-targets-rope-pairs-issue-47)
+# the fastest pairs first (docs/decisions.md#the-deepseek-v3-targets-rope-pairs)
 TARGET_STRATEGIES = ("high", "uniform")
 
 
@@ -136,7 +136,8 @@ def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str
     groups = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     d_r = options.rope_dims
-    if d_r is None:  # half the budget as a power of two, at most 64 (docs/decisions.md, the DeepSeek-V3 target's pairs)
+    # half the budget as a power of two, at most 64 (docs/decisions.md#the-deepseek-v3-targets-rope-pairs)
+    if d_r is None:
         d_r = default_rope_dims(options, groups, head_dim, budget_share=0.5, head_share=1.0)
         d_r = 1 << (d_r.bit_length() - 1)
     if d_r <= 0 or d_r % 2:
