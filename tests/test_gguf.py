@@ -235,11 +235,23 @@ def test_quantized_cache_types_in_llamacpp_match_the_simulation(tmp_path):
     read the cached row [latent, rope key] as `latent_cache_type` simulates in transformers: the perplexity of each
     within 1% of the simulation, and the simulation explains most of what the cache type changes. llama.cpp logs
     attn_rot_k = 1 for this row of 64 values, yet its MLA path stores the row unrotated: LLAMA_ATTN_ROT_DISABLE=1
-    gives the same scores bit for bit."""
-    from transformers import AutoModelForCausalLM
+    gives the same scores bit for bit. The same for the folder re-based for quantized caches (`rebase`)."""
+    from tiny import tiny_text
+
+    from mla_convert.latent_basis import rebase_checkpoint
 
     _, native = convert_tiny("llama-gqa", tmp_path, rank=16, rope_dims=32, head_dim=64, hidden_size=128)
-    record = export_gguf(native, tmp_path / "m.gguf", "f32", pad_latent="llamacpp")
+    (tmp_path / "calib.txt").write_text(tiny_text(seed=3) * 4)
+    rebased = tmp_path / "rebased"  # a latent re-based for quantized caches exports and serves alike
+    rebase_checkpoint(native, rebased, calib_data=str(tmp_path / "calib.txt"), calib_samples=2, calib_seq_len=64)
+    for folder in (native, rebased):
+        check_quantized_cache_parity(folder, tmp_path / f"{folder.name}.gguf")
+
+
+def check_quantized_cache_parity(native: Path, gguf: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    record = export_gguf(native, gguf, "f32", pad_latent="llamacpp")
     assert (record["kv_lora_rank"], record["qk_rope_head_dim"]) == (32, 32)  # latent padded to a whole block
     windows = torch.randint(3, VOCAB, (4, 128), generator=torch.Generator().manual_seed(4)).tolist()
     model = AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).eval()
@@ -253,13 +265,13 @@ def test_quantized_cache_types_in_llamacpp_match_the_simulation(tmp_path):
 
     exact = mean_nll(simulated(None))
     for kind in ("q8_0", "q4_0"):
-        got = run_llamacpp(tmp_path / "m.gguf", windows, n_ctx=256, cache_type=kind)
+        got = run_llamacpp(gguf, windows, n_ctx=256, cache_type=kind)
         assert got["kv_cache"]["k_type"] == kind and re.search(r"flash_attn += enabled", got["log"])
         engine, sim = mean_nll(got), mean_nll(simulated(kind))
         assert abs(engine - sim) < 0.01, (kind, engine, sim)  # perplexity within 1%
         if kind == "q4_0":
             assert abs(engine - sim) < 0.5 * abs(engine - exact), (engine, sim, exact)
-            unrotated = run_llamacpp(tmp_path / "m.gguf", windows, n_ctx=256, cache_type=kind,
+            unrotated = run_llamacpp(gguf, windows, n_ctx=256, cache_type=kind,
                                      env={"LLAMA_ATTN_ROT_DISABLE": "1"})
             assert mean_nll(unrotated) == engine
 
