@@ -32,6 +32,11 @@ def test_dry_run_prints_plan_and_writes_nothing(sources, tmp_path, calib):
     assert "KV cache per token per layer: 64 -> 24 elements" in output
     assert "ratio 0.375" in output and "kv_a_proj [24, 64]" in output
     assert "calibration: 2 windows x 16 tokens" in output
+    # the bytes in the engines' cache types (a 24-value row padded to a whole block of 32 when quantized) against the
+    # source's own 64-value rows quantized instead, and the note that the source's q4_0 is already that small
+    assert ("this conversion f16 96 (0.375), q8_0 68 (0.266), q4_0 36 (0.141); the source's own cache quantized, no "
+            "conversion: q8_0 136 (0.531), q4_0 72 (0.281)") in output, output
+    assert "note: the source's own q4_0 cache is this small without converting" in output
     # where it serves: vLLM's cache row and kernels on a GPU (the heads padded for its MLA prefill) and on a CPU
     assert ("serving in vLLM (plugin): on a Hopper GPU a 256+64 cache row, decode by FlashMLA (unproven on this "
             "row) or Triton MLA, prefill by FlashAttention with nope/value heads 8/16 padded to 64/128; on a CPU "

@@ -205,6 +205,7 @@ class Plan:
             f"KV cache per token per layer: {self.kv_before} -> {self.kv_after():g} elements",
             f"KV cache per token (all layers, {self.dtype}): {self.kv_bytes_before} -> {self.kv_bytes_after} bytes "
             f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
+            self.describe_cache_types(),
             f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
             self.describe_export_serving() if target == "deepseek" else self.describe_serving(),
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
@@ -222,6 +223,29 @@ class Plan:
             + ")",
         ]
         return "\n".join(lines)
+
+    def describe_cache_types(self, kinds: tuple[str, ...] = ("f16", "q8_0", "q4_0")) -> str:
+        """Bytes per token in the engines' cache types (ggml's blocks; a row padded to whole blocks), this
+        conversion's against the source's own cache quantized instead (no conversion: llama.cpp --cache-type-k, where
+        q8_0 costs next to nothing and q4_0 a few percent; benchmarks/frontier/README.md)."""
+        from mla_convert import kvquant
+
+        full = self.kv_before * self.layers * 2  # the source's 16-bit cache
+
+        def share(b: float) -> str:
+            return f"{b:,.0f} ({b / full:.3f})"
+
+        ours = {k: sum(kvquant.latent_row_bytes(r, self.rope_dims, k) for r in self.kv_lora_rank) for k in kinds}
+        source = {k: self.layers * kvquant.row_bytes(self.kv_before, k) for k in kinds[1:]}
+        line = ("KV cache bytes per token in llama.cpp's cache types (fraction of the source's 16-bit): this conversion "
+                + ", ".join(f"{k} {share(b)}" for k, b in ours.items()) + "; the source's own cache quantized, no "
+                "conversion: " + ", ".join(f"{k} {share(b)}" for k, b in source.items()))
+        smallest = min(source, key=source.get)
+        if ours["f16"] >= source[smallest]:
+            return line + (f"\nnote: the source's own {smallest} cache is this small without converting; compare "
+                           f"(mla-convert eval SOURCE --cache-type {smallest}) before serving the conversion")
+        return line + (f"\nnote: below the source's smallest quantized cache ({smallest}); the conversion's own q8_0 "
+                       "cache halves its bytes again at next to no cost (benchmarks/frontier/README.md)")
 
     def describe_serving(self) -> str:
         """Where the planned shape serves in vLLM (the plugin): the cache row and the MLA kernels vLLM's selection
