@@ -138,6 +138,30 @@ def measure(source, label: str, args, out: Path | None) -> None:
             harness.append_jsonl(out, row)
 
 
+def check_estimate(source, args, tmp: str) -> None:
+    """`selftext.self_tokens` end to end (the model's loading included) into an empty cache, against the estimate."""
+    import os
+
+    from mla_convert import selftext
+    from mla_convert.conversion import timing
+
+    os.environ["MLA_CONVERT_CACHE"] = str(Path(tmp) / "cache")
+    load = [round(x, 2) for x in os.getloadavg()]
+    start = time.perf_counter()
+    tokens = selftext.self_tokens(source, args.self_tokens, 0, temperature=args.temperature).numel()
+    seconds = time.perf_counter() - start
+    bf16 = selftext.sampling_dtype(source) == torch.bfloat16
+    estimate = timing.sample_seconds(source.config, args.self_tokens, selftext.BATCH, bf16)
+    row = {"model": args.model or ("random llama, 3 layers, 192 wide" if args.tiny_only else "embedded"),
+           "sampler": "self_tokens", "width": selftext.BATCH, "temperature": args.temperature,
+           "asked": args.self_tokens, "tokens": tokens, "seconds": round(seconds, 2),
+           "tokens_per_s": round(tokens / seconds, 1), "estimate_s": round(estimate, 1),
+           "estimate_over_measured": round(estimate / seconds, 3), "load_at_start": load, "machine": harness.machine()}
+    print(json.dumps(row), flush=True)
+    if args.json:
+        harness.append_jsonl(args.json, row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default=None, help="source (default: the embedded SmolLM2-135M)")
@@ -148,11 +172,19 @@ def main() -> None:
     parser.add_argument("--tiny-only", action="store_true", help="only the random 3-layer, 192-wide model")
     parser.add_argument("--no-generate", action="store_true", help="the slots sampler alone")
     parser.add_argument("--json", type=Path, default=None, help="append one record per run to this file")
+    parser.add_argument("--self-tokens", type=int, default=0, metavar="N",
+                        help="instead: time `selftext.self_tokens` (N tokens, empty cache, as a conversion samples "
+                             "them) against `--dry-run`'s estimate of it")
     args = parser.parse_args()
 
     from mla_convert.sources import open_source
 
     source = open_source(args.model)
+    if args.self_tokens:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = source if not args.tiny_only else open_source(str(tiny_model(Path(tmp) / "tiny", source)))
+            check_estimate(model, args, tmp)
+        return
     if not args.tiny_only:
         measure(source, args.model or "embedded SmolLM2-135M-Instruct", args, args.json)
     if args.tiny or args.tiny_only:

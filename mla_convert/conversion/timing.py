@@ -20,11 +20,13 @@ ADVANCE_FORWARDS = 1.8
 # cache): a sampled token costs 2 x the parameters its step reads (every layer and the head) at SAMPLE_FLOPS (in
 # bfloat16, where the CPU has its arithmetic and `selftext.sampling_dtype` samples in it: SAMPLE_BF16_FLOPS), the
 # softmax and cumulative sum over the vocabulary (SAMPLE_VOCAB_S a token and vocabulary entry), and its share of the
-# step's fixed cost (the Python of each layer's call: SAMPLE_LAYER_S a layer, SAMPLE_STEP_S a step). Fitted on the
-# embedded default and a 3-layer, 192-wide model: benchmarks/convert/README.md#the-self-texts-sampler.
-SAMPLE_FLOPS = 1.0e11
-SAMPLE_BF16_FLOPS = 2.0e11
-SAMPLE_VOCAB_S = 5e-9
+# step's fixed cost (the Python of each layer's call: SAMPLE_LAYER_S a layer, SAMPLE_STEP_S a step). SAMPLE_FLOPS and
+# SAMPLE_VOCAB_S fitted on the embedded default and a 3-layer, 192-wide model sampled on busy cores (1 thread, load
+# 11-14 on 2 cores: benchmarks/convert/README.md#the-self-texts-sampler); bfloat16 at the ratio measured for the
+# previous sampler (6.8 / 3.0), not yet measured for this one.
+SAMPLE_FLOPS = 4.4e10
+SAMPLE_BF16_FLOPS = 1.0e11
+SAMPLE_VOCAB_S = 3.7e-9
 SAMPLE_LAYER_S = 4e-4
 SAMPLE_STEP_S = 3e-3
 
