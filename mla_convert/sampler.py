@@ -52,7 +52,7 @@ class SlotCache:
         self.values: list[torch.Tensor | None] = [None] * layers
         self.length, self.rows = length, torch.arange(slots)
         self.positions = torch.zeros(slots, dtype=torch.long)
-        self.span = 1
+        self.span, self.index = 1, None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.keys[layer_idx] is None:
@@ -60,7 +60,9 @@ class SlotCache:
             self.keys[layer_idx] = key_states.new_zeros(b, h, self.length, d)
             self.values[layer_idx] = value_states.new_zeros(b, h, self.length, value_states.shape[-1])
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        rows, positions = self.rows.to(keys.device), self.positions.to(keys.device)
+        if self.index is None or self.index[0].device != keys.device:  # this step's (rows, positions) there
+            self.index = (self.rows.to(keys.device), self.positions.to(keys.device))
+        rows, positions = self.index
         keys[rows, :, positions] = key_states[:, :, 0]
         values[rows, :, positions] = value_states[:, :, 0]
         return keys[:, :, : self.span], values[:, :, : self.span]
@@ -201,7 +203,7 @@ def _uniform(slot: _Slot | None) -> float:
 def _forward(model, cache: SlotCache, tokens, windows, dtype, device, cache_arg) -> torch.Tensor:
     """One step: each slot's token at its position -> the next-token logits [B, V] (float32)."""
     positions = cache.positions
-    cache.span = int(positions.max()) + 1
+    cache.span, cache.index = int(positions.max()) + 1, None
     if isinstance(windows, dict):
         mask = {kind: _mask(positions, cache.span, w, dtype, device) for kind, w in windows.items()}
     else:
