@@ -1,7 +1,10 @@
 """Data-free text: token sequences sampled from the source model itself (`--calib-data self`, `finetune --data self`).
 
-Two styles, sampled in seeded batches with the source's KV cache (in `sampling_dtype`), at the temperature
-`calib_temperature` gives for calibration (`--calib-temperature`) and at `TEMPERATURE` for fine-tuning text:
+Two styles, sampled by `mla_convert.sampler` (`batch` sequences a step, each in its own slot of a preallocated cache,
+in `sampling_dtype`) from softmax(logits / temperature) over the whole vocabulary, at the temperature
+`calib_temperature` gives for calibration (`--calib-temperature`) and at `TEMPERATURE` for fine-tuning text. Sample i
+draws its uniforms from a generator seeded with seed * 1_000_003 + i alone, so its text does not depend on the samples
+beside it (beyond the arithmetic's rounding, hence `batch` in the cache key):
 
 - `self` (chat): `SAMPLE_TOKENS` new tokens per sequence. An instruct model (its tokenizer has a chat template) answers
   the built-in requests of `PROMPTS` through that template, so the text is what it writes in use; a base model
@@ -11,12 +14,12 @@ Two styles, sampled in seeded batches with the source's KV cache (in `sampling_d
   suppressed until the window is full, so the statistics see one text over every distance a window spans (chat
   answers are a few hundred tokens each: in a 2048-token window most distances cross from one answer to another).
 
-The samples are joined into one token stream that is cut into windows.
+The samples are joined, in their order, into one token stream that is cut into windows.
 
-Generated batches are cached as plain JSON (token ids plus the decoded text, for reading), one file per source
+Sampled text is cached as plain JSON (token ids plus the decoded text, for reading), one file per source
 fingerprint, seed, sampling settings and (chat) prompt list, under $MLA_CONVERT_CACHE/self-text (default
 ~/.cache/mla-convert): a second conversion reads them instead of sampling again, and a longer request samples only the
-batches it lacks.
+samples it lacks (from the first one the cache does not hold).
 """
 
 from __future__ import annotations
@@ -45,14 +48,16 @@ STYLES = {SELF: "chat", SELF_DOC: "document"}
 TEMPERATURE = 1.0
 CALIB_TEMPERATURE = policy.CALIB_TEMPERATURE[0]  # the narrow latents' (the wide ones': TEMPERATURE)
 SAMPLE_TOKENS = DEFAULTS["calib_sample_tokens"]  # the option's default: mla_convert/schema.py
-BATCH = 64
-DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer per batch
-# On a CUDA device a batch is cheap in width and dear in steps: the samples of a whole calibration in one batch. Sample
-# i answers PROMPTS[i % len(PROMPTS)] whatever the batch, so the requests are those of the CPU's batches.
+BATCH = 64  # sequences a step on a CPU (benchmarks/convert/README.md#the-self-texts-sampler)
+DOC_BATCH = 8  # documents are a calibration window long (2048 tokens): fewer at once
+# On a CUDA device a step is cheap in width and dear in count: the samples of a whole calibration at once. Sample i
+# answers PROMPTS[i % len(PROMPTS)] whatever the batch.
 CUDA_BATCH = 256
 CUDA_DOC_BATCH = 64
 WRITE_EVERY_S = 30.0  # the cache file is rewritten whole: at most this often while sampling, and at the end
-CACHE_VERSION = 1  # bump when the sampling procedure changes: old cache files are then not read
+# Bump when the sampling procedure changes: old cache files are then not read. 1: transformers' `generate` in batches
+# seeded per batch; 2: `mla_convert.sampler`, seeded per sample.
+CACHE_VERSION = 2
 # The hash of the 24-request list the first cache files were sampled with (the first 24 of PROMPTS): their key omits
 # it. Any other list (PROMPTS since, or one set for an experiment) is added to the key, so it never reads their text.
 CACHED_PROMPTS = "bd52d72160f6eb3a"
@@ -225,44 +230,51 @@ def prompts(tokenizer, first: int, count: int, style: str = "chat") -> list[list
     return [[start]] * count
 
 
-@torch.no_grad()
-def sample_batch(model, tokenizer, index: int, seed: int, temperature: float, sample_tokens: int, batch: int,
-                 style: str = "chat"):
-    """Batch `index` of the seeded sampling: `batch` token lists (chat: prompt + answer, cut after the first EOS;
-    document: BOS + `sample_tokens` - 1 tokens, EOS suppressed)."""
-    prompt = prompts(tokenizer, index * batch, batch, style)
-    width = max(len(p) for p in prompt)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt])
-    eos = tokenizer.eos_token_id
+def requests(tokenizer, first: int, seed: int, sample_tokens: int, style: str, limit: int | None):
+    """The sampler's requests from sample `first` on (endless), and the positions the longest needs: sample i answers
+    PROMPTS[i % len(PROMPTS)] (chat; a document continues BOS) with the uniforms of seed `seed` * 1_000_003 + i;
+    chat answers take at most `sample_tokens` new tokens, documents are `sample_tokens` long with EOS suppressed, both
+    within the model's `limit` positions."""
+    from mla_convert.sampler import Request
+
+    table = prompts(tokenizer, 0, len(PROMPTS) if style == "chat" else 1, style)
+    document = style == "document"
+
+    def new(prompt: list[int]) -> int:
+        n = sample_tokens - len(prompt) if document else sample_tokens
+        return max(1, min(n, limit - len(prompt)) if limit else n)
+
+    def endless():
+        i = first
+        while True:
+            prompt = table[i % len(table)]
+            yield Request(prompt, new(prompt), seed * 1_000_003 + i, suppress_eos=document)
+            i += 1
+
+    return endless(), max(len(p) + new(p) for p in table)
+
+
+def sample_stream(model, tokenizer, first: int, seed: int, temperature: float, sample_tokens: int, width: int,
+                  style: str = "chat", budget: int | None = None):
+    """Samples `first`, `first` + 1, ... of the seeded sampling (`mla_convert.sampler`, `width` at once), each a token
+    list (chat: prompt + answer, cut after the first EOS; document: BOS + `sample_tokens` - 1 tokens, EOS
+    suppressed), until they hold `budget` tokens."""
+    from mla_convert.sampler import sample
+
     limit = getattr(model.config, "max_position_embeddings", None)
-    new = sample_tokens - width if style == "document" else sample_tokens  # a document is sample_tokens long
-    new = min(new, limit - width) if limit else new
-    length = {"min_new_tokens": new} if style == "document" else {}
-    device = model.device
-    ids, mask = ids.to(device), mask.to(device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed * 1_000_003 + index)
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0,
-                             top_p=1.0, max_new_tokens=new, pad_token_id=pad, eos_token_id=eos, **length)  # fmt: skip
-    samples = []
-    for p, row in zip(prompt, out.tolist()):
-        answer = row[width:]
-        if style == "chat" and eos is not None and eos in answer:
-            answer = answer[: answer.index(eos) + 1]
-        samples.append(p + answer)
-    return samples
+    todo, length = requests(tokenizer, first, seed, sample_tokens, style, limit)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    return sample(model, todo, width, temperature, tokenizer.eos_token_id, length, pad=pad, budget=budget)
 
 
 def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = None,
                 sample_tokens: int | None = None, batch: int | None = None, style: str = "chat",
                 device: str = "cpu") -> torch.Tensor:
-    """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring), in
-    batches of `batch` samples (default BATCH, DOC_BATCH for documents; CUDA_BATCH, CUDA_DOC_BATCH on a GPU), at `temperature` (default TEMPERATURE) and
-    `sample_tokens` (default SAMPLE_TOKENS) a sample. In the document style every `sample_tokens` ids are one
-    document. The source samples in `sampling_dtype`: on a CUDA `device`, and on a CPU with bfloat16 arithmetic, in
-    bfloat16, whose rounding and (on a GPU) random streams give other text, cached under its own key."""
+    """A stream of at least `n_tokens` token ids [N] sampled from `source` (cached; see the module docstring),
+    `batch` samples at a time (default: `default_batch`), at `temperature` (default TEMPERATURE) and `sample_tokens`
+    (default SAMPLE_TOKENS) a sample. In the document style every `sample_tokens` ids are one document. The source
+    samples in `sampling_dtype`: on a CUDA `device`, and on a CPU with bfloat16 arithmetic, in bfloat16, whose
+    rounding gives other text, cached under its own key."""
     on_cuda = torch.device(device).type == "cuda"
     settings, path = _entry(source, seed, temperature, sample_tokens, batch, style, device)
     temperature, sample_tokens, batch = settings["temperature"], settings["sample_tokens"], settings["batch"]
@@ -275,17 +287,26 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
         model = causal_lm(source, device, sampling_dtype(source, device))
         log.info("sampling %d tokens of %s text from the source on %s (temperature %g, cached in %s)",
                  n_tokens - have, style, device, temperature, path)
-        written = time.monotonic()
-        while have < n_tokens:
-            tokens = sample_batch(model, tokenizer, len(batches), seed, temperature, sample_tokens, batch, style)
-            batches.append({"tokens": tokens, "text": [tokenizer.decode(t) for t in tokens]})
-            have += sum(len(t) for t in tokens)
-            if have >= n_tokens or time.monotonic() - written > WRITE_EVERY_S:
-                write_cache(path, settings, batches)  # an interrupted run keeps what it sampled until its last write
-                written = time.monotonic()
-            log.info("sampled %d of %d tokens", have, n_tokens)
+        written, group = time.monotonic(), []
+        first = sum(len(b["tokens"]) for b in batches)
+        for tokens in sample_stream(model, tokenizer, first, seed, temperature, sample_tokens, batch, style,
+                                    budget=n_tokens - have):
+            group.append(tokens)
+            have += len(tokens)
+            if time.monotonic() - written > WRITE_EVERY_S:  # an interrupted run keeps what it sampled until then
+                _keep(path, settings, batches, group, tokenizer)
+                written, group = time.monotonic(), []
+                log.info("sampled %d of %d tokens", have, n_tokens)
+        _keep(path, settings, batches, group, tokenizer)
         del model
     return torch.tensor([t for b in batches for s in b["tokens"] for t in s], dtype=torch.long)
+
+
+def _keep(path: Path, settings: dict, batches: list[dict], group: list[list[int]], tokenizer) -> None:
+    """Add the samples `group` to the cached `batches` as one batch, and write the cache."""
+    if group:
+        batches.append({"tokens": group, "text": [tokenizer.decode(t) for t in group]})
+    write_cache(path, settings, batches)
 
 
 def sampling_dtype(source, device: str = "cpu") -> torch.dtype:
@@ -302,8 +323,7 @@ def _entry(source, seed: int, temperature: float | None, sample_tokens: int | No
            device: str) -> tuple[dict, Path]:
     """The cache settings and file of a `self_tokens` request, its defaults filled in."""
     on_cuda = torch.device(device).type == "cuda"
-    document = style == "document"
-    batch = batch or ((CUDA_DOC_BATCH if document else CUDA_BATCH) if on_cuda else (DOC_BATCH if document else BATCH))
+    batch = batch or default_batch(device, style == "document")
     temperature = TEMPERATURE if temperature is None else temperature
     sample_tokens = SAMPLE_TOKENS if sample_tokens is None else sample_tokens
     if not temperature > 0 or sample_tokens <= 0:
@@ -311,6 +331,13 @@ def _entry(source, seed: int, temperature: float | None, sample_tokens: int | No
     bf16 = not on_cuda and sampling_dtype(source, device) == torch.bfloat16
     return cache_entry(source, seed, temperature, sample_tokens, batch, style, "cuda" if on_cuda else None,
                        "bfloat16" if bf16 else None)
+
+
+def default_batch(device: str = "cpu", document: bool = False) -> int:
+    """The sequences sampled at once on `device` by default (documents: DOC_BATCH, CUDA_DOC_BATCH)."""
+    if torch.device(device).type == "cuda":
+        return CUDA_DOC_BATCH if document else CUDA_BATCH
+    return DOC_BATCH if document else BATCH
 
 
 def missing_tokens(source, n_tokens: int, seed: int, temperature: float | None = None,

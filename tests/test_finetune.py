@@ -320,10 +320,10 @@ def test_report_texts_scored_at_every_evaluation(tiny_run, tmp_path, monkeypatch
         f"report_data={texts[0]},{texts[1]}", "report_windows=2", "report_seq_len=16",
     ])
     calls = []
-    real = selftext.sample_batch
-    monkeypatch.setattr(selftext, "sample_batch", lambda *a: calls.append(a[6]) or real(*a))
+    real = selftext.sample_stream
+    monkeypatch.setattr(selftext, "sample_stream", lambda *a, **kw: calls.append(a[6]) or real(*a, **kw))
     final = run_in_process(cfg)
-    assert calls and set(calls) == {3}  # batches of sample_batch sequences
+    assert calls and set(calls) == {3}  # sample_batch sequences at a time
     settings, path = selftext.cache_entry(open_source(str(tiny_run["teacher"])), 0, selftext.TEMPERATURE,
                                           selftext.SAMPLE_TOKENS, 3)
     assert path.is_file() and settings["batch"] == 3

@@ -66,12 +66,13 @@ def test_self_text_is_seeded_and_cached(sources, cache, monkeypatch):
     assert 0 <= int(a.min()) and int(a.max()) < vocab
 
     calls = []
-    real = selftext.sample_batch
-    monkeypatch.setattr(selftext, "sample_batch", lambda *args: calls.append(args[2]) or real(*args))
+    real = selftext.sample_stream
+    monkeypatch.setattr(selftext, "sample_stream", lambda *args, **kw: calls.append(args[2]) or real(*args, **kw))
     assert torch.equal(selftext.self_tokens(src, 200, seed=0), a)  # read back, nothing sampled
     assert calls == []
-    longer = selftext.self_tokens(src, a.numel() + 1, seed=0)  # samples only the batches it lacks
-    assert calls == [len(record["batches"])] and torch.equal(longer[: a.numel()], a)
+    longer = selftext.self_tokens(src, a.numel() + 1, seed=0)  # samples only the samples it lacks
+    held = sum(len(b["tokens"]) for b in record["batches"])
+    assert calls == [held] and torch.equal(longer[: a.numel()], a)
     assert not torch.equal(selftext.self_tokens(src, 200, seed=1)[:100], a[:100])  # another seed, other text
 
 
@@ -105,12 +106,12 @@ def test_cache_is_keyed_by_the_prompts(sources, cache, monkeypatch):
     src = open_source(str(sources["llama-gqa"]))
     selftext.self_tokens(src, 200, seed=0)
     calls = []
-    real = selftext.sample_batch
-    monkeypatch.setattr(selftext, "sample_batch", lambda *args: calls.append(args[2]) or real(*args))
+    real = selftext.sample_stream
+    monkeypatch.setattr(selftext, "sample_stream", lambda *args, **kw: calls.append(args[2]) or real(*args, **kw))
     monkeypatch.setattr(selftext, "PROMPTS", selftext.PROMPTS[::-1])
     assert "prompts" in selftext.cache_entry(src, 0, 1.0, 64, 4)[0]
     selftext.self_tokens(src, 200, seed=0)
-    assert calls and calls[0] == 0  # sampled again from the first batch
+    assert calls and calls[0] == 0  # sampled again from the first sample
     assert len(list(cache.glob("*.json"))) == 2
 
 

@@ -148,7 +148,8 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
                                           options.seed, temperature=options.calib_temperature,
                                           sample_tokens=options.calib_sample_tokens, device=device)
         bf16 = selftext.sampling_dtype(source, device) == torch.bfloat16
-        plan.sample_seconds = timing.sample_seconds(plan.memory["parameters"], to_sample, bf16)
+        width = selftext.default_batch(device, options.calib_data == selftext.SELF_DOC)
+        plan.sample_seconds = timing.sample_seconds(source.config, to_sample, width, bf16)
     return options, plan
 
 

@@ -16,13 +16,19 @@ from mla_convert import refine
 # advance of the stream past it (the layer's forward, the hidden states kept for a resumed run).
 STATISTICS_FORWARDS = 1.75
 ADVANCE_FORWARDS = 1.8
-# Sampling the self text (batches of `selftext.BATCH` answers with transformers' `generate`): the effective rate in
-# flop/s of 2 x parameters a sampled token (decoding is bound by reading the weights and by the loop's per-step
-# overhead, not by arithmetic), in float32 and, where the CPU has bfloat16 arithmetic (`selftext.sampling_dtype`), in
-# bfloat16.
-SAMPLE_FLOPS = 3.0e10
-SAMPLE_BF16_FLOPS = 6.8e10
-
+# Sampling the self text (`mla_convert.sampler`: `width` sequences a step, each in its own slot of a preallocated
+# cache): a sampled token costs 2 x the parameters its step reads (every layer and the head) at SAMPLE_FLOPS (in
+# bfloat16, where the CPU has its arithmetic and `selftext.sampling_dtype` samples in it: SAMPLE_BF16_FLOPS), the
+# softmax and cumulative sum over the vocabulary (SAMPLE_VOCAB_S a token and vocabulary entry), and its share of the
+# step's fixed cost (the Python of each layer's call: SAMPLE_LAYER_S a layer, SAMPLE_STEP_S a step). SAMPLE_FLOPS and
+# SAMPLE_VOCAB_S fitted on the embedded default and a 3-layer, 192-wide model sampled on busy cores (1 thread, load
+# 11-14 on 2 cores: benchmarks/convert/README.md#the-self-texts-sampler); bfloat16 at the ratio measured for the
+# previous sampler (6.8 / 3.0), not yet measured for this one.
+SAMPLE_FLOPS = 4.4e10
+SAMPLE_BF16_FLOPS = 1.0e11
+SAMPLE_VOCAB_S = 3.7e-9
+SAMPLE_LAYER_S = 4e-4
+SAMPLE_STEP_S = 3e-3
 
 def layer_forward_flops(plan) -> float:
     """Flops of one source layer's forward over all the calibration windows: the projections (2 x tokens x the
@@ -46,10 +52,23 @@ def calibration_seconds(plan, statistics_pass: bool) -> float:
     return plan.layers * forwards * layer_forward_flops(plan) / refine.cpu_rate("float32")
 
 
-def sample_seconds(parameters: int, tokens: int, bf16: bool = False) -> float:
-    """Sampling `tokens` of self text from a source of `parameters` parameters (in bfloat16 with `bf16`)."""
-    return tokens * 2 * parameters / ((SAMPLE_BF16_FLOPS if bf16 else SAMPLE_FLOPS) * refine.cpu_speed())
+def sampled_parameters(config) -> int:
+    """The parameters a sampled token's step reads: every layer's attention and gated MLP, and the head."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    attention = (2 * heads + 2 * groups) * head_dim * hidden
+    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
+    return layers * (attention + mlp) + config.vocab_size * hidden
 
+
+def sample_seconds(config, tokens: int, width: int, bf16: bool = False) -> float:
+    """Sampling `tokens` of self text from a source of `config`, `width` sequences a step (in bfloat16 with
+    `bf16`)."""
+    per_token = (2 * sampled_parameters(config) / (SAMPLE_BF16_FLOPS if bf16 else SAMPLE_FLOPS) + config.vocab_size * SAMPLE_VOCAB_S
+                 + (config.num_hidden_layers * SAMPLE_LAYER_S + SAMPLE_STEP_S) / max(1, width))
+    return tokens * per_token / refine.cpu_speed()
 
 def total_seconds(plan) -> float:
     """Every phase the plan estimates."""

@@ -71,7 +71,7 @@ class FinetuneConfig:
     allow_test_split: bool = False  # allow training text whose file name says "test" (a result on it is not one)
     threads: int | None = None  # torch threads per process on CPU; default: cores / local processes
     data_tokens: int | None = None  # data=self: tokens sampled (default: the whole budget); a smaller pool repeats
-    sample_batch: int | None = None  # data=self: sequences sampled at once (default 16 on CPU, 256 on CUDA)
+    sample_batch: int | None = None  # data=self: sequences sampled at once (default 64 on CPU, 256 on CUDA)
     report_data: str | None = None  # comma-separated texts also scored at every evaluation (reported, never trained on)
     report_windows: int = 16  # windows of report_seq_len tokens scored per report text
     report_seq_len: int = 2048

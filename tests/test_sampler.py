@@ -1,0 +1,120 @@
+"""The self text's sampler (`mla_convert.sampler`): a slot per sequence in a preallocated cache, a token a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_convert import sampler, selftext
+from mla_convert.checkpoint import open_source
+from tiny import tiny_source
+
+PROMPTS = [[1, 5, 9, 30], [1, 7], [1, 11, 12, 13, 14, 15, 16], [1], [1, 40, 41]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampler")
+    kinds = ["llama-gqa", "mistral-window", "gemma2", "gemma3_text", "qwen3", "phi3"]
+    return {k: selftext.causal_lm(open_source(str(tiny_source(k, root / k, seed=i)))) for i, k in enumerate(kinds)}
+
+
+def run(model, width, temperature=1.0, eos=None, new=24, suppress=False, prompts=PROMPTS, seed=0, budget=None):
+    requests = [sampler.Request(p, new, seed * 100 + i, suppress) for i, p in enumerate(prompts)]
+    return list(sampler.sample(model, requests, width, temperature, eos, length=64, budget=budget))
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "mistral-window", "gemma2", "gemma3_text", "qwen3", "phi3"])
+def test_greedy_is_generates_greedy(models, kind):
+    """At temperature 0 every sequence is what `generate` writes greedily for its prompt alone: each slot at its own
+    positions, refilled when its sequence ends (5 prompts in 2 slots), sliding windows (6 and 10 positions) kept."""
+    model = models[kind]
+    got = run(model, 2, temperature=0.0, new=30)
+    for prompt, seq in zip(PROMPTS, got):
+        ref = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=30, min_new_tokens=30,
+                             pad_token_id=0, eos_token_id=None)[0].tolist()
+        assert seq == ref
+
+
+def test_samples_from_the_models_own_distribution(models):
+    """Every sampled token is drawn from softmax(logits / T) of the logits a full forward of its prefix gives (the
+    slots at different positions, the cache read back right); and `choose` draws each token at its probability."""
+    model = models["gemma2"]
+    seen = []
+    real = sampler.choose
+    try:
+        sampler.choose = lambda logits, t, u: seen.append(logits.clone()) or real(logits, t, u)
+        seqs = run(model, 2, temperature=1.3, prompts=PROMPTS[:2], new=12)
+    finally:
+        sampler.choose = real
+    for row, seq in enumerate(seqs):
+        with torch.inference_mode():
+            full = model(input_ids=torch.tensor([seq])).logits[0].float()
+        for t in range(len(seq) - 1):
+            torch.testing.assert_close(seen[t][row], full[t], rtol=1e-4, atol=1e-4)
+
+    logits = torch.tensor([[0.0, 1.0, -1.0, 2.0, -60.0]])
+    n = 100_000
+    picked = sampler.choose(logits.expand(n, -1), 1.3, torch.rand(n, generator=torch.Generator().manual_seed(0)))
+    freq = torch.bincount(picked, minlength=5).double() / n
+    expected = torch.softmax(logits[0].double() / 1.3, -1)
+    assert (freq - expected).abs().max() < 0.005 and freq[4] == 0
+
+
+def test_seeded_ordered_and_independent_of_the_width(models):
+    """The same requests give the same sequences; another seed other ones; sequences come in the requests' order
+    with their prompts first, whatever the width (each request's uniforms are its own)."""
+    model = models["llama-gqa"]
+    a = run(model, 2)
+    assert run(model, 2) == a
+    assert [s[: len(p)] for p, s in zip(PROMPTS, a)] == PROMPTS and all(len(s) == len(p) + 24 for p, s in zip(PROMPTS, a))
+    assert run(model, 2, seed=1) != a
+    assert run(model, 5) == a and run(model, 1) == a  # float32 on a tiny model: the same rounding
+
+
+def test_eos_ends_a_sequence_and_a_document_suppresses_it(models):
+    """A sampled EOS ends its sequence (kept), the slot takes the next request: each sequence is the one sampled
+    without an EOS, cut after its first; a document request never samples EOS and has exactly its new tokens."""
+    model = models["qwen3"]
+    free = run(model, 2, temperature=1.0)
+    eos = free[0][len(PROMPTS[0]) + 3]  # a token the first answer samples
+    cut = run(model, 2, temperature=1.0, eos=eos)
+    for prompt, whole, seq in zip(PROMPTS, free, cut):
+        answer = whole[len(prompt):]
+        end = answer.index(eos) + 1 if eos in answer else len(answer)
+        assert seq == prompt + answer[:end]
+    assert len(cut[0]) == len(PROMPTS[0]) + 4
+    docs = run(model, 2, temperature=1.0, eos=eos, suppress=True)
+    assert all(len(s) == len(p) + 24 and eos not in s[len(p):] for p, s in zip(PROMPTS, docs))
+
+
+def test_budget_stops_starting_requests(models):
+    """With a token budget the sequences end soon after they hold it: the first ones of the unbounded stream."""
+    model = models["llama-gqa"]
+    endless = run(model, 2)
+    some = run(model, 2, budget=40)
+    assert sum(map(len, some)) >= 40 and some == endless[: len(some)] and len(some) < len(endless)
+
+
+def test_self_text_cache_key_names_the_sampler(sources, tmp_path, monkeypatch):
+    """Text of the earlier sampler (cache version 1) is not read for the new one's."""
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path))
+    src = open_source(str(sources["llama-gqa"]))
+    settings, path = selftext.cache_entry(src, 0, 1.0, 64, 4)
+    monkeypatch.setattr(selftext, "CACHE_VERSION", 1)
+    assert selftext.cache_entry(src, 0, 1.0, 64, 4)[1] != path and settings["version"] == 2
+
+
+def test_dry_run_prices_a_tiny_models_sampling():
+    """The estimate of sampling is not a flop count alone: a 3-layer, 192-wide model with a 49,152-token vocabulary
+    still takes time a token (its head, its sampling over the vocabulary, each step's fixed cost), less in wider
+    steps."""
+    from transformers import LlamaConfig
+
+    from mla_convert.conversion import timing
+
+    tiny = LlamaConfig(vocab_size=49152, hidden_size=192, intermediate_size=512, num_hidden_layers=3,
+                       num_attention_heads=3, num_key_value_heads=1)
+    seconds = timing.sample_seconds(tiny, 65536, 64)
+    assert seconds > 30 and timing.sample_seconds(tiny, 65536, 8) > seconds
+    assert timing.sample_seconds(tiny, 2 * 65536, 64) == pytest.approx(2 * seconds)
