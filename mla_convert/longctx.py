@@ -76,7 +76,7 @@ def options(on: bool, lengths: str | None, depths: str | None, trials: int | Non
     if record:
         raise UserError("--record keeps the perplexity of fixed windows; --long-context's tables go to --json: "
                         "drop --record")
-    run = {"lengths": parse_list(lengths, "--lengths", int) if lengths else list(DEFAULT_LENGTHS),
+    run = {"lengths": parse_list(lengths, "--lengths", int) if lengths is not None else None,
            "depths": parse_list(depths, "--depths", float) if depths else list(DEFAULT_DEPTHS),
            "trials": 3 if trials is None else trials}
     check_options(**run)
@@ -87,9 +87,9 @@ def options(on: bool, lengths: str | None, depths: str | None, trials: int | Non
     return run
 
 
-def check_options(lengths: list[int], depths: list[float], trials: int) -> None:
+def check_options(lengths: list[int] | None, depths: list[float], trials: int) -> None:
     """Refuse, in one line each, lengths, depths or trials that cannot run (before any model is read)."""
-    for length in lengths:
+    for length in lengths or []:
         if length < 2 * NEW_TOKENS:
             raise UserError(f"--lengths {length} is too short: a prompt and its {NEW_TOKENS}-token answer need at least "
                             f"{2 * NEW_TOKENS} positions")
@@ -341,13 +341,16 @@ def in_llamacpp(model: str, text: str, window: int | None, windows: int, cache_t
 
 
 def long_context_eval(engine: str, model: str | None, text: str, window: int | None, windows: int, dtype: str,
-                      device: str, cache_type: str | None, lengths: list[int], depths: list[float], trials: int,
+                      device: str, cache_type: str | None, lengths: list[int] | None, depths: list[float], trials: int,
                       reference: dict | None = None, seed: int = 0, progress: bool = True) -> tuple[dict, str]:
     """`eval --long-context`: the bucket table over `windows` windows of `window` tokens (default: the model's
-    context) and the retrieval table, in `engine` (transformers or llamacpp). -> (the result, the model's label)."""
+    context) and the retrieval table (`lengths` None: DEFAULT_LENGTHS up to the context), in `engine` (transformers
+    or llamacpp). -> (the result, the model's label)."""
 
     def cases_for(tokenizer, label, context):
-        check_context(lengths, window, context, label)
+        nonlocal lengths
+        check_context(lengths or [], window, context, label)
+        lengths = lengths or [n for n in DEFAULT_LENGTHS if n <= context] or [context]  # the defaults it takes
         return window or context, retrieval_cases(tokenizer, label, lengths, depths, trials, seed)
 
     if engine == "llamacpp":
