@@ -245,3 +245,31 @@ def test_llamacpp_agrees_with_transformers(tiny, tmp_path):
     assert [c["found"] for c in ca] == [c["found"] for c in cb]
     result = invoke(native, *common, "--engine", "llamacpp")
     assert_user_error(result.exit_code, result.output, "needs a .gguf file")
+
+
+def test_bench_script_tables_and_plot(tiny, tmp_path):
+    """scripts/bench_longctx.py: every model's eval --json, the buckets as ratios to the first model, the tables and
+    the plot."""
+    from conftest import load_script
+
+    bench = load_script("bench_longctx")
+    source, text = tiny
+    assert bench.parse_model("s=default@q4_0") == {"label": "s", "path": None, "engine": "transformers",
+                                                   "cache_type": "q4_0"}  # fmt: skip
+    assert bench.parse_model("g=out/m.gguf")["engine"] == "llamacpp"
+    with pytest.raises(SystemExit, match="LABEL=PATH"):
+        bench.parse_model("out/m.gguf")
+    out = tmp_path / "bench"
+    argv = ["bench_longctx.py", f"ref={source}", f"again={source}", "--data", str(text), "--windows", "1",
+            "--lengths", "600", "--depths", "0.5", "--trials", "1", "--out", str(out)]
+    old, sys.argv = sys.argv, argv
+    try:
+        bench.main()
+    finally:
+        sys.argv = old
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in rows] == ["ref", "again"] and rows[0]["machine"]
+    assert all(b["ratio"] == pytest.approx(1.0) for b in rows[1]["result"]["long_context"]["buckets"])
+    markdown = (out / "longctx.md").read_text()
+    assert "| again | transformers | float32 |" in markdown and "(1.000x)" in markdown and "600@0.5" in markdown
+    assert (out / "longctx.png").stat().st_size > 0 and (out / "ref.json").is_file()
