@@ -351,7 +351,7 @@ def long_context_eval(engine: str, model: str | None, text: str, window: int | N
         nonlocal lengths
         check_context(lengths or [], window, context, label)
         lengths = lengths or [n for n in DEFAULT_LENGTHS if n <= context] or [context]  # the defaults it takes
-        return window or context, retrieval_cases(tokenizer, label, lengths, depths, trials, seed)
+        return context if window is None else window, retrieval_cases(tokenizer, label, lengths, depths, trials, seed)
 
     if engine == "llamacpp":
         scores, cases, tokenizer, label = in_llamacpp(model, text, window, windows, cache_type, cases_for)

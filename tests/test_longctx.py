@@ -182,6 +182,7 @@ def test_quantized_cache_types(tiny, tmp_path):
     (["--lengths", "16"], ["too short"]),
     (["--lengths", "200"], ["too short for the retrieval prompt", "longer lengths"]),
     (["--seq-len", "4096"], ["--seq-len 4096 is above the context", "--seq-len 1024 or less"]),
+    (["--seq-len", "1"], ["--seq-len must be at least 2"]),
     (["--depths", "0.5,1.5"], ["from 0 to 1", "1.5"]),
     (["--depths", "half"], ["--depths takes numbers", "0.1,0.5,0.9"]),
     (["--trials", "0"], ["--trials must be at least 1"]),

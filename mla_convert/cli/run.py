@@ -89,7 +89,7 @@ def eval_command(
     if long_run is not None:
         return _long_context(model, text, data, seq_len, windows, dtype, device, engine, cache_type, json_out,
                              overwrite, quiet, **long_run)
-    seq_len = seq_len or 2048
+    seq_len = 2048 if seq_len is None else seq_len
     result, label = _score(engine, model, text, seq_len, windows, dtype, device, quiet, cache_type)
     result.update(model=label, data=data, dtype=dtype)
     cache = dtype if cache_type is None else f"{cache_type} cache: ggml's blocks, as llama.cpp stores them"
