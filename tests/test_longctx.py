@@ -160,8 +160,12 @@ def test_eval_long_context(tiny, tmp_path):
 
 
 def test_quantized_cache_types(tiny, tmp_path):
-    """The source's keys and values read as a q4_0 cache (the simulation): scored and answered, not the f32 figures."""
+    """The source's keys and values read as a q4_0 cache, a conversion's latent as q8_0 (the simulations): scored and
+    answered, close to the f32 figures and not equal to them."""
     from tiny import tiny_source
+
+    from mla_convert.checkpoint import open_source
+    from mla_convert.convert import ConvertOptions, convert
 
     _, text = tiny
     source = tiny_source("llama-gqa", tmp_path / "source", head_dim=32, max_position_embeddings=CONTEXT)  # blocks
@@ -173,6 +177,17 @@ def test_quantized_cache_types(tiny, tmp_path):
         runs[kind] = json.loads((tmp_path / f"{kind}.json").read_text())
     assert runs["q4_0"]["cache_type"] == "q4_0" and "q4_0 cache" in result.output
     assert runs["q4_0"]["nll"] != runs["f32"]["nll"] and abs(runs["q4_0"]["nll"] - runs["f32"]["nll"]) < 0.5
+    # a conversion's cached latent and rope key read as q8_0 (latent_cache_type), the greedy answers decoded over it
+    native = tmp_path / "native"
+    convert(open_source(str(source)), native, ConvertOptions(rank=32, rope_dims=32, method="weight", calib_data=None,
+                                                             force=True), progress=False)  # fmt: skip
+    for kind in ("f32", "q8_0"):
+        result = invoke(native, "--data", text, "--long-context", "--windows", "1", "--lengths", "600", "--depths",
+                        "0.5", "--trials", "1", "--cache-type", kind, "--json", tmp_path / f"mla-{kind}.json", "-q")
+        assert result.exit_code == 0, result.output
+        runs[kind] = json.loads((tmp_path / f"mla-{kind}.json").read_text())
+    assert runs["q8_0"]["kv_cache_bytes_per_token"] < runs["f32"]["kv_cache_bytes_per_token"]
+    assert 0 < abs(runs["q8_0"]["nll"] - runs["f32"]["nll"]) < 0.05
 
 
 @pytest.mark.parametrize("args,needles", [
