@@ -76,8 +76,8 @@ def options(on: bool, lengths: str | None, depths: str | None, trials: int | Non
     if record:
         raise UserError("--record keeps the perplexity of fixed windows; --long-context's tables go to --json: "
                         "drop --record")
-    run = {"lengths": parse_list(lengths, "--lengths", int) if lengths is not None else None,
-           "depths": parse_list(depths, "--depths", float) if depths else list(DEFAULT_DEPTHS),
+    run = {"lengths": list(dict.fromkeys(parse_list(lengths, "--lengths", int))) if lengths is not None else None,
+           "depths": list(dict.fromkeys(parse_list(depths, "--depths", float) if depths is not None else DEFAULT_DEPTHS)),
            "trials": 3 if trials is None else trials}
     check_options(**run)
     run["reference"] = load_reference(reference) if reference is not None else None
@@ -351,7 +351,11 @@ def long_context_eval(engine: str, model: str | None, text: str, window: int | N
         nonlocal lengths
         check_context(lengths or [], window, context, label)
         lengths = lengths or [n for n in DEFAULT_LENGTHS if n <= context] or [context]  # the defaults it takes
-        return context if window is None else window, retrieval_cases(tokenizer, label, lengths, depths, trials, seed)
+        size = context if window is None else window
+        if reference is not None and reference.get("seq_len") != size:
+            raise UserError(f"--reference {reference.get('model')} was measured with windows of "
+                            f"{reference.get('seq_len')} tokens, not {size}: measure both with the same --seq-len")
+        return size, retrieval_cases(tokenizer, label, lengths, depths, trials, seed)
 
     if engine == "llamacpp":
         scores, cases, tokenizer, label = in_llamacpp(model, text, window, windows, cache_type, cases_for)

@@ -157,6 +157,9 @@ def test_eval_long_context(tiny, tmp_path):
                    "--reference", out, "-q")
     assert again.exit_code == 0, again.output
     assert "ratio" in again.output and again.output.count(" 1.0000") == 5
+    shorter = invoke(source, "--data", text, "--long-context", "--seq-len", "512", "--lengths", "600", "--reference",
+                     out)
+    assert_user_error(shorter.exit_code, shorter.output, "windows of 1024 tokens, not 512", "same --seq-len")
 
 
 def test_quantized_cache_types(tiny, tmp_path):
@@ -200,6 +203,7 @@ def test_quantized_cache_types(tiny, tmp_path):
     (["--seq-len", "1"], ["--seq-len must be at least 2"]),
     (["--depths", "0.5,1.5"], ["from 0 to 1", "1.5"]),
     (["--depths", "half"], ["--depths takes numbers", "0.1,0.5,0.9"]),
+    (["--depths", ""], ["--depths takes numbers"]),
     (["--trials", "0"], ["--trials must be at least 1"]),
     (["--engine", "vllm"], ["transformers or llamacpp"]),
     (["--record"], ["drop --record"]),

@@ -18,7 +18,7 @@ LongContextOpt = typer.Option(
     "model's full context (--seq-len defaults to it), and a pass-key retrieval check on generated filler text "
     "(greedy answer, scored exactly); transformers or --engine llamacpp, the same prompts and token ids.")
 LengthsOpt = typer.Option(None, "--lengths", help="With --long-context: retrieval prompt lengths in tokens, answer "
-                          "included (default 1024,2048,4096,8192; at most the model's context).")
+                          "included (default: those of 1024,2048,4096,8192 the model's context holds).")
 DepthsOpt = typer.Option(None, "--depths", help="With --long-context: where the key sits, as the share of the filler "
                          "before it (default 0.1,0.5,0.9).")
 TrialsOpt = typer.Option(None, "--trials", help="With --long-context: keys (and fillers) per length and depth "
