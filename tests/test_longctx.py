@@ -293,3 +293,20 @@ def test_bench_script_tables_and_plot(tiny, tmp_path):
     markdown = (out / "longctx.md").read_text()
     assert "| again | transformers | float32 |" in markdown and "(1.000x)" in markdown and "600@0.5" in markdown
     assert (out / "longctx.png").stat().st_size > 0 and (out / "ref.json").is_file()
+
+
+@pytest.mark.slow
+def test_smollm2_finds_the_key():
+    """The real SmolLM2-135M-Instruct finds the key in 1,024 tokens of filler, near the start and near the end, asked
+    in its chat template: the check means something at this size (longer lengths: benchmarks/quality/longctx)."""
+    from conftest import needs_smollm2
+
+    needs_smollm2()
+    from mla_convert.evaluate import load_model
+
+    net, tok, label = load_model(None)
+    cases = longctx.retrieval_cases(tok, label, [1024], [0.1, 0.9], trials=1)
+    assert tok.chat_template and tok.decode(cases[0].ids).rstrip().endswith("assistant")
+    scores = longctx.transformers_scores(net, [], [c.ids for c in cases], longctx.NEW_TOKENS, progress=False)
+    table = longctx.retrieval_table(cases, scores["greedy"], tok)
+    assert table["found"] == 2, [c["answer"] for c in table["cases"]]
