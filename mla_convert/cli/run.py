@@ -13,6 +13,19 @@ from mla_convert.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------------- eval
 
+LongContextOpt = typer.Option(
+    False, "--long-context", help="Measure long context instead: perplexity by position bucket over windows of the "
+    "model's full context (--seq-len defaults to it), and a pass-key retrieval check on generated filler text "
+    "(greedy answer, scored exactly); transformers or --engine llamacpp, the same prompts and token ids.")
+LengthsOpt = typer.Option(None, "--lengths", help="With --long-context: retrieval prompt lengths in tokens, answer "
+                          "included (default: those of 1024,2048,4096,8192 the model's context holds).")
+DepthsOpt = typer.Option(None, "--depths", help="With --long-context: where the key sits, as the share of the filler "
+                         "before it (default 0.1,0.5,0.9).")
+TrialsOpt = typer.Option(None, "--trials", help="With --long-context: keys (and fillers) per length and depth "
+                         "(default 3).")
+ReferenceOpt = typer.Option(None, "--reference", help="With --long-context: the --json of the same measure on "
+                            "another model (e.g. the source): each bucket's perplexity is also given as a ratio to it.")
+
 
 @app.command("eval")
 @friendly
@@ -23,7 +36,8 @@ def eval_command(
     data: str = typer.Option(
         ..., "--data", help="Evaluation text: a local file or datasets name[:config[:split]] (never calibration text)."
     ),
-    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per window."),
+    seq_len: Optional[int] = typer.Option(
+        None, "--seq-len", help="Tokens per window (default 2048; with --long-context the model's context)."),
     windows: int = typer.Option(16, "--windows", help="Number of non-overlapping windows from the start."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda, cuda:N."),
@@ -45,15 +59,22 @@ def eval_command(
         "and values as llama.cpp stores them (its Hadamard rotation included). With --engine llamacpp: llama.cpp's "
         "own --cache-type-k/-v (iq4_nl too; flash attention on for quantized types)."
     ),
+    long_context: bool = LongContextOpt,
+    lengths: Optional[str] = LengthsOpt,
+    depths: Optional[str] = DepthsOpt,
+    trials: Optional[int] = TrialsOpt,
+    reference: Optional[Path] = ReferenceOpt,
     verbose: int = VerboseOpt,
     quiet: bool = QuietOpt,
 ) -> None:
-    """Perplexity over fixed windows and the KV-cache bytes per token the model really stores."""
+    """Perplexity over fixed windows and the KV-cache bytes per token the model really stores (with --long-context:
+    perplexity by position and pass-key retrieval up to the model's context)."""
     setup_logging(verbose, quiet)
-    from mla_convert import evaluate
+    from mla_convert import evaluate, longctx
     from mla_convert.data import load_text
 
     evaluate.check_device(device)
+    long_run = longctx.options(long_context, lengths, depths, trials, reference, record, engine, data)
     if json_out is not None:
         evaluate.check_results_file(json_out, overwrite)
     if record:
@@ -65,6 +86,10 @@ def eval_command(
     if cache_type is not None and engine == "vllm":
         raise UserError("--cache-type applies to --engine transformers and llamacpp; vLLM takes its own cache options "
                         "(drop --cache-type, or use another --engine)")
+    if long_run is not None:
+        return _long_context(model, text, data, seq_len, windows, dtype, device, engine, cache_type, json_out,
+                             overwrite, quiet, **long_run)
+    seq_len = 2048 if seq_len is None else seq_len
     result, label = _score(engine, model, text, seq_len, windows, dtype, device, quiet, cache_type)
     result.update(model=label, data=data, dtype=dtype)
     cache = dtype if cache_type is None else f"{cache_type} cache: ggml's blocks, as llama.cpp stores them"
@@ -81,6 +106,31 @@ def eval_command(
         evaluate.write_results_file(json_out, result, overwrite)
     if record:
         _record(model, result, data, seq_len, dtype, engine)
+
+
+def _long_context(model, text, data, seq_len, windows, dtype, device, engine, cache_type, json_out, overwrite, quiet,
+                  **run) -> None:
+    """`eval --long-context`: the tables printed, and written to --json."""
+    from mla_convert import evaluate, longctx
+
+    if engine == "llamacpp":
+        _check_llamacpp_model(model, device, dtype)
+    result, label = longctx.long_context_eval(engine, model, text, seq_len, windows, dtype, device, cache_type,
+                                               progress=not quiet, **run)
+    result.update(model=label, data=data, dtype=dtype)
+    typer.echo(f"{label}: {result['engine']}, {result['cache_type'] or dtype} cache, context "
+               f"{result['long_context']['context']} positions; {data}")
+    typer.echo(longctx.render(result))
+    if json_out is not None:
+        evaluate.write_results_file(json_out, result, overwrite)
+
+
+def _check_llamacpp_model(model: Optional[str], device: str, dtype: str) -> None:
+    if model is None or Path(model).suffix != ".gguf" or not Path(model).is_file():
+        raise UserError("--engine llamacpp needs a .gguf file (mla-convert export OUT --format gguf -o NAME.gguf)")
+    if device != "cpu" or dtype != "float32":
+        raise UserError("--device and --dtype apply to --engine transformers; llama.cpp runs the GGUF's own "
+                        "tensor types on the CPU (drop them)")
 
 
 def _check_record(model: Optional[str]) -> None:
@@ -118,11 +168,7 @@ def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: 
     if engine == "llamacpp":
         from mla_convert.serving.llamacpp import gguf_tokenizer, llamacpp_perplexity
 
-        if model is None or Path(model).suffix != ".gguf" or not Path(model).is_file():
-            raise UserError("--engine llamacpp needs a .gguf file (mla-convert export OUT --format gguf -o NAME.gguf)")
-        if device != "cpu" or dtype != "float32":
-            raise UserError("--device and --dtype apply to --engine transformers; llama.cpp runs the GGUF's own "
-                            "tensor types on the CPU (drop them)")
+        _check_llamacpp_model(model, device, dtype)
         ids = evaluate.tokenize(gguf_tokenizer(model), text)
         return llamacpp_perplexity(model, ids, seq_len, windows, cache_type=cache_type or "f16"), str(model)
     if engine == "transformers":

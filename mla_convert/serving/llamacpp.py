@@ -91,27 +91,32 @@ def llamacpp_cache_types(kv_lora_rank: int, rope_dims: int) -> str:
             f"rope dims in whole blocks of {LLAMACPP_BLOCK} (here {kv_lora_rank} + {rope_dims}): {fix}")
 
 
-def gguf_mla_layout(model: str | os.PathLike) -> tuple[int, int] | None:
-    """(kv_lora_rank, rope dims) of an MLA GGUF (llama.cpp's deepseek2), None for another architecture."""
+def gguf_ints(model: str | os.PathLike, *keys: str) -> list[int | None]:
+    """The integer metadata `keys` of a GGUF file (None where absent); "{arch}" in a key is its architecture."""
     import gguf
 
     fields = gguf.GGUFReader(str(model)).fields
+    arch = fields.get("general.architecture")
+    arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
 
     def value(key):
-        f = fields.get(key)
+        f = fields.get(key.format(arch=arch))
         return int(f.parts[f.data[0]][0]) if f is not None else None
 
-    rank, rope = value("deepseek2.attention.kv_lora_rank"), value("deepseek2.rope.dimension_count")
+    return [value(key) for key in keys]
+
+
+def gguf_mla_layout(model: str | os.PathLike) -> tuple[int, int] | None:
+    """(kv_lora_rank, rope dims) of an MLA GGUF (llama.cpp's deepseek2), None for another architecture."""
+    rank, rope = gguf_ints(model, "deepseek2.attention.kv_lora_rank", "deepseek2.rope.dimension_count")
     return (rank, rope) if rank and rope is not None else None
 
 
-def llamacpp_perplexity(model: str | os.PathLike, ids, seq_len: int, windows: int, threads: int = 0,
-                        cache_type: str = "f16", env: dict | None = None) -> dict:
-    """`evaluate.perplexity`'s protocol (the first `windows` non-overlapping windows of `seq_len` tokens of `ids`,
-    each scored on its own, from the same token ids) run in llama.cpp with its cache in `cache_type` (flash attention
-    on for quantized types); adds llama.cpp's KV-cache bytes per token."""
+def score_gguf(model: str | os.PathLike, windows=(), prompts=(), new_tokens: int = 16, n_ctx: int = 2048,
+               cache_type: str = "f16", threads: int = 0, env: dict | None = None) -> dict:
+    """run_llamacpp for `eval --engine llamacpp`: its environment and `cache_type` checked first, and llama.cpp's
+    failure (or time limit) as one UserError line."""
     from mla_convert.errors import UserError
-    from mla_convert.evaluate import eval_windows
 
     if llamacpp_python() is None:
         raise UserError("--engine llamacpp needs llama.cpp's environment: run scripts/install-llamacpp.sh (or set "
@@ -122,20 +127,36 @@ def llamacpp_perplexity(model: str | os.PathLike, ids, seq_len: int, windows: in
     if layout and not quantized_cache_ok(*layout):
         takes = llamacpp_cache_types(*layout).replace("cache types: ", "", 1)
         raise UserError(f"--cache-type {cache_type}: {model} takes {takes}")
-    chunks = eval_windows(ids, seq_len, windows).tolist()
     try:
-        res = run_llamacpp(model, windows=chunks, n_ctx=seq_len, threads=threads, cache_type=cache_type, env=env)
+        return run_llamacpp(model, windows=windows, prompts=prompts, new_tokens=new_tokens, n_ctx=n_ctx,
+                            threads=threads, cache_type=cache_type, env=env)
     except RuntimeError as e:
         last = [line for line in str(e).splitlines() if line.strip()][-1]
         raise UserError(f"llama.cpp could not run {model} with a {cache_type} cache: {last[:300]}") from None
     except subprocess.TimeoutExpired:
         raise UserError(f"llama.cpp did not finish scoring {model} within the time limit: lower --windows") from None
+
+
+def llamacpp_perplexity(model: str | os.PathLike, ids, seq_len: int, windows: int, threads: int = 0,
+                        cache_type: str = "f16", env: dict | None = None) -> dict:
+    """`evaluate.perplexity`'s protocol (the first `windows` non-overlapping windows of `seq_len` tokens of `ids`,
+    each scored on its own, from the same token ids) run in llama.cpp with its cache in `cache_type` (flash attention
+    on for quantized types); adds llama.cpp's KV-cache bytes per token."""
+    from mla_convert.evaluate import eval_windows
+
+    chunks = eval_windows(ids, seq_len, windows).tolist()
+    res = score_gguf(model, windows=chunks, n_ctx=seq_len, threads=threads, cache_type=cache_type, env=env)
     flat = [x for w in res["logprobs"] for x in w]
     nll = -sum(flat) / len(flat)
-    kv = res["kv_cache"] or {}
     return {"perplexity": math.exp(nll), "nll": nll, "tokens": len(flat), "windows": len(chunks), "seq_len": seq_len,
-            "engine": f"llama.cpp (llama-cpp-python {res['llama_cpp_version']})", "cache_type": cache_type,
-            "kv_cache_bytes_per_token": kv.get("bytes_per_token"), "kv_cache_log": kv or None}  # fmt: skip
+            **engine_fields(res, cache_type)}
+
+
+def engine_fields(res: dict, cache_type: str) -> dict:
+    """The fields of an eval result that say how llama.cpp ran: its version, cache type and KV-cache bytes."""
+    kv = res["kv_cache"] or {}
+    return {"engine": f"llama.cpp (llama-cpp-python {res['llama_cpp_version']})", "cache_type": cache_type,
+            "kv_cache_bytes_per_token": kv.get("bytes_per_token"), "kv_cache_log": kv or None}
 
 
 def gguf_tokenizer(model: str | os.PathLike):

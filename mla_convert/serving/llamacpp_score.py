@@ -30,6 +30,9 @@ import time
 import numpy as np
 
 
+ROWS = 512  # positions whose log-softmax is taken at once
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
@@ -89,8 +92,11 @@ def main(request_path: str, result_path: str) -> None:
     for w in windows:
         llm.reset()
         llm.eval(w)
-        logp = log_softmax(np.asarray(llm.scores[: len(w) - 1]))
-        out["logprobs"].append(logp[np.arange(len(w) - 1), np.asarray(w[1:])].tolist())
+        scored = []
+        for start in range(0, len(w) - 1, ROWS):  # in rows of ROWS: a long window's float64 copy stays small
+            logp = log_softmax(np.asarray(llm.scores[start : min(start + ROWS, len(w) - 1)]))
+            scored += logp[np.arange(len(logp)), np.asarray(w[start + 1 : start + 1 + len(logp)])].tolist()
+        out["logprobs"].append(scored)
     for p in prompts:
         llm.reset()
         llm.eval(p)
