@@ -267,7 +267,7 @@ def test_write_error_while_writing_the_shards_keeps_the_layers_and_names_the_fix
     """A write error at the end (the shards): one line, no OUT, the converted layers kept; the same command then
     finishes from them, to the bytes of an uninterrupted run."""
     out = tmp_path / "out"
-    _fail_on(monkeypatch, "mla_convert.outputs.save_file", err)
+    _fail_on(monkeypatch, "mla_convert.outputs.save_tensors", err)
     code, output = run(*convert_args(ws, ws / "src", out))
     assert_user_error(code, output, needle)
     assert not out.exists()
@@ -293,7 +293,7 @@ def test_damaged_kept_layer_is_done_again(ws, tmp_path, monkeypatch, damage):
     """A kept layer file damaged between runs is noticed by its checksum and converted again: the result equals an
     uninterrupted run's, with no traceback on this or any later run."""
     out = tmp_path / "out"
-    _fail_on(monkeypatch, "mla_convert.outputs.save_file", errno.ENOSPC)
+    _fail_on(monkeypatch, "mla_convert.outputs.save_tensors", errno.ENOSPC)
     assert run(*convert_args(ws, ws / "src", out))[0] == 2
     monkeypatch.undo()
     layer = tmp_path / ".out.incomplete" / ".resume" / "layer-00001.safetensors"
@@ -520,7 +520,7 @@ def test_export_write_error_leaves_nothing_and_stale_stages_are_cleaned(ws, expo
     from mla_convert.outputs import _lock_dir
 
     out = tmp_path / "exp"
-    _fail_on(monkeypatch, "mla_convert.outputs.save_file", errno.ENOSPC)
+    _fail_on(monkeypatch, "mla_convert.outputs.save_tensors", errno.ENOSPC)
     code, output = run("export", exportable, "-o", out, "--no-verify")
     assert_user_error(code, output, "disk is full")
     assert list(tmp_path.iterdir()) == []

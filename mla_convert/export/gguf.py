@@ -46,6 +46,7 @@ GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 ARCH = "deepseek2"
 MARKER_KEY = "mla_convert.export"  # the JSON record this tool writes into every GGUF it makes (--overwrite reads it)
 QK8_0 = 32  # values per Q8_0 block
+BYTES_PER_VALUE = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / QK8_0}  # q8_0: a float16 scale per block of 32
 
 
 def lite_layout(layers: int, vocab_size: int) -> bool:
@@ -344,6 +345,7 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     from mla_convert import provenance
     from mla_convert.export.plan import ExportOptions, make_plan
     from mla_convert.sources import SafetensorsSource
+    from mla_convert.writes import room_for
 
     if gguf_type not in GGUF_TYPES:
         raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type}")
@@ -377,8 +379,9 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
             writer.write_tensors_to_file()
             writer.close()
 
-        # the output is checked again before the rename: the path may have changed while writing
-        _write_file(out, write, lambda: check_gguf_output(out, overwrite, (folder,)))
+        needed = int(sum(math.prod(source.shape(n)) for n in source.keys()) * BYTES_PER_VALUE[gguf_type])
+        with room_for(out, needed, "the export to"):  # the output is checked again before the rename
+            _write_file(out, write, lambda: check_gguf_output(out, overwrite, (folder,)))
     finally:
         source.close()
     record["parent_provenance_kind"] = (provenance.load(folder) or {}).get("kind")
