@@ -86,6 +86,20 @@ def save_tensors(tensors: dict, path: str | os.PathLike, metadata: dict | None =
         raise OSError(oserr.errno, oserr.strerror, str(oserr.filename or path)) from None
 
 
+def short_write_cause(path: Path, err: OSError) -> OSError:
+    """The operating system's error behind `err`, a short write reported without one (numpy's "6144 requested and
+    1984 written"): one more byte at the end of `path` tells why (a full disk, a file-size limit). `err` itself when
+    it has an errno or the byte goes in."""
+    if err.errno is not None:
+        return err
+    try:
+        with open(path, "ab", buffering=0) as f:
+            f.write(b"\0")
+    except OSError as e:
+        return OSError(e.errno, e.strerror, str(path))
+    return err
+
+
 def write_text_whole(path: str | os.PathLike, text: str) -> None:
     """`text` at `path`, written under `path.tmp` and renamed into place: the file is the old one or the new one,
     never a part; a failed write leaves no temporary file behind."""

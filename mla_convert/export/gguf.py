@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from mla_convert.errors import UserError
+from mla_convert.writes import short_write_cause
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,10 @@ def _write_file(out: Path, write, recheck) -> None:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError as e:  # numpy reports a full disk as a short write without its errno
+            raise short_write_cause(tmp, e) from None
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the file from other users

@@ -219,11 +219,16 @@ def staging_dir(folder: Path) -> Path:
 def removed_on_failure(stage: Path, main: bool = True):
     """Remove `stage` (a model folder being written under its hidden name) when the block fails in the main process:
     a full disk gets back the room the part took."""
+    from mla_convert.errors import as_os_error
+
     try:
         yield stage
-    except BaseException:
+    except BaseException as e:
         if main:
             shutil.rmtree(stage, ignore_errors=True)
+        oserr = as_os_error(e)
+        if oserr is not None and not oserr.filename:  # transformers' writes name no file: the folder, then
+            raise OSError(oserr.errno, oserr.strerror, str(stage)) from None
         raise
 
 

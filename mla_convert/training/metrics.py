@@ -40,9 +40,9 @@ class Metrics:
                 rest = memoryview((json.dumps(record) + "\n").encode())
                 while rest:
                     rest = rest[f.write(rest):]
-            except OSError:
+            except OSError as e:
                 f.truncate(end)
-                raise
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def read(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
