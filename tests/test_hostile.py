@@ -1380,3 +1380,41 @@ def test_eval_of_a_checkpoint_with_a_wrong_shaped_tensor_is_one_line(ws, tmp_pat
     folder = variant(ws, "wrong-k-shape", edit_tensors=wider_key)
     code, output = run("eval", folder, "--data", ws / "calib.txt", "--seq-len", "16", "--windows", "1")
     assert_user_error(code, output, "model.layers.0.self_attn.k_proj.weight", "config.json")
+
+
+def test_a_folder_whose_parent_is_not_writable_is_written_in_place(exportable):
+    """A user's own empty folder in a folder they cannot write (root's): it cannot be renamed (EACCES), nor can a
+    staging folder be made beside it, but it can be written into. Run as another user (nobody), since root may
+    rename anything."""
+    import os
+    import shutil as sh
+    import subprocess
+    import sys
+    import tempfile
+
+    from mla_convert.checkpoint import verify_checkpoint
+
+    if os.geteuid() != 0 or sh.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the command as another user")
+    base = Path(tempfile.mkdtemp(prefix="mla-convert-parent-"))
+    try:
+        os.chmod(base, 0o755)
+        shutil.copytree(exportable, base / "model")
+        for sub in ("model", "home", "vol"):
+            (base / sub).mkdir(exist_ok=True)
+            for path in [base / sub, *(base / sub).rglob("*")]:
+                os.chown(path, 65534, 65534)
+        env = {**os.environ, "HOME": str(base / "home"), "HF_HOME": str(base / "home" / "hf"),
+               "MLA_CONVERT_CACHE": str(base / "home" / "cache"), "MPLCONFIGDIR": str(base / "home" / "mpl"),
+               "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "mla_convert.cli",
+               "export", str(base / "model"), "-o", str(base / "vol"), "--no-verify"]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        if "No module named" in done.stderr or "Permission denied: '" + str(Path(__file__).parent) in done.stderr:
+            pytest.skip(f"the other user cannot run this checkout: {done.stderr.strip()[-200:]}")
+        assert done.returncode == 0, done.stderr
+        verify_checkpoint(base / "vol")
+        assert sorted(p.name for p in base.iterdir()) == ["home", "model", "vol"]
+        assert not [p.name for p in (base / "vol").iterdir() if p.name.startswith(".")]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

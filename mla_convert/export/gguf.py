@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.writes import short_write_cause
+from mla_convert.writes import room_for, short_write_cause
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +349,6 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     from mla_convert import provenance
     from mla_convert.export.plan import ExportOptions, make_plan
     from mla_convert.sources import SafetensorsSource
-    from mla_convert.writes import room_for
 
     if gguf_type not in GGUF_TYPES:
         raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type}")
