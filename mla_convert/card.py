@@ -19,6 +19,7 @@ from pathlib import Path
 from mla_convert import provenance
 from mla_convert.dtypes import dtype_bytes
 from mla_convert.errors import UserError
+from mla_convert.writes import write_text_whole
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ CARD_TAGS = ("mla", "mla-convert")
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_CACHE_RE = re.compile(r"(?:^|/)models--([A-Za-z0-9][\w.-]*?)--([\w.-]+)/snapshots/[^/]+/?$")
 _STAGING_RE = re.compile(r"^\.(.+)\.incomplete(-[^/]+)?$")
+_IN_PLACE_RE = re.compile(r"^\.mla-convert-staging(-[^/]+)?$")  # outputs.IN_PLACE_STAGE: inside the output itself
 _STEP_TITLES = {"convert": "Conversion", "finetune": "Fine-tuning", "export": "Export", "basis": "Latent basis"}
 
 
@@ -68,8 +70,10 @@ def _base_model(source: dict) -> str | None:
 def _display_folder(folder: Path) -> Path:
     """Where the folder will live: convert and export write the card inside their hidden staging folder
     (`.NAME.incomplete-XXXX`, or `.NAME.incomplete` for a resumable conversion, beside the output, see
-    outputs.staged_output) before moving it to NAME."""
+    outputs.staged_output) before moving it to NAME; into a mount point NAME, inside it (`.mla-convert-staging`)."""
     folder = folder.resolve()
+    if _IN_PLACE_RE.match(folder.name):
+        return folder.parent
     staged = _STAGING_RE.match(folder.name)
     return folder.parent / staged.group(1) if staged else folder
 
@@ -457,9 +461,7 @@ def write_model_card(folder: str | os.PathLike, repo_id: str | None = None) -> P
     folder = Path(folder)
     content = render_model_card(folder, repo_id)
     path = folder / CARD_FILENAME
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(content, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_whole(path, content)
     log.info("wrote model card %s", path)
     return path
 

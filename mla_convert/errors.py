@@ -23,7 +23,21 @@ _OS_FIXES = {
     "ENAMETOOLONG": "the path is too long: choose a shorter one",
     "EMFILE": "too many open files: raise the limit (ulimit -n) and re-run",
     "EIO": "an input/output error of the device: check the disk and re-run",
+    "EFBIG": "a file reached the file-size limit: raise it (ulimit -f) or choose a folder on another disk",
 }
+
+
+def as_os_error(err: BaseException) -> OSError | None:
+    """`err` as an OSError: itself, or the one behind a safetensors write error (it reports the operating system's
+    error only in its message, "... I/O error: No space left on device (os error 28)"); None for anything else."""
+    import re
+
+    if isinstance(err, OSError):
+        return err
+    found = re.search(r"(?:I/O error: )?([^:]*) \(os error (\d+)\)", str(err))
+    if type(err).__name__ != "SafetensorError" or found is None:
+        return None
+    return OSError(int(found.group(2)), found.group(1).strip())
 
 
 def is_environment_error(err: BaseException) -> bool:
@@ -31,7 +45,8 @@ def is_environment_error(err: BaseException) -> bool:
     forbidden place, a device error), not a bug: these become one `error:` line (`os_error_line`)."""
     import errno as _errno
 
-    return isinstance(err, OSError) and _errno.errorcode.get(err.errno or 0, "") in _OS_FIXES
+    err = as_os_error(err)
+    return err is not None and _errno.errorcode.get(err.errno or 0, "") in _OS_FIXES
 
 
 def os_error_line(err: OSError) -> str:
@@ -39,6 +54,7 @@ def os_error_line(err: OSError) -> str:
     which path, and the fix. Never a traceback: whatever was being written was staged, and a re-run resumes."""
     import errno as _errno
 
+    err = as_os_error(err) or err
     name = _errno.errorcode.get(err.errno or 0, "")
     where = " -> ".join(str(p) for p in (err.filename, err.filename2) if p)
     what = err.strerror or str(err) or type(err).__name__
@@ -58,3 +74,13 @@ def out_of_memory_line(err: BaseException) -> str | None:
         return None
     return (f"out of memory{detail}: use a smaller batch, sequence length or model, or a machine (GPU) with more "
             "memory")
+
+
+def one_line(err: BaseException) -> str | None:
+    """The one `error:` line for a user error, an environment error (`os_error_line`) or running out of memory
+    (`out_of_memory_line`); None for anything else (a bug, which keeps its traceback)."""
+    if isinstance(err, UserError):
+        return str(err)
+    if is_environment_error(err):
+        return os_error_line(err)
+    return out_of_memory_line(err)

@@ -106,6 +106,26 @@ def _cannot_load(path: Path, e: Exception, gguf: bool) -> UserError:
                      f"{'file' if gguf else 'folder'}")
 
 
+def _mismatched(folder: Path, kwargs: dict) -> UserError:
+    """The one line for a folder whose tensors do not have the shapes its config.json gives (transformers names them
+    only in its log): loaded once more, leniently, to learn which."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        _, info = AutoModelForCausalLM.from_pretrained(folder, ignore_mismatched_sizes=True, output_loading_info=True,
+                                                       **kwargs)
+        wrong = sorted(info.get("mismatched_keys") or [])
+    except Exception:  # the lenient load fails too: the folder is named without the tensor
+        wrong = []
+    what = "a tensor does not have the shape config.json gives"
+    if wrong:
+        name, found, wanted = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        what = f"tensor {name} has shape {list(found)}, config.json gives {list(wanted)}{more}"
+    return UserError(f"cannot load {folder}: {what}: the weights and config.json do not belong together; re-copy or "
+                     "re-create the folder")
+
+
 def check_generation_config(net, label: str) -> None:
     """Refuse, in one line, sampling settings of a model's generation_config.json that generate would trip over."""
     config = getattr(net, "generation_config", None)
@@ -201,6 +221,10 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except broken as e:
         raise _cannot_load(path, e, gguf) from None
+    except RuntimeError as e:  # transformers refuses a tensor whose shape is not the config's
+        if "ignore_mismatched_sizes" not in str(e):
+            raise
+        raise _mismatched(folder, kwargs) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False,
                                                   **({"gguf_file": kwargs["gguf_file"]} if gguf else {}))

@@ -33,7 +33,6 @@ import logging
 import os
 import sys
 
-from mla_convert.errors import UserError
 from mla_convert.training.recipe import (  # noqa: F401
     STATE_FILE, TRAINER_DIR, METRICS_FILE, PLOT_FILE, FINAL_DIR, CRASH_ENV, TRAINABLE, SCHEDULES, PRECISIONS,
     DATA_ORDER_FIELDS, FinetuneConfig, INSTALLED_RECIPES, shipped_recipes_dir, resolve_recipe_path,
@@ -78,20 +77,10 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         final = run(load_config(args.config, args.overrides))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:  # a full disk, a read-only or busy place
-        from mla_convert.errors import is_environment_error, os_error_line
+    except Exception as e:  # a user error, a full disk or a read-only place, running out of memory: one line
+        from mla_convert.errors import one_line
 
-        if not is_environment_error(e):
-            raise
-        print(f"error: {os_error_line(e)}", file=sys.stderr)
-        sys.exit(2)
-    except (MemoryError, RuntimeError) as e:
-        from mla_convert.errors import out_of_memory_line
-
-        line = out_of_memory_line(e)
+        line = one_line(e)
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)

@@ -24,6 +24,7 @@ from mla_convert.card import CARD_FILENAME, render_model_card, write_model_card
 from mla_convert.errors import UserError
 from mla_convert.outputs import OWN_FILES, _SHARD, glob_escape, verify_checkpoint
 from mla_convert.sources import AUX_FILES
+from mla_convert.writes import is_no_room, room_for
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +264,8 @@ def _upload(api, folder: Path, repo_id: str, private: bool, branch: str, commit_
     try:
         write_model_card(folder, repo_id=repo_id)
     except OSError as e:
+        if is_no_room(e):
+            raise  # a full disk: `push` names the room it needs
         raise UserError(f"cannot update the model card {folder / CARD_FILENAME} ({e.strerror or e}): push from a "
                         "folder you can write to") from None
     result.files = upload_files(folder)
@@ -333,8 +336,12 @@ def push(
     api = HfApi(endpoint=endpoint, token=token)
     network = _network_errors()
     step = _Step("creating the repo")
+    # what the push writes in the folder: the refreshed card, and huggingface_hub's upload records (one a file)
+    card = folder / CARD_FILENAME
+    local = (card.stat().st_size if card.is_file() else 0) + 8192 + 1024 * len(result.files)
     try:
-        info = _upload(api, folder, repo_id, private, branch, commit_message, result, step)
+        with room_for(folder, local, "the push's card and upload records in"):
+            info = _upload(api, folder, repo_id, private, branch, commit_message, result, step)
     except UserError:
         raise
     except Exception as e:

@@ -229,6 +229,7 @@ def rebase_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, basis: 
     from mla_convert.card import write_model_card
     from mla_convert.evaluate import load_model
     from mla_convert.outputs import check_output, staged_output
+    from mla_convert.writes import room_for
 
     folder = Path(folder).expanduser()
     if basis not in BASES:
@@ -252,8 +253,10 @@ def rebase_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, basis: 
     parent = provenance.load(folder)
     record = {"basis": basis, "calib_data": calib_data, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
               "max_rel_logit_change": error}
-    with staged_output(Path(out), overwrite, (folder,)) as stage:
-        model.to(getattr(torch, dtype)).save_pretrained(stage)
+    model = model.to(getattr(torch, dtype))
+    needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with room_for(out, needed, "the re-based copy at"), staged_output(Path(out), overwrite, (folder,)) as stage:
+        model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
         provenance.save(stage, provenance.new(
             "basis", source=(parent or {}).get("source"), method=f"latent basis: {basis}", options=record,

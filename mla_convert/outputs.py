@@ -20,11 +20,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from mla_convert import provenance
 from mla_convert.errors import UserError
 from mla_convert.sources import AUX_FILES, INDEX_NAME, read_weight_map
+from mla_convert.writes import save_tensors, write_text_whole
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +94,7 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), mark
     out = check_location(out, [("input", src) for src in inputs], "-o out/NAME")
     if out.exists() and not out.is_dir():
         raise UserError(f"output {given} is an existing file: choose a folder name")
-    if out.is_dir() and os.path.ismount(out):  # the finished folder is renamed into place: a mount point cannot be
-        raise UserError(f"output {given} is a mount point, which a finished folder cannot be moved onto: choose a "
-                        f"folder inside it, e.g. {given}/NAME")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and _contents(out) and not _half_moved(out):
         if not overwrite:
             raise UserError(f"{given} already exists and is not empty: pass --overwrite or choose another -o")
         if not marker(out):
@@ -116,10 +113,48 @@ def check_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), mark
 OWN_FILES = ("config.json", "generation_config.json", "provenance.json", "README.md", "model.safetensors.index.json")
 _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
+# An output folder that cannot be renamed (a mount point) is written in place: its staging folders lie inside it,
+# and while the finished files move in, a marker says so (a run killed then left a part, not an output).
+IN_PLACE_STAGE = ".mla-convert-staging"
+MOVING = ".mla-convert-moving"
+
+
+def written_in_place(out: Path) -> bool:
+    """Whether the output folder `out` is written in place: an existing folder that cannot be renamed, so that no
+    finished folder can be moved onto it (a mount point, or a folder in a parent this process cannot write)."""
+    out = Path(out)
+    return (out.is_dir() and not out.is_symlink()
+            and (os.path.ismount(out) or not os.access(out.parent, os.W_OK | os.X_OK)))
+
+
+def _contents(out: Path) -> list[Path]:
+    """The entries that make an output folder non-empty: in one written in place, not this tool's staging folders
+    and marker there, nor the empty lost+found a file system keeps at its root."""
+    entries = list(Path(out).iterdir())
+    if not written_in_place(out):
+        return entries
+    return [p for p in entries if not (p.name.startswith(IN_PLACE_STAGE) or p.name == MOVING
+                                       or (p.name == "lost+found" and p.is_dir() and not any(_quiet_iter(p))))]
+
+
+def _quiet_iter(folder: Path):
+    try:
+        yield from folder.iterdir()
+    except OSError:  # lost+found is readable only by its owner: then it is left alone and counts as empty
+        return
+
+
+def _half_moved(out: Path) -> bool:
+    """An output written in place that a run killed while it moved the finished files in left behind: the marker,
+    no provenance.json (moved last) and nothing but files of ours. The next run replaces it without --overwrite."""
+    marker = Path(out) / MOVING
+    return (marker.is_file() and not marker.is_symlink() and not (Path(out) / provenance.FILENAME).exists()
+            and not foreign_files(out))
+
 
 def foreign_files(folder: Path) -> list[str]:
     """Entries of an output folder that mla-convert does not write there (a user's notes, another tool's files)."""
-    return sorted(p.name for p in Path(folder).iterdir()
+    return sorted(p.name for p in _contents(folder)
                   if not (p.is_file() and not p.is_symlink()
                           and (p.name in OWN_FILES or p.name in AUX_FILES or _SHARD.fullmatch(p.name))))
 
@@ -132,12 +167,11 @@ def resume_dir(stage: Path) -> Path:
     return Path(stage) / RESUME_DIR
 
 
-def _claim_resumable_stage(out: Path, fingerprint: dict):
-    """The staging folder `.NAME.incomplete` beside `out`, locked for this process; its kept work is wiped unless it
-    was written under the same `fingerprint`. Returns (stage, open lock file)."""
+def _claim_resumable_stage(out: Path, stage: Path, fingerprint: dict):
+    """The staging folder `stage` of `out`, locked for this process; its kept work is wiped unless it was written
+    under the same `fingerprint`. Returns (stage, open lock file)."""
     import fcntl
 
-    stage = out.parent / f".{out.name}.incomplete"
     keep = resume_dir(stage)
     for path in (stage, keep):  # never followed through a link, never a file taken for a folder
         if path.is_symlink() or (path.exists() and not path.is_dir()):
@@ -240,10 +274,11 @@ def _lock_dir(folder: Path) -> _DirLock:
     return _DirLock(folder)
 
 
-def _remove_stale_stages(out: Path) -> None:
-    """Remove the private staging folders (`.NAME.incomplete-XXXX`) that a killed run left beside `out`: real folders
-    of that name whose lock no live process holds (links and files of that name are left alone)."""
-    for stage in out.parent.glob(f".{glob_escape(out.name)}.incomplete-*"):
+def _remove_stale_stages(base: Path) -> None:
+    """Remove the private staging folders (`BASE-XXXX`, e.g. `.NAME.incomplete-XXXX` beside the output) that a killed
+    run left: real folders of that name whose lock no live process holds (links and files of that name are left
+    alone)."""
+    for stage in base.parent.glob(f"{glob_escape(base.name)}-*"):
         if stage.is_symlink() or not stage.is_dir():
             continue
         try:
@@ -267,21 +302,25 @@ def glob_escape(name: str) -> str:
 @contextlib.contextmanager
 def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fingerprint: dict | None = None):
     """Yield a hidden staging folder beside `out`; move it into place only if the block completes.
-    `out` is checked by `check_output` first: an existing folder is replaced only if mla-convert wrote it.
+    `out` is checked by `check_output` first: an existing folder is replaced only if mla-convert wrote it. An empty
+    folder that cannot be renamed (a mount point) is written in place: the staging folder lies inside it and the
+    finished files move in, provenance.json last (`written_in_place`).
 
     Without `fingerprint` the staging folder is private to this call and removed on any failure. With one (a
     JSON-able record of everything the result depends on) it is `.NAME.incomplete`, locked while in use, and work the
     block keeps in `resume_dir(stage)` survives a failure or a kill: the next call with the same fingerprint gets the
     same folder back with that work in it (and with another fingerprint, an emptied one)."""
     out = check_output(out, overwrite, inputs)
+    in_place = written_in_place(out)
+    base = out / IN_PLACE_STAGE if in_place else out.parent / f".{out.name}.incomplete"
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = None
     if fingerprint is None:
-        _remove_stale_stages(out)
-        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
+        _remove_stale_stages(base)
+        stage = Path(tempfile.mkdtemp(prefix=f"{base.name}-", dir=base.parent))
         lock = _lock_dir(stage)  # held while in use: a later run removes it only once this process is gone
     else:
-        stage, lock = _claim_resumable_stage(out, fingerprint)
+        stage, lock = _claim_resumable_stage(out, base, fingerprint)
     try:
         yield stage
         check_output(out, overwrite, inputs)  # again: the folder may have changed during a long conversion
@@ -295,23 +334,46 @@ def staged_output(out: Path, overwrite: bool, inputs: tuple[Path, ...] = (), fin
         if lock is not None:
             lock.close()
         raise
-    os.chmod(stage, 0o755)  # mkdtemp made it private
     for f in stage.iterdir():
         if f.is_file():
-            os.chmod(f, 0o644)
+            os.chmod(f, 0o644)  # mkdtemp made the folder private; the files are readable like any output's
+    if in_place:
+        _move_in(stage, out)
+    else:
+        _move_onto(stage, out)
+    lock.close()
+
+
+def _move_onto(stage: Path, out: Path) -> None:
+    """Rename the finished `stage` to `out` (an earlier output there is moved aside first, then removed: there is
+    never a moment without one of them complete); then drop the kept work it carried."""
+    os.chmod(stage, 0o755)
     if out.exists():
-        # move the old folder aside, then the new one in: there is never a moment without one of them complete
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
         os.replace(out, old / out.name)
         os.replace(stage, out)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(stage, out)
-    if fingerprint is not None:
-        # the kept work (and the lock file) go only now: the lock is held until the output is in place, so a second
-        # run of the same command cannot claim the staging folder while this one moves it
-        shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
-    lock.close()
+    # the kept work (and the lock file) go only now: the lock is held until the output is in place, so a second run
+    # of the same command cannot claim the staging folder while this one moves it
+    shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
+
+
+def _move_in(stage: Path, out: Path) -> None:
+    """Move the finished files of `stage` into `out`, which cannot be renamed: under the MOVING marker, an earlier
+    output's files (checked ours) go first, provenance.json comes last. A kill on the way leaves no complete-looking
+    output, and the next run replaces the part."""
+    fd = os.open(out / MOVING, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    os.close(fd)
+    for old in _contents(out):
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    finished = sorted((p for p in stage.iterdir() if p.name != RESUME_DIR),
+                      key=lambda p: (p.name == provenance.FILENAME, p.name))
+    for path in finished:
+        os.replace(path, out / path.name)
+    os.unlink(out / MOVING)
+    shutil.rmtree(stage, ignore_errors=True)  # the kept work and the lock file
 
 
 class ShardedWriter:
@@ -340,7 +402,7 @@ class ShardedWriter:
         if not self.pending:
             return
         tmp = f".shard-{len(self.shards):05d}.safetensors.tmp"
-        save_file(self.pending, str(self.folder / tmp), metadata={"format": "pt"})
+        save_tensors(self.pending, self.folder / tmp, metadata={"format": "pt"})
         self.shards.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -355,9 +417,7 @@ class ShardedWriter:
             names.append(name)
             weight_map.update({t: name for t in tensors})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        tmp_index = self.folder / (INDEX_NAME + ".tmp")
-        tmp_index.write_text(json.dumps(index, indent=2) + "\n")
-        os.replace(tmp_index, self.folder / INDEX_NAME)
+        write_text_whole(self.folder / INDEX_NAME, json.dumps(index, indent=2) + "\n")
         return names
 
 

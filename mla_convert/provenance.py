@@ -103,10 +103,9 @@ def _check_types(record: dict, path: Path, depth: int = 0) -> None:
 
 
 def save(folder: str | os.PathLike, record: dict) -> None:
-    path = Path(folder) / FILENAME
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
+    from mla_convert.writes import write_text_whole
+
+    write_text_whole(Path(folder) / FILENAME, json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def add_measurements(folder: str | os.PathLike, **measurements) -> dict | None:

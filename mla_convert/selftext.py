@@ -416,7 +416,11 @@ def write_cache(path: Path, settings: dict, batches: list[dict]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"settings": settings, "batches": batches}), encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps({"settings": settings, "batches": batches}), encoding="utf-8")
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()  # a part written to a full disk
     except OSError as e:  # a read-only home: the text is still used, only not kept
         log.warning("cannot cache the self-generated text in %s (%s): set MLA_CONVERT_CACHE", path.parent, e)

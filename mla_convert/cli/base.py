@@ -9,7 +9,6 @@ import sys
 
 import typer
 
-from mla_convert.errors import UserError
 
 
 class _OneLineErrors(typer.core.TyperGroup):
@@ -82,27 +81,19 @@ def friendly(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except UserError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2)
-        except OSError as e:  # a full disk, a read-only or busy place: one line naming the path and the fix
-            from mla_convert.errors import is_environment_error, os_error_line
-
-            if not is_environment_error(e):
-                raise  # another OSError is a bug: it keeps its traceback
-            typer.echo(f"error: {os_error_line(e)}", err=True)
-            raise typer.Exit(2)
-        except (MemoryError, RuntimeError) as e:  # torch's allocators: CPU "can't allocate memory", CUDA OOM
-            from mla_convert.errors import out_of_memory_line
-
-            line = out_of_memory_line(e)
-            if line is None:
-                raise
-            typer.echo(f"error: {line}", err=True)
-            raise typer.Exit(2)
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130)
+        except typer.Exit:
+            raise
+        except Exception as e:  # a full disk, a read-only or busy place, torch's allocators: one line, else a bug
+            from mla_convert.errors import one_line
+
+            line = one_line(e)
+            if line is None:
+                raise  # a bug: it keeps its traceback
+            typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(2)
 
     return wrapper
 

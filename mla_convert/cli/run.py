@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -9,6 +11,7 @@ import typer
 
 from mla_convert.cli.base import QuietOpt, VerboseOpt, app, friendly, setup_logging
 from mla_convert.errors import UserError
+from mla_convert.writes import room_for
 
 
 # ---------------------------------------------------------------------------------------------------------- eval
@@ -191,10 +194,36 @@ def _record(model: str, result: dict, data: str, seq_len: int, dtype: str, engin
     kind = (provenance.load(model) or {}).get("kind", "converted")
     key = {"convert": "converted", "finetune": "finetuned", "export": "exported"}.get(kind, kind)
     protocol = f"{data}, {result['windows']} x {seq_len} windows, {dtype}" + (", vLLM" if engine == "vllm" else "")
-    if provenance.add_measurements(model, perplexity={key: result["perplexity"], "protocol": protocol}):
-        from mla_convert.card import write_model_card
+    folder = Path(model)
+    path, card = folder / provenance.FILENAME, folder / "README.md"
+    needed = path.stat().st_size + (card.stat().st_size if card.is_file() else 0) + 4096  # the new copies
+    with _restored_on_failure(path), room_for(folder, needed, "the record in"):
+        if provenance.add_measurements(model, perplexity={key: result["perplexity"], "protocol": protocol}):
+            from mla_convert.card import write_model_card
 
-        write_model_card(Path(model))
+            write_model_card(folder)
+
+
+@contextlib.contextmanager
+def _restored_on_failure(path: Path):
+    """`path` as it was when the block fails: the record and its card change together or not at all. The old file
+    stays reachable under a second name (which takes no room on a full disk) until the block is done."""
+    backup = path.with_name(f".{path.name}.before-record")
+    backup.unlink(missing_ok=True)
+    try:
+        os.link(path, backup)
+    except OSError:  # a file system without hard links: the record is still written whole or not at all
+        backup = None
+    try:
+        yield
+    except BaseException:
+        if backup is not None and path.exists() and os.path.samefile(backup, path):
+            backup.unlink()  # not replaced yet (rename does nothing between two names of one file)
+        elif backup is not None:
+            os.replace(backup, path)
+        raise
+    if backup is not None:
+        backup.unlink()
 
 
 # ------------------------------------------------------------------------------------------------------ generate

@@ -19,12 +19,13 @@ from mla_convert import provenance, refine, rope, selftext
 from mla_convert.card import write_model_card
 from mla_convert.outputs import SHARD_BYTES, ShardedWriter, kept_file_intact, resume_dir, staged_output
 from mla_convert.sources import Source
+from mla_convert.writes import room_for
 from mla_convert.conversion import store, timing, workers
 from mla_convert.conversion.method import convert_attention, layer_spectrum
 from mla_convert.conversion.modules import (attention_tensors, converted_decoder_layer, float32_on, gemma_fields,
                                             mla_config, other_tensor_names, raw_layer, source_decoder_layer)
 from mla_convert.conversion.options import ConvertOptions, describe_method, resolve_allocation, without_calibration
-from mla_convert.conversion.plan import Plan, allocate, check_room, make_plan, max_rank, output_bytes
+from mla_convert.conversion.plan import ROOM_COPIES, Plan, allocate, check_room, make_plan, max_rank, output_bytes
 from mla_convert.conversion.stages import model_stage, refined_layer
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
@@ -174,8 +175,11 @@ def convert(
     source.tokenizer()  # read even without calibration text: a broken tokenizer is refused, not copied into the output
     run = Conversion(source, family, options, plan, progress)
     inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
-    check_room(Path(out), output_bytes(source.config, plan))  # before the staging folder and the calibration forwards
-    with staged_output(out, overwrite, inputs, fingerprint=store.fingerprint(source, options, plan)) as stage:
+    needed = ROOM_COPIES * output_bytes(source.config, plan)
+    check_room(Path(out), needed, "the checkpoint and the layers kept for a resume")  # before the staging folder and the calibration forwards
+    # the disk may still fill while the run writes (another program writes there too): one line, the layers kept
+    with room_for(out, needed, "the conversion to"), \
+            staged_output(out, overwrite, inputs, fingerprint=store.fingerprint(source, options, plan)) as stage:
         run.kept = resume_dir(stage)  # one file per converted layer: what a killed run keeps for the next one
         if options.rank_allocation == "energy":
             run.allocate_ranks()

@@ -478,23 +478,22 @@ def output_bytes(config, plan: Plan) -> int:
     return (embeddings + hidden + layers * mlp + plan.attn_params_after) * plan.bytes_per_element
 
 
-def check_room(out: Path, needed: int, copies: int = 2) -> None:
-    """Refuse, before any work, an output whose file system cannot take it or whose folder cannot be written.
+ROOM_COPIES = 2  # a conversion needs its checkpoint's size twice: the layers kept for a resume beside the shards
 
-    Needs `copies` times the checkpoint's size: for a conversion twice, the finished layers kept for a resume sit
-    beside the shards being written."""
+
+def check_room(out: Path, needed: int, what: str = "the checkpoint") -> None:
+    """Refuse, before any work, an output whose file system cannot take `needed` bytes (`what` they hold) or whose
+    folder cannot be written."""
+    from mla_convert.writes import size_text
+
     parent = Path(out).expanduser().resolve()
     while not parent.exists():
         parent = parent.parent
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write under {parent} (permission denied): choose an output folder you can write to")
     free = shutil.disk_usage(parent).free
-    if free < copies * needed:
-        def size(n: int) -> str:
-            return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-        what = "the checkpoint and the layers kept for a resume" if copies == 2 else "the checkpoint"
-        raise UserError(f"{parent} has {size(free)} free, the output needs about {size(copies * needed)} ({what}): "
+    if free < needed:
+        raise UserError(f"{parent} has {size_text(free)} free, the output needs about {size_text(needed)} ({what}): "
                         "free space or choose another output folder")
 
 

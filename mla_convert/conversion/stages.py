@@ -13,6 +13,7 @@ import torch
 from mla_convert import refine
 from mla_convert.outputs import kept_file_intact, seal_kept_file
 from mla_convert.sources import Source
+from mla_convert.writes import save_tensors
 from mla_convert.conversion.modules import converted_decoder_layer, mla_config, other_tensor_names
 from mla_convert.conversion.options import ConvertOptions
 from mla_convert.conversion.plan import Plan
@@ -61,7 +62,6 @@ def model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs, 
     shards are written; they and the record are kept in the resume folder first, so a run killed later does not
     train again."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from mla_convert.modeling.modeling_mla import MLAForCausalLM
 
@@ -96,6 +96,6 @@ def model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs, 
     names = set(refine.model_parameter_names(model, options.refine_model_scope)) if record["kept"] else set()
     trained = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if n in names}
     tmp = done.with_name(done.name + ".tmp")
-    save_file(trained, str(tmp), metadata={"record": json.dumps(record)})
+    save_tensors(trained, tmp, metadata={"record": json.dumps(record)})
     seal_kept_file(tmp, done)
     return trained, record

@@ -11,6 +11,7 @@ import torch
 
 from mla_convert.outputs import kept_file_intact, seal_kept_file
 from mla_convert.sources import AUX_FILES, Source, file_stamp
+from mla_convert.writes import save_tensors
 from mla_convert.conversion.options import ConvertOptions
 from mla_convert.conversion.plan import Plan
 
@@ -23,13 +24,11 @@ def write_layer(path: Path, tensors: dict[str, torch.Tensor], rope_pairs: list[i
                 record: dict | None = None) -> None:
     """One converted layer's output tensors (as `dtype`, in writing order), its RoPE pairs and what the run recorded
     of it (`record`, JSON: a resumed run's provenance carries it on), renamed into place last."""
-    from safetensors.torch import save_file
-
     tensors = {n: t.detach().to(dtype).contiguous().clone() for n, t in tensors.items()}  # clone: no shared storage
     meta = {"order": json.dumps(list(tensors)), "rope_pairs": json.dumps([int(p) for p in rope_pairs]),
             "record": json.dumps(record or {})}
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
+    save_tensors(tensors, tmp, metadata=meta)
     seal_kept_file(tmp, path)
 
 
@@ -57,10 +56,8 @@ ACTIVATIONS_FILE = "activations.safetensors"
 def write_activations(folder: Path, layer: int, hidden: torch.Tensor) -> None:
     """The calibration hidden states after `layer` [N, T, D] (float32), replacing the previous layer's: a resumed run
     starts from them instead of running every finished layer again."""
-    from safetensors.torch import save_file
-
     tmp = folder / (ACTIVATIONS_FILE + ".tmp")
-    save_file({"hidden": hidden.contiguous()}, str(tmp), metadata={"after_layer": str(layer)})
+    save_tensors({"hidden": hidden.contiguous()}, tmp, metadata={"after_layer": str(layer)})
     seal_kept_file(tmp, folder / ACTIVATIONS_FILE)
 
 

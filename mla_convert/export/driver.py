@@ -159,6 +159,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     from mla_convert.outputs import ShardedWriter, check_output, staged_output
     from mla_convert.sources import SafetensorsSource
     from mla_convert.validate import check_checkpoint_finite
+    from mla_convert.writes import room_for
 
     folder = Path(model).expanduser()
     if not (folder / "config.json").is_file():
@@ -169,14 +170,15 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     source = SafetensorsSource(config, str(folder), folder)
     check_checkpoint_finite(source, "an export")  # before any work: NaN weights would export into a broken model
     elements = sum(math.prod(source.shape(name)) for name in source.keys())
-    check_room(Path(out), elements * dtype.itemsize, copies=1)  # before any work: the export is one full copy
+    needed = elements * dtype.itemsize
+    check_room(Path(out), needed)  # before any work: the export is one full copy
     plan = make_plan(config, _layer_biases(source, config), options)
     for note in plan.warnings:
         log.warning("%s", note)
     for note in plan.approximations:
         log.warning("approximation: %s", note)
     record = _export_record(plan)
-    with staged_output(Path(out), overwrite, (folder,)) as stage:
+    with room_for(out, needed, "the export to"), staged_output(Path(out), overwrite, (folder,)) as stage:
         writer = ShardedWriter(stage, dtype)
         scales = _write_weights(writer, source, plan, options, config.num_hidden_layers)
         source.close()

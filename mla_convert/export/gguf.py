@@ -40,6 +40,7 @@ import torch
 
 from mla_convert.errors import UserError
 from mla_convert.serving.llamacpp import llamacpp_cache_types
+from mla_convert.writes import room_for, short_write_cause
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 ARCH = "deepseek2"
 MARKER_KEY = "mla_convert.export"  # the JSON record this tool writes into every GGUF it makes (--overwrite reads it)
 QK8_0 = 32  # values per Q8_0 block
+BYTES_PER_VALUE = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / QK8_0}  # q8_0: a float16 scale per block of 32
 
 
 def lite_layout(layers: int, vocab_size: int) -> bool:
@@ -325,7 +327,10 @@ def _write_file(out: Path, write, recheck) -> None:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError as e:  # numpy reports a full disk as a short write without its errno
+            raise short_write_cause(tmp, e) from None
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the file from other users
@@ -378,8 +383,9 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
             writer.write_tensors_to_file()
             writer.close()
 
-        # the output is checked again before the rename: the path may have changed while writing
-        _write_file(out, write, lambda: check_gguf_output(out, overwrite, (folder,)))
+        needed = int(sum(math.prod(source.shape(n)) for n in source.keys()) * BYTES_PER_VALUE[gguf_type])
+        with room_for(out, needed, "the export to"):  # the output is checked again before the rename
+            _write_file(out, write, lambda: check_gguf_output(out, overwrite, (folder,)))
     finally:
         source.close()
     record["parent_provenance_kind"] = (provenance.load(folder) or {}).get("kind")

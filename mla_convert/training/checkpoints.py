@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -70,12 +71,13 @@ def save_trainer_state(folder: Path, optimizer_state: dict | None, scheduler, sc
     import random
 
     import numpy as np
-    from safetensors.torch import save_file
+
+    from mla_convert.writes import save_tensors
 
     folder.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         tensors, layout = optimizer_to_files(optimizer_state)
-        save_file(tensors, str(folder / OPTIMIZER_FILE))
+        save_tensors(tensors, folder / OPTIMIZER_FILE)
         record = {"optimizer": layout, "scheduler": scheduler.state_dict(),
                   "scaler": scaler.state_dict() if scaler is not None else None}
         (folder / TRAINER_JSON).write_text(json.dumps(record) + "\n")
@@ -85,7 +87,7 @@ def save_trainer_state(folder: Path, optimizer_state: dict | None, scheduler, sc
         rng.update({f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     rng["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
     meta = {"python": json.dumps(random.getstate()), "numpy": json.dumps([kind, int(pos), int(has_gauss), float(cached)])}
-    save_file(rng, str(folder / _rng_file(rank)), metadata=meta)
+    save_tensors(rng, folder / _rng_file(rank), metadata=meta)
 
 
 def load_trainer_state(folder: Path, rank: int) -> tuple[dict, dict, dict | None]:
@@ -211,6 +213,23 @@ _STAGING = re.compile(rf"\.({re.escape(FINAL_DIR)}|step_\d+)\.incomplete")
 def staging_dir(folder: Path) -> Path:
     """The hidden name a model folder (OUT/final, OUT/step_N) is written under until it is complete."""
     return folder.with_name(f".{folder.name}.incomplete")
+
+
+@contextlib.contextmanager
+def removed_on_failure(stage: Path, main: bool = True):
+    """Remove `stage` (a model folder being written under its hidden name) when the block fails in the main process:
+    a full disk gets back the room the part took."""
+    from mla_convert.errors import as_os_error
+
+    try:
+        yield stage
+    except BaseException as e:
+        if main:
+            shutil.rmtree(stage, ignore_errors=True)
+        oserr = as_os_error(e)
+        if oserr is not None and not oserr.filename:  # transformers' writes name no file: the folder, then
+            raise OSError(oserr.errno, oserr.strerror, str(stage)) from None
+        raise
 
 
 def _our_metrics(path: Path) -> bool:

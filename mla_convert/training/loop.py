@@ -26,10 +26,11 @@ from mla_convert.training.models import (
 )
 from mla_convert.training.losses import kd_loss, lm_loss
 from mla_convert.training.checkpoints import (
-    check_output, complete_checkpoints, load_trainer_state, lock_run_folder, prepare_output, save_trainer_state,
-    staging_dir,
+    check_output, complete_checkpoints, load_trainer_state, lock_run_folder, prepare_output, removed_on_failure,
+    save_trainer_state, staging_dir,
 )
 from mla_convert.training.metrics import Metrics, peak_memory_bytes, plot
+from mla_convert.writes import room_for
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ class Trainer:
         self.model = model = load_student(str(self.resume_dir) if self.resume_dir else cfg.model, DTYPES[cfg.dtype])
         select_trainable(model, cfg.train)
         self.n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # the room the run writes: a step_N checkpoint (the model, AdamW's two float32 moments) and final/ (the model)
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.room = 2 * model_bytes + 8 * self.n_train
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -260,18 +264,20 @@ class Trainer:
             shutil.rmtree(stage)  # an incomplete leftover of a killed run
         accelerator.wait_for_everyone()
         state_dict = accelerator.get_state_dict(self.model)  # full state dict on the main process (FSDP gathers)
+        with removed_on_failure(stage, is_main):  # a full disk gets the room back
+            if is_main:
+                accelerator.unwrap_model(self.model).save_pretrained(stage, state_dict=state_dict)
+                self.tokenizer.save_pretrained(stage)
+            optim_state = self.optimizer_state() if self.fsdp or is_main else None  # FSDP: every process gathers
+            save_trainer_state(stage / TRAINER_DIR, optim_state if is_main else None, self.scheduler,
+                               accelerator.scaler, self.rank)
+            del optim_state
+            accelerator.wait_for_everyone()
+            if is_main:
+                record = {"step": step, "total_steps": self.total_steps, "tokens": step * self.tokens_per_step,
+                          "elapsed_s": self.elapsed, "world_size": self.world, "config": dataclasses.asdict(cfg)}
+                (stage / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")  # last: marks it complete
         if is_main:
-            accelerator.unwrap_model(self.model).save_pretrained(stage, state_dict=state_dict)
-            self.tokenizer.save_pretrained(stage)
-        optim_state = self.optimizer_state() if self.fsdp or is_main else None  # FSDP: every process joins the gather
-        save_trainer_state(stage / TRAINER_DIR, optim_state if is_main else None, self.scheduler, accelerator.scaler,
-                           self.rank)
-        del optim_state
-        accelerator.wait_for_everyone()
-        if is_main:
-            record = {"step": step, "total_steps": self.total_steps, "tokens": step * self.tokens_per_step,
-                      "elapsed_s": self.elapsed, "world_size": self.world, "config": dataclasses.asdict(cfg)}
-            (stage / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")  # last: marks it complete
             if folder.exists():
                 shutil.rmtree(folder)  # a step_N of an older mla-convert that a killed run left incomplete
             os.replace(stage, folder)
@@ -395,13 +401,14 @@ class Trainer:
             stage = staging_dir(final)
             if stage.exists():
                 shutil.rmtree(stage)
-            accelerator.unwrap_model(self.model).save_pretrained(stage, state_dict=state_dict)
-            self.tokenizer.save_pretrained(stage)
-            records = self.metrics.read()
-            plot(records, out / PLOT_FILE)
-            shutil.copy(out / PLOT_FILE, stage / PLOT_FILE)
-            shutil.copy(out / METRICS_FILE, stage / METRICS_FILE)
-            self._write_provenance(stage, records, after, checksums, peak, timing)
+            with removed_on_failure(stage):  # a full disk gets the room back
+                accelerator.unwrap_model(self.model).save_pretrained(stage, state_dict=state_dict)
+                self.tokenizer.save_pretrained(stage)
+                records = self.metrics.read()
+                plot(records, out / PLOT_FILE)
+                shutil.copy(out / PLOT_FILE, stage / PLOT_FILE)
+                shutil.copy(out / METRICS_FILE, stage / METRICS_FILE)
+                self._write_provenance(stage, records, after, checksums, peak, timing)
             if final.exists():
                 shutil.rmtree(final)  # an incomplete final/ of an older mla-convert
             os.replace(stage, final)
@@ -479,7 +486,8 @@ def run(cfg: FinetuneConfig) -> Path:
     trainer = Trainer(cfg)
     try:
         trainer.setup()
-        return trainer.train()
+        with room_for(trainer.out, trainer.room, "the fine-tuning run in"):  # a disk that fills while it writes
+            return trainer.train()
     except UserError:
         if getattr(trainer, "_created_out", False) and trainer._lock is not None:
             with contextlib.suppress(OSError):  # only while it is still empty (rmdir refuses otherwise)

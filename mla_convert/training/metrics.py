@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from mla_convert.writes import write_text_whole
+
 
 def peak_memory_bytes(device: torch.device) -> int:
     """This process's peak memory: allocated CUDA memory on a GPU, the resident set size on CPU."""
@@ -26,12 +28,21 @@ class Metrics:
             if resume_step > 0 and path.is_file():
                 kept = [line for line in path.read_text().splitlines()
                         if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            write_text_whole(path, "".join(line + "\n" for line in kept))  # a full disk keeps the old lines
 
     def write(self, **record) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+        """Append `record` as one line; a write that fails (a full disk) leaves the file as it was, no part line."""
+        if not self.enabled:
+            return
+        with open(self.path, "ab", buffering=0) as f:
+            end = f.seek(0, 2)
+            try:
+                rest = memoryview((json.dumps(record) + "\n").encode())
+                while rest:
+                    rest = rest[f.write(rest):]
+            except OSError as e:
+                f.truncate(end)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def read(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
