@@ -91,7 +91,7 @@ def test_schema_imports_no_torch():
 
     stdlib = {"__future__", "dataclasses", "math", "sys", "pathlib", "typing"}
     assert imports("schema.py") <= stdlib | {"mla_convert.errors", "mla_convert.policy"}, imports("schema.py")
-    assert imports("policy.py") <= {"__future__"} and imports("errors.py") <= stdlib | {"errno"}, imports("errors.py")
+    assert imports("policy.py") <= {"__future__"} and imports("errors.py") <= stdlib | {"errno", "re"}, imports("errors.py")
 
 
 def test_kv_balance_none_reaches_the_conversion(sources, calib_text, tmp_path):
