@@ -112,15 +112,16 @@ def gguf_points(label: str, gguf: str, args, ids: dict, record) -> None:
         gguf = str(source_gguf(ROOT / "out"))  # weights stay out of benchmarks/ (out/ is ignored)
     layout = llamacpp.gguf_mla_layout(gguf)
     for kind in args.gguf_types.split(","):
-        if layout and kind not in ("f32", "f16", "bf16") and not llamacpp.quantized_cache_ok(*layout):
+        quantized = kind not in llamacpp.FLOAT_CACHE_TYPES
+        if layout and quantized and not llamacpp.quantized_cache_ok(*layout):
             print(f"{label}: skips {kind}: " + llamacpp.llamacpp_cache_types(*layout), flush=True)
             continue
         runs = {name: llamacpp.llamacpp_perplexity(gguf, t, args.seq_len, args.windows, cache_type=kind)
                 for name, t in ids.items()}  # fmt: skip
-        engine = next(iter(runs.values()))["engine"]
-        record(f"{label}, llama.cpp (real)", kind, next(iter(runs.values()))["kv_cache_bytes_per_token"],
-               {name: r["perplexity"] for name, r in runs.items()}, measured=f"real: {engine}, flash attention "
-               + ("on" if kind not in ("f32", "f16", "bf16") else "off"))
+        first = next(iter(runs.values()))
+        record(f"{label}, llama.cpp (real)", kind, first["kv_cache_bytes_per_token"],
+               {name: r["perplexity"] for name, r in runs.items()},
+               measured=f"real: {first['engine']}, flash attention " + ("on" if quantized else "off"))
 
 
 def reference_for(point: dict, points: list) -> dict:

@@ -71,6 +71,7 @@ def run_llamacpp(model: str | os.PathLike, windows=(), prompts=(), new_tokens: i
 
 LLAMACPP_BLOCK = 32  # values per block of llama.cpp's quantized cache types (q8_0 ... q4_0, iq4_nl)
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")  # llama.cpp's --cache-type-k
+FLOAT_CACHE_TYPES = CACHE_TYPES[:3]  # the rest are blocks of LLAMACPP_BLOCK, read through flash attention
 
 
 def quantized_cache_ok(kv_lora_rank: int, rope_dims: int) -> bool:
@@ -123,7 +124,7 @@ def score_gguf(model: str | os.PathLike, windows=(), prompts=(), new_tokens: int
                         "MLA_CONVERT_LLAMACPP_PYTHON to the python of an environment with llama-cpp-python)")
     if cache_type not in CACHE_TYPES:
         raise UserError(f"--cache-type for llama.cpp is one of {', '.join(CACHE_TYPES)}, got {cache_type}")
-    layout = gguf_mla_layout(model) if cache_type not in ("f32", "f16", "bf16") else None
+    layout = gguf_mla_layout(model) if cache_type not in FLOAT_CACHE_TYPES else None
     if layout and not quantized_cache_ok(*layout):
         takes = llamacpp_cache_types(*layout).replace("cache types: ", "", 1)
         raise UserError(f"--cache-type {cache_type}: {model} takes {takes}")
