@@ -1,4 +1,4 @@
-"""The benchmark's baselines (scripts/bench_quality.py) are their papers' closed forms: the options they pass to
+"""The benchmark's baselines (benchmarks/quality/run.py) are their papers' closed forms: the options they pass to
 `mla-convert llama` plan none of this project's refinement, whatever the CLI's defaults become."""
 
 from __future__ import annotations

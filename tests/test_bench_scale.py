@@ -1,4 +1,4 @@
-"""What scripts/bench_scale.py reads from a conversion's output: the plan's steps and time estimate, each refined
+"""What benchmarks/scale/run.py reads from a conversion's output: the plan's steps and time estimate, each refined
 layer's seconds and held-out error (a worker's too), and the report's per-layer column."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The texts of other domains (scripts/domain_texts.py): the table of contents is dropped, epigrams are mixed."""
+"""The texts of other domains (benchmarks/common/domain_texts.py): the table of contents is dropped, epigrams are mixed."""
 
 import pytest
 from conftest import load_script

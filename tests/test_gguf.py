@@ -350,8 +350,8 @@ def test_convert_format_gguf(tmp_path, calib_text):
 
 @needs_llamacpp
 def test_benchmark_decode_and_profile_workers(tmp_path):
-    """scripts/llamacpp_decode.py times every model at every context it reaches, in rounds whose order reverses;
-    scripts/llamacpp_profile.py gives CPU time per step and per graph node, with and without flash attention."""
+    """benchmarks/llamacpp/decode_worker.py times every model at every context it reaches, in rounds whose order reverses;
+    benchmarks/llamacpp/profile_worker.py gives CPU time per step and per graph node, with and without flash attention."""
     import json
     import subprocess
 

@@ -268,7 +268,7 @@ def test_llamacpp_agrees_with_transformers(tiny, tmp_path):
 
 
 def test_bench_script_tables_and_plot(tiny, tmp_path):
-    """scripts/bench_longctx.py: every model's eval --json, the buckets as ratios to the first model, the tables and
+    """benchmarks/quality/longctx/run.py: every model's eval --json, the buckets as ratios to the first model, the tables and
     the plot."""
     from conftest import load_script
 
