@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -392,7 +393,7 @@ def domain_report(rows: list[dict], title: str, note: str) -> list[str]:
     return lines
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", default="192,96", help="elements per token per layer, comma separated")
     ap.add_argument("--methods", default="transmla,mla-convert", help="comma separated (see above)")
@@ -405,6 +406,8 @@ def main() -> None:
                     "split)")
     ap.add_argument("--report-only", action="store_true",
                     help="rewrite README.md and quality.png from the results files")
+    ap.add_argument("--print-options", action="store_true", help="print the `mla-convert llama` options of each "
+                    "of --methods at each of --budgets (`METHOD BUDGET: OPTIONS`, one a line); nothing is run")
     ap.add_argument("--redo", action="store_true", help="measure again what the results file already holds")
     ap.add_argument("--no-source", action="store_true", help="do not measure the source (another run does)")
     ap.add_argument("--reuse", action="store_true", help="evaluate a complete converted folder already under "
@@ -419,6 +422,50 @@ def main() -> None:
     args.texts = args.texts.split(",")
     if unknown := [t for t in args.texts if t not in TEXTS] + ([args.calib] if args.calib not in CALIBS else []):
         raise SystemExit(f"unknown text or calibration {unknown[0]}: choose from {', '.join([*TEXTS, *CALIBS])}")
+    return args
+
+
+def measure(args, method: str, budget: int, have: dict | None, work: Path, record) -> None:
+    """One method at one budget: converted (unless its folder serves), evaluated on the texts it lacks, recorded."""
+    calib = str(CALIBS[args.calib])
+    name = f"{method.replace(':', '_').replace(' ', '_').replace('-', '')[:60]}-{budget}-{args.calib}"
+    out = args.folder or work / name
+    options = [] if args.folder else method_options(method, budget)
+    wall, rss, where = 0.0, 0, harness.machine()
+    reuse = args.reuse and (out / "provenance.json").is_file()
+    if not (have and out.is_dir()) and not args.folder and not reuse:  # a row lacking a text: from its folder
+        conv = harness.convert(["llama", "--calib-data", calib, "--overwrite", "--dtype", "float32", "-q",
+                                *options], out, log=work / f"{name}.convert.log", check=False)  # fmt: skip
+        if conv.run.code:
+            print(f"{method} at {budget}: conversion failed, see {work / (name + '.convert.log')}")
+            return
+        wall, rss, have = conv.run.wall_s, conv.run.peak_rss, None
+    prov = json.loads((out / "provenance.json").read_text())
+    while "plan" not in prov and prov.get("parent"):  # a fine-tuned folder: the conversion is further up
+        prov = prov["parent"]
+    texts = evaluate_texts(str(out), args, work, name, have["texts"] if have else None)
+    ranks = prov["plan"]["ranks"]
+    row = have or {"method": method, "budget": budget, "windows": args.windows, "calib": args.calib,
+                   "d_c": sum(ranks) / len(ranks), "d_c_range": [min(ranks), max(ranks)],
+                   "d_r": prov["plan"]["rope_dims"], "convert_s": round(wall, 1),
+                   "convert_rss_mb": round(rss / 2**20), "options": prov["options"],
+                   "command": shown(" ".join(["mla-convert llama", *options, "--calib-data", calib]))
+                   if not args.folder else f"{method} ({args.folder.name})", "machine": where}  # fmt: skip
+    row["texts"] = texts
+    record(row)
+    print(f"{method} at {budget} ({args.calib}): " + ", ".join(f"{t} {v['perplexity']:.2f}" for t, v in texts.items()),
+          flush=True)  # fmt: skip
+    if not args.keep and method != "mla-convert" and not args.folder:  # the default's serve benchmarks/convert/run.py
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main() -> None:
+    args = parse_args()
+    budgets, methods = [int(b) for b in args.budgets.split(",")], list(filter(None, args.methods.split(",")))
+    if args.print_options:
+        for budget, method in ((b, m) for b in budgets for m in methods):
+            print(f"{method} {budget}: {shlex.join(method_options(method, budget))}")
+        return
     BENCH.mkdir(parents=True, exist_ok=True)
     work = ROOT / "out" / "bench-quality"
     work.mkdir(parents=True, exist_ok=True)
@@ -438,42 +485,10 @@ def main() -> None:
         texts = evaluate_texts(None, args, work, "source", source["texts"] if source else None)
         record({"method": "source", "budget": None, "windows": args.windows, "calib": None, "texts": texts,
                 "machine": where})
-    calib = str(CALIBS[args.calib])
-    for budget in [int(b) for b in args.budgets.split(",")]:
-        for method in filter(None, args.methods.split(",")):
-            have = done.get((method, budget, args.windows, args.calib))
-            if have and all(t in have["texts"] for t in args.texts):
-                continue
-            name = f"{method.replace(':', '_').replace(' ', '_').replace('-', '')[:60]}-{budget}-{args.calib}"
-            out = args.folder or work / name
-            options = [] if args.folder else method_options(method, budget)
-            wall, rss, where = 0.0, 0, harness.machine()
-            reuse = args.reuse and (out / "provenance.json").is_file()
-            if not (have and out.is_dir()) and not args.folder and not reuse:  # a row lacking a text: from its folder
-                conv = harness.convert(["llama", "--calib-data", calib, "--overwrite", "--dtype", "float32", "-q",
-                                        *options], out, log=work / f"{name}.convert.log", check=False)  # fmt: skip
-                if conv.run.code:
-                    print(f"{method} at {budget}: conversion failed, see {work / (name + '.convert.log')}")
-                    continue
-                wall, rss, have = conv.run.wall_s, conv.run.peak_rss, None
-            prov = json.loads((out / "provenance.json").read_text())
-            while "plan" not in prov and prov.get("parent"):  # a fine-tuned folder: the conversion is further up
-                prov = prov["parent"]
-            texts = evaluate_texts(str(out), args, work, name, have["texts"] if have else None)
-            ranks = prov["plan"]["ranks"]
-            row = have or {"method": method, "budget": budget, "windows": args.windows, "calib": args.calib,
-                           "d_c": sum(ranks) / len(ranks), "d_c_range": [min(ranks), max(ranks)],
-                           "d_r": prov["plan"]["rope_dims"], "convert_s": round(wall, 1),
-                           "convert_rss_mb": round(rss / 2**20), "options": prov["options"],
-                           "command": shown(" ".join(["mla-convert llama", *options, "--calib-data", calib]))
-                           if not args.folder else f"{method} ({args.folder.name})", "machine": where}  # fmt: skip
-            row["texts"] = texts
-            record(row)
-            print(f"{method} at {budget} ({args.calib}): " + ", ".join(f"{t} {v['perplexity']:.2f}" for t, v in texts.items()),
-                  flush=True)  # fmt: skip
-            if not args.keep and method != "mla-convert" and not args.folder:  # the default's serve benchmarks/convert/run.py
-                shutil.rmtree(out, ignore_errors=True)
-
+    for budget, method in ((b, m) for b in budgets for m in methods):
+        have = done.get((method, budget, args.windows, args.calib))
+        if not (have and all(t in have["texts"] for t in args.texts)):
+            measure(args, method, budget, have, work, record)
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ unchanged tensors checked byte for byte.
     python benchmarks/scale/run.py run qwen2.5-7b --layers 4
     python benchmarks/scale/run.py plan llama3-70b                                # --dry-run only
     python benchmarks/scale/run.py report                                         # benchmarks/scale/README.md from .json
+    python benchmarks/scale/run.py parse LOG                                      # what a row reads from a --log
     python benchmarks/scale/run.py run llama3-8b --device cuda                    # on a machine with a GPU
 
 The checkpoints are random-weight (normal, std 0.02; norms 1; Qwen's q/k/v biases std 0.1), bfloat16 safetensors in
@@ -220,6 +221,12 @@ def refined_layers(output: str) -> dict:
             "refine_error": {int(n): [float(a), float(b)] for n, a, b, _ in lines}}
 
 
+def read_log(output: str) -> dict:
+    """What a row takes from a conversion's output: the plan, the last layer's phase times, each refined layer."""
+    layers = re.findall(r"calibration [\d.]+s, factorization [\d.]+s(?:, refine [\d.]+s)?", output)[-1:]
+    return {**parse_plan(output), "layer_seconds": layers, **refined_layers(output)}
+
+
 def save(case: str, row: dict) -> None:
     rows = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     rows[case] = row
@@ -244,11 +251,9 @@ def run(args) -> None:
     output, wall, rss = conv.output, conv.wall_s, conv.peak_rss
     if args.log:
         args.log.write_text(output)
-    row.update(parse_plan(output), wall_s=round(wall, 1), peak_rss_bytes=rss, output_bytes=folder_bytes(out),
+    row.update(read_log(output), wall_s=round(wall, 1), peak_rss_bytes=rss, output_bytes=folder_bytes(out),
                load_after=[round(x, 2) for x in os.getloadavg()])
     row["peak_over_estimate"] = round(rss / (row["estimate_gib"] * 2**30), 3) if row["estimate_gib"] else None
-    row["layer_seconds"] = re.findall(r"calibration [\d.]+s, factorization [\d.]+s(?:, refine [\d.]+s)?", output)[-1:]
-    row.update(refined_layers(output))
     prov = json.loads((out / "provenance.json").read_text())
     row["refine_kept_layers"] = trained_layers(prov)
     row["model_stage"] = {k: (prov["plan"].get("refine_model") or {}).get(k) for k in ("kept", "seconds")}
@@ -464,11 +469,17 @@ def main() -> None:
         p.add_argument("--keep", action="store_true", help="keep (and reuse) the source and output folders")
         p.add_argument("--options", default="", help="more mla-convert options, one string (named in the case)")
     sub.add_parser("report")
+    parse = sub.add_parser("parse", help="print as JSON what a row takes from a conversion's saved output (--log), "
+                           "and the report's per-layer column for it")
+    parse.add_argument("log", type=Path)
     args = parser.parse_args()
     if args.command == "run":
         run(args)
     elif args.command == "plan":
         plan(args)
+    elif args.command == "parse":
+        row = read_log(args.log.read_text())
+        print(json.dumps({**row, "last_layer": last_layer(row)}, indent=1))
     else:
         report(json.loads(RESULTS.read_text()))
 
