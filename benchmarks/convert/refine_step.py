@@ -75,7 +75,7 @@ def mla_layer(folder: str, index: int):
     return layer, model.config, model.model.rotary_emb
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     parser.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"))
@@ -97,6 +97,11 @@ def main() -> None:
         parser.error("--queries takes a converted layer (--model) and runs uncompiled (no --compile)")
     if args.grouped_ab and not args.queries:
         parser.error("--grouped-ab times the step at chosen positions: give --queries")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)
     batch = args.batch
     if args.model:

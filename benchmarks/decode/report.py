@@ -25,9 +25,9 @@ def ctx_label(context: int) -> str:
     return f"{context // 1024}K" if context % 1024 == 0 else str(context)
 
 
-def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, plot_path, generate_rows=()):
-    names = list(layer_rows[0]["ms"]) if layer_rows else []
-    lines = [
+def header_section(meta) -> list[str]:
+    """The report's head: the command, the machine, the shapes, the clock and the decode forms."""
+    return [
         "# Decode speed and KV-cache size: source GQA vs converted MLA",
         "",
         f"Written by `benchmarks/decode/run.py` on {meta['date']}. Command (from the repository root):",
@@ -56,84 +56,102 @@ def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, pl
         "path: `mla_decode_kernel=torch`); **triton** A_CC_ME with the Triton kernel (CUDA only).",
         "",
     ]
-    if layer_rows:
-        lines += [
-            "## One attention layer, one decode step",
-            "",
-            "Projections + RoPE + cache write + attention + o_proj over a pre-filled cache of `context` rows "
-            "(fixed buffer, so every step sees the same context). Time per step in ms; in brackets the speedup over "
-            "the source layer (source time / form time).",
-            "",
-            "| batch | context | " + " | ".join(names) + " | KV bytes source | KV bytes MLA |",
-            "|---:|---:|" + "---:|" * len(names) + "---:|---:|",
-        ]
-        for row in layer_rows:
-            src = row["ms"]["source"]
-            cells = [f"{row['ms'][n]:.2f}" + ("" if n == "source" else f" ({src / row['ms'][n]:.2f}x)") for n in names]
-            lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) +
-                         f" | {fmt_bytes(row['kv_bytes']['source'])} | {fmt_bytes(row['kv_bytes']['A_CC_ME'])} |")
-        lines += [""]
-        lines += ["Cache bytes read per second by each form (its cache bytes / step time):", "",
-                  "| batch | context | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
-        for row in layer_rows:
-            lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " +
-                         " | ".join(f"{row['kv_bytes'][n] / (row['ms'][n] / 1e3) / 1e9:.1f} GB/s" for n in names) + " |")
-        lines.append("")
-        if any(r.get("graph_ms") for r in layer_rows):
-            lines += [
-                "### The same step as GPU time (CUDA graph replay)",
-                "",
-                "The step above is timed eagerly: on a GPU, with this small model, its time is mostly the host "
-                "issuing ~10-20 kernels from Python, so the forms differ little until the cache is large. Here each "
-                "form's step is captured in a CUDA graph over several caches in turn (together at least 256 MiB, so a "
-                "cache is cold in L2 when its turn comes) and the replays are timed with CUDA events: GPU time per "
-                "step, as an engine that captures its decode step sees it. ms per step; in brackets the speedup over "
-                "the source.",
-                "",
-                "| batch | context | " + " | ".join(names) + " |",
-                "|---:|---:|" + "---:|" * len(names),
-            ]
-            for row in layer_rows:
-                g = row.get("graph_ms") or {}
-                src = g.get("source")
-                cells = [("n/a" if g.get(n) is None else f"{g[n]:.3f}" +
-                          ("" if n == "source" or not src else f" ({src / g[n]:.2f}x)")) for n in names]
-                lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) + " |")
-            lines += ["", f"![layer decode step GPU time]({plot_path.name})", ""]
-        else:
-            lines += [f"![layer decode step time]({plot_path.name})", ""]
-    if model_rows:
-        mnames = list(model_rows[0]["tok_s"])
-        lines += [
-            "## Whole model, tokens per second",
-            "",
-            "One decode step of the whole model (all layers, lm_head) with transformers' `DynamicCache` pre-filled "
-            "to `context` tokens (each step appends one row, which DynamicCache does by concatenation, then the "
-            "cache is cropped back). *static*: the same step over a preallocated `StaticCache` of context + 1 rows "
-            "(the MLA model's holds latent + rope key; the step writes one row in place, and on CPU reads only the "
-            "written rows; the counters are set back after each step). *graph* (CUDA): the static step captured in "
-            "a CUDA graph and replayed, no host work per step. Tokens/s = batch / step time; in brackets the ratio "
-            "to the source model run the same way (DynamicCache, static or graph).",
-            "",
-            "| batch | context | " + " | ".join(mnames) + " | cache source | cache MLA |",
-            "|---:|---:|" + "---:|" * len(mnames) + "---:|---:|",
-        ]
-        def baseline(name):  # each MLA form against the source run the same way
-            for kind in ("static", "graph"):
-                if name.endswith(kind):
-                    return f"source {kind}"
-            return "source"
 
-        for row in model_rows:
-            cells = [f"{row['tok_s'][n]:.1f}" + ("" if n.startswith("source") else
-                                                 f" ({row['tok_s'][n] / row['tok_s'][baseline(n)]:.2f}x)")
-                     for n in mnames]
-            lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) +
-                         f" | {fmt_bytes(row['kv_bytes']['source'])} | {fmt_bytes(row['kv_bytes']['MLA A_CC_ME'])} |")
-        lines.append("")
-        errors = {k: v for row in model_rows for k, v in row.get("capture_errors", {}).items()}
-        for name, error in errors.items():
-            lines += [f"{name}: CUDA-graph capture failed ({error}); its column reads nan.", ""]
+
+def layer_section(layer_rows, plot_path: Path) -> list[str]:
+    """One attention layer's decode step per form: eager time, cache bytes read a second, and GPU time (CUDA graph)."""
+    names, lines = list(layer_rows[0]["ms"]), []
+    lines += [
+        "## One attention layer, one decode step",
+        "",
+        "Projections + RoPE + cache write + attention + o_proj over a pre-filled cache of `context` rows "
+        "(fixed buffer, so every step sees the same context). Time per step in ms; in brackets the speedup over "
+        "the source layer (source time / form time).",
+        "",
+        "| batch | context | " + " | ".join(names) + " | KV bytes source | KV bytes MLA |",
+        "|---:|---:|" + "---:|" * len(names) + "---:|---:|",
+    ]
+    for row in layer_rows:
+        src = row["ms"]["source"]
+        cells = [f"{row['ms'][n]:.2f}" + ("" if n == "source" else f" ({src / row['ms'][n]:.2f}x)") for n in names]
+        lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) +
+                     f" | {fmt_bytes(row['kv_bytes']['source'])} | {fmt_bytes(row['kv_bytes']['A_CC_ME'])} |")
+    lines += [""]
+    lines += ["Cache bytes read per second by each form (its cache bytes / step time):", "",
+              "| batch | context | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
+    for row in layer_rows:
+        lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " +
+                     " | ".join(f"{row['kv_bytes'][n] / (row['ms'][n] / 1e3) / 1e9:.1f} GB/s" for n in names) + " |")
+    lines.append("")
+    if any(r.get("graph_ms") for r in layer_rows):
+        lines += [
+            "### The same step as GPU time (CUDA graph replay)",
+            "",
+            "The step above is timed eagerly: on a GPU, with this small model, its time is mostly the host "
+            "issuing ~10-20 kernels from Python, so the forms differ little until the cache is large. Here each "
+            "form's step is captured in a CUDA graph over several caches in turn (together at least 256 MiB, so a "
+            "cache is cold in L2 when its turn comes) and the replays are timed with CUDA events: GPU time per "
+            "step, as an engine that captures its decode step sees it. ms per step; in brackets the speedup over "
+            "the source.",
+            "",
+            "| batch | context | " + " | ".join(names) + " |",
+            "|---:|---:|" + "---:|" * len(names),
+        ]
+        for row in layer_rows:
+            g = row.get("graph_ms") or {}
+            src = g.get("source")
+            cells = [("n/a" if g.get(n) is None else f"{g[n]:.3f}" +
+                      ("" if n == "source" or not src else f" ({src / g[n]:.2f}x)")) for n in names]
+            lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) + " |")
+        lines += ["", f"![layer decode step GPU time]({plot_path.name})", ""]
+    else:
+        lines += [f"![layer decode step time]({plot_path.name})", ""]
+    return lines
+
+
+def model_section(model_rows) -> list[str]:
+    """The whole model's tokens a second per form, each against the source run the same way."""
+    lines = []
+    mnames = list(model_rows[0]["tok_s"])
+    lines += [
+        "## Whole model, tokens per second",
+        "",
+        "One decode step of the whole model (all layers, lm_head) with transformers' `DynamicCache` pre-filled "
+        "to `context` tokens (each step appends one row, which DynamicCache does by concatenation, then the "
+        "cache is cropped back). *static*: the same step over a preallocated `StaticCache` of context + 1 rows "
+        "(the MLA model's holds latent + rope key; the step writes one row in place, and on CPU reads only the "
+        "written rows; the counters are set back after each step). *graph* (CUDA): the static step captured in "
+        "a CUDA graph and replayed, no host work per step. Tokens/s = batch / step time; in brackets the ratio "
+        "to the source model run the same way (DynamicCache, static or graph).",
+        "",
+        "| batch | context | " + " | ".join(mnames) + " | cache source | cache MLA |",
+        "|---:|---:|" + "---:|" * len(mnames) + "---:|---:|",
+    ]
+    def baseline(name):  # each MLA form against the source run the same way
+        for kind in ("static", "graph"):
+            if name.endswith(kind):
+                return f"source {kind}"
+        return "source"
+
+    for row in model_rows:
+        cells = [f"{row['tok_s'][n]:.1f}" + ("" if n.startswith("source") else
+                                             f" ({row['tok_s'][n] / row['tok_s'][baseline(n)]:.2f}x)")
+                 for n in mnames]
+        lines.append(f"| {row['batch']} | {ctx_label(row['context'])} | " + " | ".join(cells) +
+                     f" | {fmt_bytes(row['kv_bytes']['source'])} | {fmt_bytes(row['kv_bytes']['MLA A_CC_ME'])} |")
+    lines.append("")
+    errors = {k: v for row in model_rows for k, v in row.get("capture_errors", {}).items()}
+    for name, error in errors.items():
+        lines += [f"{name}: CUDA-graph capture failed ({error}); its column reads nan.", ""]
+    return lines
+
+
+def write_report(path: Path, args, meta, layer_rows, model_rows, kernel_rows, plot_path, generate_rows=()):
+    lines = header_section(meta)
+    if layer_rows:
+        lines += layer_section(layer_rows, plot_path)
+    if model_rows:
+        lines += model_section(model_rows)
     if generate_rows:
         lines += generate_section(generate_rows)
     if kernel_rows:

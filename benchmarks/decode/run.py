@@ -72,7 +72,7 @@ def parse_ints(text: str) -> list[int]:
     return [int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x) for x in text.split(",") if x]
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--from-config", action="store_true", help="SmolLM2-135M-shaped models, random weights (default)")
@@ -126,6 +126,11 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the raw numbers here")
     p.add_argument("--report-only", metavar="JSON", help="rewrite --out (and --plot) from an earlier run's --json; "
                                                          "nothing is timed")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
 
     device = torch.device(args.device)

@@ -36,7 +36,7 @@ def score(kind: str, folder: Path, ids_path: Path, args) -> dict:
     return dict(res, perplexity=res["perplexity"]["text"], tokens=res["tokens"]["text"])
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mla-bench-export",
                     help="folder for the checkpoints (default: mla-bench-export in the system's temporary folder)")
@@ -48,12 +48,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-bfloat16", action="store_true", help="skip the bfloat16 export and its perplexity")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "export" / "README.md")
-    args = ap.parse_args()
-    import torch
+    return ap.parse_args()
 
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args.work.mkdir(parents=True, exist_ok=True)
+
+def open_cache(args):
+    """The results of earlier runs with the same settings (in --work), and the function that saves them."""
     cache_path = args.work / "results.json"
     key = f"{args.kv_budget}|{args.calib}|{args.eval}|{args.windows}|{args.seq_len}"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
@@ -64,9 +63,15 @@ def main() -> None:
     def save():
         cache_path.write_text(json.dumps(cache, indent=1))
 
-    from mla_convert.checkpoint import default_model_path, open_source
+    return cache, save
+
+
+def build(args, cache: dict, save):
+    """The native conversion and its DeepSeek-V3 exports (each reused from --work when there): (native folder,
+    export dtypes, the notes of `--target deepseek`)."""
+    from mla_convert.checkpoint import open_source
     from mla_convert.convert import ConvertOptions, convert
-    from mla_convert.export import ExportOptions, deepseek_convert_options, deepseek_layout_notes, export
+    from mla_convert.export import ExportOptions, deepseek_convert_options, export
 
     native = args.work / "native"
     timings = cache.setdefault("timings", {})
@@ -88,7 +93,11 @@ def main() -> None:
             timings[f"export {dtype} (incl. verification)"] = time.time() - t0
             records[dtype] = {k: v for k, v in rec.items() if k != "identity_norm_scales"}
             save()
+    return native, dtypes, notes
 
+
+def eval_ids(args, native: Path) -> Path:
+    """The evaluation text's token ids, saved once in --work (the scoring processes read them)."""
     ids_path = args.work / "eval-ids.safetensors"
     if not ids_path.is_file():
         from transformers import AutoTokenizer
@@ -101,23 +110,13 @@ def main() -> None:
         from safetensors.torch import save_file
 
         save_file({"text": ids.contiguous()}, str(ids_path))
-    models = [
-        ("source", "source SmolLM2-135M-Instruct (embedded Q4_1 GGUF, de-quantized)", "gguf", default_model_path()),
-        ("native", "native MLA (mla_convert's MLAForCausalLM)", "native", native),
-    ] + [
-        (f"export-{dt}", f"DeepSeek-V3 export, {dt} weights (stock DeepseekV3ForCausalLM, float32 compute)", "stock",
-         args.work / f"deepseek-{dt}")
-        for dt in dtypes
-    ]  # fmt: skip
-    ppl = cache.setdefault("ppl", {})
-    for name, label, kind, folder in models:
-        if name not in ppl:
-            ppl[name] = score(kind, folder, ids_path, args)
-            save()
-        print(f"{label}: {ppl[name]['perplexity']:.4f} ({ppl[name]['seconds']:.0f} s)", file=sys.stderr)
+    return ids_path
 
+
+def report_head(args, cache: dict, native: Path, notes: list[str], models: list) -> list[str]:
+    """The report up to the perplexity table: the command, what it runs, the model, the table's rows."""
+    ppl, rec32 = cache["ppl"], cache["records"]["float32"]
     native_ppl = ppl["native"]["perplexity"]
-    rec32 = records["float32"]
     prov = json.loads((native / "provenance.json").read_text())
     kv = prov.get("kv_cache", {})
     ranks, d_r = prov["plan"]["ranks"], prov["plan"]["rope_dims"]
@@ -162,7 +161,19 @@ def main() -> None:
     for name, label, _, _ in models:
         r = ppl[name]
         lines.append(f"| {label} | {r['class']} | {r['perplexity']:.4f} | {r['perplexity'] / native_ppl - 1:+.2e} |")
-    lines += [
+    return lines
+
+
+def report_tail(args, cache: dict, native: Path, models: list, dtypes: list[str]) -> list[str]:
+    """The report after the perplexity table: the export's own verification, the serving notes, the times."""
+    from mla_convert.checkpoint import open_source
+    from mla_convert.export import deepseek_layout_notes
+
+    ppl, records, timings = cache["ppl"], cache["records"], cache["timings"]
+    rec32 = records["float32"]
+    prov = json.loads((native / "provenance.json").read_text())
+    ranks, d_r = prov["plan"]["ranks"], prov["plan"]["rope_dims"]
+    lines = [
         "",
         "The native model's perplexity is the one-shot conversion's (no fine-tuning; how to convert better is the "
         "subject of benchmarks/quality/README.md). This benchmark measures what the export changes: the `vs native` "
@@ -197,6 +208,36 @@ def main() -> None:
         + ", " + ", ".join(f"perplexity {n} {ppl[n]['seconds']:.0f}" for n, *_ in models),
         "",
     ]  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args.work.mkdir(parents=True, exist_ok=True)
+    cache, save = open_cache(args)
+    native, dtypes, notes = build(args, cache, save)
+    ids_path = eval_ids(args, native)
+    from mla_convert.checkpoint import default_model_path
+
+    models = [
+        ("source", "source SmolLM2-135M-Instruct (embedded Q4_1 GGUF, de-quantized)", "gguf", default_model_path()),
+        ("native", "native MLA (mla_convert's MLAForCausalLM)", "native", native),
+    ] + [
+        (f"export-{dt}", f"DeepSeek-V3 export, {dt} weights (stock DeepseekV3ForCausalLM, float32 compute)", "stock",
+         args.work / f"deepseek-{dt}")
+        for dt in dtypes
+    ]  # fmt: skip
+    ppl = cache.setdefault("ppl", {})
+    for name, label, kind, folder in models:
+        if name not in ppl:
+            ppl[name] = score(kind, folder, ids_path, args)
+            save()
+        print(f"{label}: {ppl[name]['perplexity']:.4f} ({ppl[name]['seconds']:.0f} s)", file=sys.stderr)
+
+    lines = report_head(args, cache, native, notes, models) + report_tail(args, cache, native, models, dtypes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}", file=sys.stderr)

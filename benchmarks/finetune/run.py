@@ -195,30 +195,20 @@ def fmt_s(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-def report(res: dict, sweep: dict | None, args) -> str:
+def gap_closed(res: dict, key: str):
+    """The share of the converted model's gap to the source that a fine-tuned evaluation closes, on `key`."""
+    src, conv = res["eval-source"], res["eval-converted"]
+    return lambda e: (conv[key] - e[key]) / (conv[key] - src[key])
+
+
+def result_section(res: dict, args) -> list[str]:
+    """The report's head and its table: every model's test perplexity and the share of the gap it closes."""
     src, conv = res["eval-source"], res["eval-converted"]
     lm, kd = res["finetune-lm"], res["finetune-kd"]
     elm, ekd = res["eval-lm"], res["eval-kd"]
-    topk = res["topk"]
-    gap = conv["perplexity"] - src["perplexity"]
-    nll_gap = conv["nll"] - src["nll"]
-
-    def closed(e):
-        return (conv["perplexity"] - e["perplexity"]) / gap
-
-    def closed_nll(e):
-        return (conv["nll"] - e["nll"]) / nll_gap
-
-    fk = kd["finetune"]
-    t_teacher = sum(fk["teacher_forward_seconds_per_process"])
-    t_student = sum(fk["student_seconds_per_process"])
-    share = t_teacher / (t_teacher + t_student)
-    tokens = fk["tokens"]
-    ms_tok = topk["teacher_forward_ms_per_token"]
-    o = kd["options"]
     mix = res.get("finetune-mix")
+    closed, closed_nll = gap_closed(res, "perplexity"), gap_closed(res, "nll")
     loads = [r[k] for r in (lm, kd, mix) if r for k in ("load_avg_1m_before", "load_avg_1m_after")]
-    target = closed(ekd) >= 0.5
     lines = [
         "# Fine-tuning SmolLM2-135M after conversion to 25% of its KV cache",
         "",
@@ -251,6 +241,17 @@ def report(res: dict, sweep: dict | None, args) -> str:
         emx = res["eval-mix"]
         lines.append(f"| + mixed fine-tune (kd_weight {mix['kd_weight']:g}) | {emx['perplexity']:.3f} | "
                      f"{closed(emx):.1%} | {closed_nll(emx):.1%} | {fmt_s(mix['wall_s'])} | {mix['peak_rss_mib']:.0f} MiB |")
+    return lines
+
+
+def runs_section(res: dict) -> list[str]:
+    """The reading of the result, the fine-tunes' settings, their runs' table and plots."""
+    lm, kd = res["finetune-lm"], res["finetune-kd"]
+    elm, ekd = res["eval-lm"], res["eval-kd"]
+    mix = res.get("finetune-mix")
+    closed, fk, o = gap_closed(res, "perplexity"), kd["finetune"], kd["options"]
+    target = closed(ekd) >= 0.5
+    lines = []
     lines += [
         "",
         f"Gap closed = (converted - fine-tuned) / (converted - source), on perplexity and on mean nll. Target: "
@@ -313,6 +314,19 @@ def report(res: dict, sweep: dict | None, args) -> str:
         "",
         "![held-out perplexity](finetune_heldout.png)",
         "",
+    ]
+    return lines
+
+
+def teacher_section(res: dict) -> list[str]:
+    """The teacher loaded alongside against precomputed top-k logits: what the distillation run measured."""
+    lm, kd, topk = res["finetune-lm"], res["finetune-kd"], res["topk"]
+    fk = kd["finetune"]
+    t_teacher = sum(fk["teacher_forward_seconds_per_process"])
+    t_student = sum(fk["student_seconds_per_process"])
+    share = t_teacher / (t_teacher + t_student)
+    tokens, ms_tok = fk["tokens"], topk["teacher_forward_ms_per_token"]
+    return [
         "## Teacher loaded alongside vs precomputed top-k logits",
         "",
         f"The distillation run loads the teacher next to the student and runs it on each batch. Measured in that run: "
@@ -344,28 +358,40 @@ def report(res: dict, sweep: dict | None, args) -> str:
         "teacher does not fit beside the student; neither holds for these recipes (one pass).",
         "",
     ]
-    if sweep:
-        lines += [
-            "## Learning-rate sweep (held-out validation tail, not the test text)",
-            "",
-            f"Short runs of {sweep['tokens']:,} tokens each, same recipe otherwise; held-out perplexity after "
-            f"(before: {sweep['before']:.2f}). Command: `{sweep['command']}`; student converted at commit "
-            f"`{sweep['student']['commit']}` ({sweep['student']['method']})"
-            + (" (the default conversion method of that commit; the result above uses a later one)"
-               if sweep["student"]["commit"] != res["convert"]["commit"] else "") + ".",
-            "",
-            "| lr | LM only | distillation |",
-            "|---:|---:|---:|",
-        ]
-        for lr in sorted({r["lr"] for r in sweep["runs"]}):
-            cells = []
-            for kdw in (0.0, 1.0):
-                m = [r for r in sweep["runs"] if r["lr"] == lr and r["kd_weight"] == kdw]
-                cells.append(f"{m[0]['held_out_after']:.2f}" if m else "-")
-            lines.append(f"| {lr:g} | {' | '.join(cells)} |")
-        lines.append("")
+
+
+def sweep_section(sweep: dict, res: dict) -> list[str]:
+    """The learning-rate sweep's held-out perplexities."""
+    lines = [
+        "## Learning-rate sweep (held-out validation tail, not the test text)",
+        "",
+        f"Short runs of {sweep['tokens']:,} tokens each, same recipe otherwise; held-out perplexity after "
+        f"(before: {sweep['before']:.2f}). Command: `{sweep['command']}`; student converted at commit "
+        f"`{sweep['student']['commit']}` ({sweep['student']['method']})"
+        + (" (the default conversion method of that commit; the result above uses a later one)"
+           if sweep["student"]["commit"] != res["convert"]["commit"] else "") + ".",
+        "",
+        "| lr | LM only | distillation |",
+        "|---:|---:|---:|",
+    ]
+    for lr in sorted({r["lr"] for r in sweep["runs"]}):
+        cells = []
+        for kdw in (0.0, 1.0):
+            m = [r for r in sweep["runs"] if r["lr"] == lr and r["kd_weight"] == kdw]
+            cells.append(f"{m[0]['held_out_after']:.2f}" if m else "-")
+        lines.append(f"| {lr:g} | {' | '.join(cells)} |")
+    lines.append("")
+    return lines
+
+
+def commands_section(res: dict) -> list[str]:
+    """The commands that made the numbers, with their times."""
+    src, conv = res["eval-source"], res["eval-converted"]
+    lm, kd = res["finetune-lm"], res["finetune-kd"]
+    elm, ekd = res["eval-lm"], res["eval-kd"]
+    mix = res.get("finetune-mix")
     c = res["convert"]
-    lines += [
+    return [
         "## Commands",
         "",
         "```bash",
@@ -390,7 +416,13 @@ def report(res: dict, sweep: dict | None, args) -> str:
         f"{fmt_s(src['wall_s'])} (source) and {fmt_s(conv['wall_s'])} (converted).",
         "",
     ]
-    return "\n".join(lines)
+
+
+def report(res: dict, sweep: dict | None, args) -> str:
+    lines = result_section(res, args) + runs_section(res) + teacher_section(res)
+    if sweep:
+        lines += sweep_section(sweep, res)
+    return "\n".join(lines + commands_section(res))
 
 
 def machine_line(r: dict) -> str:

@@ -247,7 +247,7 @@ def domains_report(section: dict) -> list[str]:
     return lines
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
     ap.add_argument("--windows", type=int, default=16)
@@ -262,20 +262,56 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-only", action="store_true", help="re-measure decode speed of the serving.json rows")
     ap.add_argument("--report-only", action="store_true", help="rewrite README.md from benchmarks/serving/serving.json")
-    args = ap.parse_args()
-    if args.decode_only:  # re-measure decode speed for the rows of benchmarks/serving/serving.json (a quieter machine)
-        path = BENCH / "serving.json"
-        result = json.loads(path.read_text())
-        decode = {"batch": args.decode_batch, "prompt_tokens": args.decode_prompt, "new_tokens": args.decode_tokens}
-        for row in result["rows"]:
-            res = engine.score_in_vllm(ROOT / row["folder"], dtype="bfloat16", max_model_len=args.seq_len + 64,
-                                       decode=decode)
-            row["vllm_bfloat16"]["decode_tokens_per_s"] = res["decode_tokens_per_s"]
-            print(row["label"], res["decode_tokens_per_s"], flush=True)
-        result["decode"], result["decode_separate_run"], result["decode_machine"] = decode, True, harness.machine()
-        path.write_text(json.dumps(result, indent=1))
-        write_report(result, BENCH / "README.md")
-        return
+    return ap.parse_args()
+
+
+def redo_decode(args) -> None:
+    """Decode speed measured again for the rows of benchmarks/serving/serving.json (a quieter machine)."""
+    path = BENCH / "serving.json"
+    result = json.loads(path.read_text())
+    decode = {"batch": args.decode_batch, "prompt_tokens": args.decode_prompt, "new_tokens": args.decode_tokens}
+    for row in result["rows"]:
+        res = engine.score_in_vllm(ROOT / row["folder"], dtype="bfloat16", max_model_len=args.seq_len + 64,
+                                   decode=decode)
+        row["vllm_bfloat16"]["decode_tokens_per_s"] = res["decode_tokens_per_s"]
+        print(row["label"], res["decode_tokens_per_s"], flush=True)
+    result["decode"], result["decode_separate_run"], result["decode_machine"] = decode, True, harness.machine()
+    path.write_text(json.dumps(result, indent=1))
+    write_report(result, BENCH / "README.md")
+
+
+def measure_row(label: str, folder: Path, budget: float | None, route: str, args, windows, prompts, decode: dict,
+                meta: dict) -> dict:
+    """One model in vLLM (bfloat16 and float32) and in transformers: perplexity, greedy tokens, KV cache, decode."""
+    row = {"label": label, "folder": str(folder.relative_to(ROOT)), "budget": budget, "route": route}
+    for dtype in ("bfloat16", "float32"):
+        t0 = time.time()
+        res = engine.score_in_vllm(folder, windows, prompts, new_tokens=24, dtype=dtype,
+                                   max_model_len=args.seq_len + 64, decode=decode if dtype == "bfloat16" else None)
+        row[f"vllm_{dtype}"] = {
+            "perplexity": engine.perplexity(res["logprobs"]), "greedy": res["greedy"],
+            "kv_cache": res["kv_cache"], "backend": res["attention_backend"],
+            "decode_tokens_per_s": res.get("decode_tokens_per_s"), "seconds": time.time() - t0,
+        }  # fmt: skip
+        row[f"vllm_{dtype}"]["logprobs"] = res["logprobs"]
+        meta["vllm_version"] = res["vllm_version"]
+        print(label, dtype, row[f"vllm_{dtype}"]["perplexity"], flush=True)
+    t0 = time.time()
+    hf = engine.score_in_transformers(folder, windows, prompts, new_tokens=24, dtype=torch.float32)
+    row["transformers_float32"] = {"perplexity": engine.perplexity(hf["logprobs"]), "greedy": hf["greedy"],
+                                   "seconds": time.time() - t0}
+    for dtype in ("bfloat16", "float32"):
+        v = row[f"vllm_{dtype}"]
+        v["max_abs_logprob_diff"] = engine.max_logprob_difference(hf["logprobs"], v.pop("logprobs"))
+        v["greedy_tokens_equal"] = sum(a == b for p, q in zip(hf["greedy"], v["greedy"]) for a, b in zip(p, q))
+    print(label, "transformers", row["transformers_float32"]["perplexity"], flush=True)
+    return row
+
+
+def main() -> None:
+    args = parse_args()
+    if args.decode_only:
+        return redo_decode(args)
     if args.report_only:
         write_report(json.loads((BENCH / "serving.json").read_text()), BENCH / "README.md")
         return
@@ -286,6 +322,11 @@ def main() -> None:
         (BENCH / "serving.json").write_text(json.dumps(result, indent=1))
         write_report(result, BENCH / "README.md")
         return
+    measure_all(args)
+
+
+def measure_all(args) -> None:
+    """The source, each budget's default conversion (and with --deepseek its export), measured and reported."""
     args.out.mkdir(parents=True, exist_ok=True)
     calib = str(DATA / "wiki.valid.tokens")
     src = source_folder(args.out)
@@ -293,32 +334,6 @@ def main() -> None:
     prompts = [w[:32] for w in windows[:3]]
     decode = {"batch": args.decode_batch, "prompt_tokens": args.decode_prompt, "new_tokens": args.decode_tokens}
     rows, commands, result_meta = [], [], {"machine": harness.machine()}
-
-    def measure(label: str, folder: Path, budget: float | None, route: str) -> dict:
-        row = {"label": label, "folder": str(folder.relative_to(ROOT)), "budget": budget, "route": route}
-        for dtype in ("bfloat16", "float32"):
-            t0 = time.time()
-            res = engine.score_in_vllm(folder, windows, prompts, new_tokens=24, dtype=dtype,
-                                       max_model_len=args.seq_len + 64, decode=decode if dtype == "bfloat16" else None)
-            row[f"vllm_{dtype}"] = {
-                "perplexity": engine.perplexity(res["logprobs"]), "greedy": res["greedy"],
-                "kv_cache": res["kv_cache"], "backend": res["attention_backend"],
-                "decode_tokens_per_s": res.get("decode_tokens_per_s"), "seconds": time.time() - t0,
-            }  # fmt: skip
-            row[f"vllm_{dtype}"]["logprobs"] = res["logprobs"]
-            result_meta["vllm_version"] = res["vllm_version"]
-            print(label, dtype, row[f"vllm_{dtype}"]["perplexity"], flush=True)
-        t0 = time.time()
-        hf = engine.score_in_transformers(folder, windows, prompts, new_tokens=24, dtype=torch.float32)
-        row["transformers_float32"] = {"perplexity": engine.perplexity(hf["logprobs"]), "greedy": hf["greedy"],
-                                       "seconds": time.time() - t0}
-        for dtype in ("bfloat16", "float32"):
-            v = row[f"vllm_{dtype}"]
-            v["max_abs_logprob_diff"] = engine.max_logprob_difference(hf["logprobs"], v.pop("logprobs"))
-            v["greedy_tokens_equal"] = sum(a == b for p, q in zip(hf["greedy"], v["greedy"]) for a, b in zip(p, q))
-        print(label, "transformers", row["transformers_float32"]["perplexity"], flush=True)
-        return row
-
     bench = BENCH
     previous = json.loads((bench / "serving.json").read_text()) if (bench / "serving.json").exists() else {}
     if previous.get("domains"):  # measured on its own (--domains): kept as it is
@@ -339,7 +354,8 @@ def main() -> None:
         return json.loads(text)
 
     def measure_once(label, folder, budget, route):
-        rows.append(done.get(label) or measure(label, folder, budget, route))
+        rows.append(done.get(label) or measure_row(label, folder, budget, route, args, windows, prompts, decode,
+                                                   result_meta))  # fmt: skip
         save()
 
     measure_once("source SmolLM2-135M-Instruct (Llama, GQA)", src, None, "vLLM LlamaForCausalLM")
