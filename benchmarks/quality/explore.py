@@ -191,6 +191,8 @@ def record(row: dict) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        return print(__doc__)
     if sys.argv[1] == "--dump-source":
         return dump_source(sys.argv[2])
     windows = int(os.environ.get("W", "2"))
