@@ -1,5 +1,6 @@
-"""The decode benchmark's models and decode forms: the source and converted models (random SmolLM2-135M-shaped weights or
-a converted folder), one attention layer's step in each form (benchmarks/decode/run.py's docstring lists them)."""
+"""The decode benchmark's models and decode forms: the source and converted models (random SmolLM2-135M-shaped
+weights or a converted folder), one attention layer's step in each form (benchmarks/decode/run.py's docstring lists
+them)."""
 
 from __future__ import annotations
 

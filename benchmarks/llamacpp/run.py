@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent  # this benchmark's folder: its llama.cpp workers
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import harness  # noqa: E402  (timed mla-convert processes, the machine record)
 
@@ -161,12 +162,18 @@ def quality(args, results: dict, env: dict, src: Path, text: str) -> None:
         save(results, "source")
 
 
-def decode(args, results: dict, src: Path, text: str) -> None:
-    """Decode tokens/s, every model in one llama.cpp process (benchmarks/llamacpp/decode_worker.py), timings interleaved."""
+def decode_models(args, src: Path, text: str) -> tuple[list[int], dict[str, str]]:
+    """The token ids a decode run starts from, and its models (label -> GGUF): the source and each budget's."""
     ids = evaluate.tokenize(llamacpp.gguf_tokenizer(src), text)[:4096].tolist()
     models = {"source": str(src)}
     for b in args.decode_budgets or args.budgets:
         models[label(b)] = str((args.work / f"smol-{int(b * 1000)}.gguf").resolve())
+    return ids, models
+
+
+def decode(args, results: dict, src: Path, text: str) -> None:
+    """Decode tokens/s, every model in one llama.cpp process (benchmarks/llamacpp/decode_worker.py), timings interleaved."""
+    ids, models = decode_models(args, src, text)
     for spec in args.decode_extra:  # LABEL=PATH
         name, path = spec.split("=", 1)
         models[name] = str(Path(path).resolve())
@@ -186,7 +193,7 @@ def decode(args, results: dict, src: Path, text: str) -> None:
     print(f"+ decode: {list(models)} at {args.contexts} (llama.cpp log: {log})", flush=True)
     load_start = os.getloadavg()
     with open(log, "w") as f:
-        proc = subprocess.run([str(llamacpp.llamacpp_python()), str(ROOT / "benchmarks" / "llamacpp" / "decode_worker.py"),
+        proc = subprocess.run([str(llamacpp.llamacpp_python()), str(HERE / "decode_worker.py"),
                                str(req), str(res)], stderr=f, stdout=f, env=run_env)  # fmt: skip
     text_log = log.read_text(errors="replace")
     if not res.exists():
@@ -226,10 +233,7 @@ def decode(args, results: dict, src: Path, text: str) -> None:
 
 def profile(args, results: dict, src: Path, text: str) -> None:
     """CPU time per decode step and per graph node (benchmarks/llamacpp/profile_worker.py), load-independent."""
-    ids = evaluate.tokenize(llamacpp.gguf_tokenizer(src), text)[:4096].tolist()
-    models = {"source": str(src)}
-    for b in args.decode_budgets or args.budgets:
-        models[label(b)] = str((args.work / f"smol-{int(b * 1000)}.gguf").resolve())
+    ids, models = decode_models(args, src, text)
     tag = args.decode_tag
     request = {"models": models, "n_ctx": max(args.contexts) + 4 * args.decode_tokens + 256, "threads": 1,
                "contexts": args.contexts, "tokens": args.decode_tokens, "ids": ids, "flash_attn": args.flash_attn}
@@ -239,7 +243,7 @@ def profile(args, results: dict, src: Path, text: str) -> None:
     run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     print(f"+ profile: {list(models)} at {args.contexts} (llama.cpp log: {log})", flush=True)
     with open(log, "w") as f:
-        proc = subprocess.run([str(llamacpp.llamacpp_python()), str(ROOT / "benchmarks" / "llamacpp" / "profile_worker.py"),
+        proc = subprocess.run([str(llamacpp.llamacpp_python()), str(HERE / "profile_worker.py"),
                                str(req), str(res)], stderr=f, stdout=f, env=run_env)  # fmt: skip
     if not res.exists():
         sys.exit(f"profile run failed (exit {proc.returncode}): " + "\n".join(log.read_text().splitlines()[-10:]))
