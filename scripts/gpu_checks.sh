@@ -2,10 +2,10 @@
 # The checks that need a GPU, as one short run for a lent CUDA machine (where nothing can be installed or fetched):
 #   1. the CUDA tests (`-m gpu`: the Triton kernel against the float32 reference at the converter's shapes, the
 #      model's decode through it, the CUDA-graph decode step, a conversion with --device cuda);
-#   2. an 8B-shaped conversion with --device cuda (scripts/bench_scale.py: random weights, Llama-3-8B shapes,
+#   2. an 8B-shaped conversion with --device cuda (benchmarks/scale/run.py: random weights, Llama-3-8B shapes,
 #      LAYERS layers, calibrated on 1 x 512 tokens, default refinement and model stage);
 #   3. the whole-model decode benchmark and the kernel table at the converter's default 25% shape, then at 50%
-#      (d_c 144, d_r 48; scripts/bench_decode.py).
+#      (d_c 144, d_r 48; benchmarks/decode/run.py).
 # Each step has its own time limit, and a step that fails or runs out does not stop the next. Everything it writes
 # goes to OUTDIR: log.txt, scale.json / scale.md (benchmarks/scale/ with the new row merged, only when the conversion
 # finished), decode_gpu_<gpu>.md/.json and decode_gpu_<gpu>_half.md/.json. LAYERS=32 needs SCALE_LIMIT of about 720
@@ -36,11 +36,11 @@ extra=()
 [ -n "$tokenizer" ] && extra+=(--tokenizer "$tokenizer")
 [ -n "$calib" ] && extra+=(--calib-file "$calib")
 step "8B-shaped conversion, $layers layers, --device cuda" "${SCALE_LIMIT:-240}" \
-    $py scripts/bench_scale.py run llama3-8b --layers "$layers" --device cuda ${extra[@]+"${extra[@]}"} &&
+    $py benchmarks/scale/run.py run llama3-8b --layers "$layers" --device cuda ${extra[@]+"${extra[@]}"} &&
     cp benchmarks/scale/scale.json "$out/" && cp benchmarks/scale/README.md "$out/scale.md"
 
 gpu=$($py -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())" 2>/dev/null || echo gpu)
-decode=($py scripts/bench_decode.py --device cuda --skip-layer --model-contexts 1k,8k,32k --model-batches 1,8,32
+decode=($py benchmarks/decode/run.py --device cuda --skip-layer --model-contexts 1k,8k,32k --model-batches 1,8,32
         --model-budget "${MODEL_BUDGET:-0.5}")
 step "whole-model decode, 25%" "${DECODE_LIMIT:-200}" "${decode[@]}" \
     --out "$out/decode_gpu_$gpu.md" --json "$out/decode_gpu_$gpu.json"

@@ -3,7 +3,7 @@
 # working tree travels): for each budget (25%, then 50%) convert the embedded SmolLM2-135M with the default options
 # on the GPU, distil it with recipes/smollm2-135m-gpu.yaml on text sampled from the source on the GPU (data: self),
 # scoring the three evaluation texts as it goes (report_data), then score the source, the conversion and the
-# fine-tuned model on the three texts in float32 (scripts/score_domains.py: 16 x 2048, as `mla-convert eval`).
+# fine-tuned model on the three texts in float32 (benchmarks/common/score_domains.py: 16 x 2048, as `mla-convert eval`).
 #
 #   bash scripts/gpu_finetune.sh OUTDIR
 #
@@ -11,11 +11,11 @@
 # .gpu/smollm2.part* with .gpu/smollm2.sha256 when the file is larger than one transfer), .gpu/wheels/gguf-*.whl (the
 # GGUF reader transformers needs), .gpu/cache (self-text caches: calibration text sampled before, so the conversion
 # does not sample it again), .gpu/texts/{wiki,debian-reference,gnu-standards}.txt (WikiText-2 test and the two Debian
-# texts of scripts/domain_texts.py). Knobs: BUDGETS ("0.25 0.5"), TOKENS (training-token cap per budget), SECONDS_FT
+# texts of benchmarks/common/domain_texts.py). Knobs: BUDGETS ("0.25 0.5"), TOKENS (training-token cap per budget), SECONDS_FT
 # (training-time budget per budget: the run stops there and its schedule ends there), CONVERT_ARGS (extra conversion
 # options), FT_ARGS (recipe overrides), SCORE_ARGS, RECIPE, *_LIMIT (seconds per step), DEVICE (cuda), PARTS.
 # Everything lands in OUTDIR as it finishes: log.txt, scores_<b>.json, finetune_<b>.tar.gz (metrics, plot,
-# provenance), and for the 25% run the trained attention tensors (scripts/attention_pack.py) so that the fine-tuned
+# provenance), and for the 25% run the trained attention tensors (benchmarks/finetune/attention_pack.py) so that the fine-tuned
 # model can be rebuilt and served on another machine.
 set -u
 out=${1:?usage: bash scripts/gpu_finetune.sh OUTDIR}
@@ -74,11 +74,11 @@ for budget in ${BUDGETS:-0.25 0.5}; do
     [ -f "$run/final/provenance.json" ] && models="$models,ft$tag=$run/final"
     [ $first = 1 ] && models="source,$models"
     step "score ${tag}%" "${SCORE_LIMIT:-90}" \
-        $py scripts/score_domains.py --models "$models" --texts "$texts" --device "$device" ${SCORE_ARGS:-} --json "$out/scores_$tag.json"
+        $py benchmarks/common/score_domains.py --models "$models" --texts "$texts" --device "$device" ${SCORE_ARGS:-} --json "$out/scores_$tag.json"
     (cd "$work" && tar -czf "$out/finetune_$tag.tar.gz" --exclude='*.safetensors' --ignore-failed-read \
         "c$tag/provenance.json" "c$tag/config.json" "ft$tag/metrics.jsonl" "ft$tag/loss.png" "ft$tag/final" 2>/dev/null)
     if [ $first = 1 ] && [ -f "$run/final/provenance.json" ]; then
-        step "pack the trained attention ${tag}%" 60 $py scripts/attention_pack.py pack "$run/final" "$out" --prefix "ft$tag"
+        step "pack the trained attention ${tag}%" 60 $py benchmarks/finetune/attention_pack.py pack "$run/final" "$out" --prefix "ft$tag"
     fi
     first=0
 done

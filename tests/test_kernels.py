@@ -376,7 +376,7 @@ def test_cuda_kernel_matches_reference(shape, dtype):
                                    atol=TOL[DTYPES[dtype]], rtol=TOL[DTYPES[dtype]])
 
 
-# Launch knobs the benchmark sweeps (scripts/bench_decode.py --kernel-sweep): each must compute the same function.
+# Launch knobs the benchmark sweeps (benchmarks/decode/run.py --kernel-sweep): each must compute the same function.
 # Wide latents take small row blocks only (a 512-wide latent block of 128 rows and 3 stages outgrows shared memory).
 NARROW_TUNES = [dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=256, num_warps=8, num_stages=2),
                 dict(block_n=256, num_warps=4, num_stages=4),

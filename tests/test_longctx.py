@@ -268,25 +268,20 @@ def test_llamacpp_agrees_with_transformers(tiny, tmp_path):
 
 
 def test_bench_script_tables_and_plot(tiny, tmp_path):
-    """scripts/bench_longctx.py: every model's eval --json, the buckets as ratios to the first model, the tables and
-    the plot."""
-    from conftest import load_script
+    """benchmarks/quality/longctx/run.py, run as its command: every model's eval --json, the buckets as ratios to the
+    first model, the tables and the plot; a model given without its label is refused with the form to use."""
+    import subprocess
 
-    bench = load_script("bench_longctx")
     source, text = tiny
-    assert bench.parse_model("s=default@q4_0") == {"label": "s", "path": None, "engine": "transformers",
-                                                   "cache_type": "q4_0"}  # fmt: skip
-    assert bench.parse_model("g=out/m.gguf")["engine"] == "llamacpp"
-    with pytest.raises(SystemExit, match="LABEL=PATH"):
-        bench.parse_model("out/m.gguf")
+    root = Path(__file__).resolve().parents[1]
+    bench = [sys.executable, str(root / "benchmarks" / "quality" / "longctx" / "run.py")]
+    refused = subprocess.run([*bench, "out/m.gguf"], capture_output=True, text=True, cwd=root)
+    assert refused.returncode == 1 and "LABEL=PATH" in refused.stderr and "Traceback" not in refused.stderr
     out = tmp_path / "bench"
-    argv = ["bench_longctx.py", f"ref={source}", f"again={source}", "--data", str(text), "--windows", "1",
-            "--lengths", "600", "--depths", "0.5", "--trials", "1", "--out", str(out)]
-    old, sys.argv = sys.argv, argv
-    try:
-        bench.main()
-    finally:
-        sys.argv = old
+    proc = subprocess.run([*bench, f"ref={source}", f"again={source}", "--data", str(text), "--windows", "1",
+                           "--lengths", "600", "--depths", "0.5", "--trials", "1", "--out", str(out)],
+                          capture_output=True, text=True, cwd=root)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((out / "results.json").read_text())
     assert [r["label"] for r in rows] == ["ref", "again"] and rows[0]["machine"]
     assert all(b["ratio"] == pytest.approx(1.0) for b in rows[1]["result"]["long_context"]["buckets"])

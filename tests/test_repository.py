@@ -168,13 +168,14 @@ def test_readme_for_a_newcomer():
 # The house's limits (docs/architecture.md): a module reads in one sitting, a function on one screen.
 MODULE_LINES = 700
 FUNCTION_LINES = 80
+HOUSE_CODE = ("mla_convert", "scripts", "benchmarks")  # the library, the set-up scripts, the benchmarks' code
 
 
 def test_house_limits():
     import ast
 
     long_modules, long_functions = [], []
-    for path in sorted((ROOT / "mla_convert").rglob("*.py")):
+    for path in sorted(p for folder in HOUSE_CODE for p in (ROOT / folder).rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         name = str(path.relative_to(ROOT))
         if len(text.splitlines()) > MODULE_LINES:
@@ -186,6 +187,41 @@ def test_house_limits():
                     long_functions.append(f"{name}:{node.lineno} {node.name} ({lines})")
     assert not long_modules, f"modules over {MODULE_LINES} lines: {long_modules}"
     assert not long_functions, f"functions over {FUNCTION_LINES} lines: {long_functions}"
+
+
+def tool_code_loads(source: str) -> list[str]:
+    """What a test file does to run code from scripts/ or benchmarks/ in its own process: an import of either as a
+    package, or a call that loads a file or puts a folder on sys.path with either named in its arguments."""
+    import ast
+
+    tree, found = ast.parse(source), []
+    loaders = {"spec_from_file_location", "SourceFileLoader", "run_path", "run_module", "import_module", "insert",
+               "append", "extend", "exec_module"}  # fmt: skip
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in loaders:
+            text = " ".join(ast.get_source_segment(source, a) or "" for a in node.args)
+            names = ["scripts" if "scripts" in text else "benchmarks"] if re.search(r"scripts|benchmarks", text) else []
+        else:
+            continue
+        found += [f"line {node.lineno}: {n}" for n in names if n.split(".")[0] in ("scripts", "benchmarks")]
+    return found
+
+
+def test_no_test_imports_benchmark_or_script_code():
+    """Tests run a benchmark or a script as its command (a subprocess); what a test needs of their code as a library
+    belongs in mla_convert/."""
+    planted = ("import sys\nsys.path.insert(0, str(ROOT / 'scripts'))\nfrom benchmarks.common import harness\n"
+               "spec = importlib.util.spec_from_file_location('b', ROOT / 'benchmarks' / 'decode' / 'run.py')\n")
+    assert len(tool_code_loads(planted)) == 3  # the check sees each way in
+    found = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if loads := tool_code_loads(path.read_text(encoding="utf-8")):
+            found[str(path.relative_to(ROOT))] = loads
+    assert not found, f"tests load code from scripts/ or benchmarks/ (run it as a command instead): {found}"
 
 
 def rooms() -> dict[str, set[str]]:

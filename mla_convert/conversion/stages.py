@@ -21,7 +21,7 @@ from mla_convert.conversion.store import layer_file, read_layer
 from mla_convert.families import Family
 
 log = logging.getLogger(__name__)
-REFINED_LINE = "refine: layer %d held-out error %.4g -> %.4g (%s), %.1f s"  # scripts/bench_scale.py reads it
+REFINED_LINE = "refine: layer %d held-out error %.4g -> %.4g (%s), %.1f s"  # benchmarks/scale/run.py reads it
 
 
 def refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets, position_embeddings, options,

@@ -172,7 +172,7 @@ def launch_config(batch: int, heads: int, seq_len: int, d_c: int, d_r: int, sm_c
 
     Defaults: 128-row blocks and 3 stages for latents up to 64 wide; a 256-wide tile (d_c 129-256) takes 32 rows and 3
     stages, the shared memory of the 128-wide default; wider latents keep 2 stages; `max_split_rows` 2048. Chosen by
-    launch sweeps on a GPU (`scripts/bench_decode.py --kernel-sweep`): docs/decisions.md#decode-kernel-launch-defaults.
+    launch sweeps on a GPU (`benchmarks/decode/run.py --kernel-sweep`): docs/decisions.md#decode-kernel-launch-defaults.
     """
     block_c = max(16, _next_pow2(d_c))
     block_r = max(16, _next_pow2(d_r)) if d_r else 16
