@@ -4,8 +4,9 @@ provenance.json in field order) and `CommandLine` (the convert commands' own fla
 Each field is written out with its type and default; its metadata (`option(...)`) carries its flags, help, choices,
 check and the docs/decisions.md record of its default. From those two classes come the options of the convert commands
 (`mla-convert convert|llama|qwen|...`, mla_convert/cli/convert.py: `OPTIONS`), their single-option checks
-(`check_options`, called by `make_plan`) and the option reference docs/options.md (`python -m mla_convert.schema
---markdown`). Adding an option is one field here; what the option does is then the pipeline's business.
+(`check_options`, called by `conversion.plan.make_geometry`) and the option reference docs/options.md
+(`python -m mla_convert.schema --markdown`). Adding an option is one field here; what the option does is then the
+pipeline's business.
 
 This module imports no torch (the CLI builds its options from it before any model code loads). The defaults chosen
 by measurement say why in one line and point into docs/decisions.md; each option with a default names its record there
@@ -203,7 +204,7 @@ def _calib_data(opt: Option, value: list[str] | None) -> str | None:
 class ConvertOptions:
     """The conversion's options (`mla_convert.convert.convert(source, out, ConvertOptions(...))`); `dataclasses.asdict`
     of them, in this order, is what provenance.json and the resume fingerprint record. None: a default resolved from
-    the other options or the source (see each help text and conversion.plan.make_plan)."""
+    the other options or the source (see each help text and conversion.pipeline.make_plan)."""
 
     rank: int | None = option(None, "--rank", "-r", help="Latent dims d_c cached per token per layer.")
     kv_budget: float | None = option(None, "--kv-budget", check=_kv_budget, help=(
@@ -267,7 +268,7 @@ class ConvertOptions:
     calib_seq_len: int = option(2048, "--calib-seq-len", check=_calib_seq_len, why="calibration-windows", help=(
         "Tokens per calibration window (the attention profiles see distances up to this; match the contexts you "
         "serve)."))
-    # None: selftext.calib_temperature of the share of the cache kept, resolved by conversion.plan.make_plan
+    # None: selftext.calib_temperature of the share of the cache kept, resolved by conversion.pipeline.make_plan
     # (docs/decisions.md#self-text-temperature-length-and-batch)
     calib_temperature: float | None = option(None, "--calib-temperature", check=_positive_finite, show_default=False,
                                              why="self-text-temperature-length-and-batch", help=(
@@ -298,7 +299,7 @@ class ConvertOptions:
     latent_rounds: int = option(0, "--latent-rounds", check=_non_negative, why="closed-form-options", help=(
         "With --value-inputs attended: rounds of refining the shared latent so that keys (on token inputs) and "
         "values (on attended inputs) are both fit (0: only the value up-projection is refit)."))
-    # None: auto (refine.resolve_steps), resolved by conversion.plan.make_plan so that provenance records the number
+    # None: auto (refine.resolve_steps), resolved by conversion.pipeline.make_plan so that provenance records the number
     # that ran
     refine_steps: int | None = option(None, "--refine-steps", cli_default="auto", cli_type=Optional[str],
                                       parse=_steps, check=_non_negative, why="refinement-steps-rate-and-window", help=(
@@ -364,7 +365,7 @@ class ConvertOptions:
         "float32, or bfloat16 (autocast). Weights, targets and held-out checks stay float32 "
         "(docs/decisions.md#refinement-precision)."))
     seed: int = option(0, "--seed", why="defaults-no-measurement-chose", help="Seed for calibration sampling.")
-    # auto is resolved by the CLI (conversion.plan.resolve_device): provenance records the device that ran
+    # auto is resolved by the CLI (conversion.pipeline.resolve_device): provenance records the device that ran
     device: str = option("cpu", "--device", why="defaults-no-measurement-chose", help=(
         "Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto (cuda when available). "
         "Layers stream one at a time either way; the checkpoint is written from the CPU."))
@@ -442,7 +443,7 @@ def choices(name: str) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------------- rules between options
 
 # (broken when, the error line formatted with the options as `o`): checks of options together that need no source.
-# Checks against the source's config (ranks, rope and nope dims, q/k norms) stay in conversion.plan.make_plan.
+# Checks against the source's config (ranks, rope and nope dims, q/k norms) stay in conversion.plan.make_geometry.
 RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
     (lambda o: o.rank is not None and o.kv_budget is not None,
      "give --rank (latent dims) or --kv-budget (cache per token per layer), not both"),

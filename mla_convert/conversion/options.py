@@ -47,6 +47,18 @@ def without_calibration(options: ConvertOptions) -> ConvertOptions:
                                key_inputs="token")
 
 
+def as_planned(options: ConvertOptions, plan) -> ConvertOptions:
+    """The options as the planned conversion runs them (what provenance.json and the resume fingerprint record): each
+    default the plan (`conversion.plan.Plan`) resolved filled in: the self text's temperature, the calibration
+    windows, the layer refinement's steps, window, precision, positions and workers, the model stage's steps and
+    rate."""
+    return dataclasses.replace(options, calib_temperature=plan.calib_temperature, calib_samples=plan.memory["samples"],
+                               refine_steps=plan.refine_steps, refine_seq_len=plan.refine_seq_len,
+                               refine_precision=plan.refine_precision, refine_queries=plan.refine_queries,
+                               refine_workers=plan.refine_workers, refine_model_steps=plan.refine_model_steps,
+                               refine_model_lr=plan.refine_model_lr)
+
+
 def describe_method(options: ConvertOptions) -> str:
     rope_text = f"{options.rope_strategy} partial RoPE" + (" merged across kv heads" if options.rope_merge else "")
     if options.dropped_rope == "expected":
