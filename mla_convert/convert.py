@@ -3,7 +3,7 @@
 `mla_convert.conversion`."""
 
 from mla_convert.conversion.options import ConvertOptions
-from mla_convert.conversion.pipeline import convert, resolve_device
-from mla_convert.conversion.plan import Plan, make_plan, max_rank
+from mla_convert.conversion.pipeline import convert, make_plan, resolve_device
+from mla_convert.conversion.plan import Plan, max_rank
 
 __all__ = ["ConvertOptions", "Plan", "convert", "make_plan", "max_rank", "resolve_device"]

@@ -1,23 +1,26 @@
-"""The conversion's options, declared once: name, type, default, help, choices, flags and check.
+"""The conversion's options, declared once as classes you can read: `ConvertOptions` (the library's options, recorded in
+provenance.json in field order) and `CommandLine` (the convert commands' own flags: the output, the target, ...).
 
-From this table come `ConvertOptions` (the library's options, recorded in provenance.json: its fields are the entries
-that are not `cli_only`, in this order), the options of the convert commands (`mla-convert convert|llama|qwen|...`,
-mla_convert/cli/convert.py), their single-option checks (`check_options`, called by `make_plan`), and the option
-reference docs/options.md (`python -m mla_convert.schema --markdown`). Adding an option is one entry here;
-what the option does is then the pipeline's business.
+Each field is written out with its type and default; its metadata (`option(...)`) carries its flags, help, choices,
+check and the docs/decisions.md record of its default. From those two classes come the options of the convert commands
+(`mla-convert convert|llama|qwen|...`, mla_convert/cli/convert.py: `OPTIONS`), their single-option checks
+(`check_options`, called by `conversion.plan.make_geometry`) and the option reference docs/options.md
+(`python -m mla_convert.schema --markdown`). Adding an option is one field here; what the option does is then the
+pipeline's business.
 
 This module imports no torch (the CLI builds its options from it before any model code loads). The defaults chosen
 by measurement say why in one line and point into docs/decisions.md; each option with a default names its record there
-(`Option.why`), which docs/options.md links.
+(`why`), which docs/options.md links.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, get_args, get_type_hints
 
 from mla_convert import policy
 from mla_convert.errors import UserError
@@ -25,26 +28,44 @@ from mla_convert.errors import UserError
 _SAME = object()  # Option.cli_default: the flag's default is the library's
 
 
+def option(default: Any, *flags: str, help: str, choices: tuple[str, ...] | None = None,
+           check: Callable[[Option, Any], str | None] | None = None, cli_default: Any = _SAME, cli_type: Any = None,
+           parse: Callable[[Option, Any], Any] | None = None, show_default: bool = True, why: str | None = None,
+           library_only: bool = False):
+    """A field of the options classes: its `default`, and as its metadata what the commands, the checks and the docs
+    make of it (`Option`'s attributes of the same names). Give `flags` (the CLI's spellings; a bool's "--x/--no-x"
+    pair is one string), or none and `library_only` for an option the commands do not offer."""
+    if bool(flags) == library_only:
+        raise TypeError("an option has its flags or is library_only (one of the two)")
+    return field(default=default, metadata=dict(flags=flags, help=help, choices=choices, check=check,
+                                                cli_default=cli_default, cli_type=cli_type, parse=parse,
+                                                show_default=show_default, why=why, library_only=library_only))
+
+
 @dataclass(frozen=True)
 class Option:
-    name: str  # the ConvertOptions field (and the CLI parameter)
+    """One option as the commands, the checks and the docs see it: a field of `ConvertOptions` or `CommandLine` (its
+    name, type and default) with the metadata `option` gave it."""
+
+    name: str  # the field (and the CLI parameter)
     type: type  # the value's type: int, float, str, bool (Path for an output)
-    default: Any  # the library's default (ConvertOptions); None: resolved later (see the help)
-    flags: tuple[str, ...]  # the CLI's spellings; a bool's "--x/--no-x" pair is one string
+    default: Any  # the field's default; None: resolved later (see the help)
+    flags: tuple[str, ...]  # the CLI's spellings; a bool's "--x/--no-x" pair is one string; () where library_only
     help: str
     choices: tuple[str, ...] | None = None
-    nullable: bool = False  # None is a value (not given: a default resolved from other options or the source)
+    nullable: bool = False  # None is a value (the field's type is `X | None`: not given, resolved from other options)
     check: Callable[[Option, Any], str | None] | None = None  # beyond the choices: the error line, or None when fine
     cli_default: Any = _SAME  # what the flag holds when not given, where that differs from `default`
     cli_type: Any = None  # the flag's annotation, where it differs from `type` (text such as `auto` or a list)
     parse: Callable[[Option, Any], Any] | None = None  # the flag's value -> the option's (raises UserError)
     show_default: bool = True  # whether --help shows "[default: ...]"
-    cli_only: bool = False  # a flag of the convert commands that is no conversion option (output, target, ...)
+    cli_only: bool = False  # a flag of the convert commands that is no conversion option (`CommandLine`)
     why: str | None = None  # the docs/decisions.md record of the default (its anchor), linked from docs/options.md
+    library_only: bool = False  # a conversion option the commands do not offer (no flags)
 
     @property
     def flag(self) -> str:
-        return self.flags[0].split("/")[0]
+        return self.flags[0].split("/")[0] if self.flags else self.name
 
     @property
     def annotation(self) -> Any:
@@ -70,6 +91,21 @@ class Option:
         if self.choices is not None and value not in self.choices:
             return f"{self.flag} must be one of {', '.join(self.choices)}, got {value}"
         return self.check(self, value) if self.check is not None else None
+
+
+def options_of(cls: type, cli_only: bool = False) -> tuple[Option, ...]:
+    """The `Option` of every field of the dataclass `cls`, in field order; a field not declared with `option(...)` is
+    refused (each must say its flags or that it is library-only)."""
+    hints = get_type_hints(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        if "flags" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name}: declare it with option(...) (its flags, or library_only=True)")
+        kinds = get_args(hints[f.name])
+        nullable = type(None) in kinds
+        kind = next(k for k in kinds if k is not type(None)) if nullable else hints[f.name]
+        found.append(Option(f.name, kind, f.default, nullable=nullable, cli_only=cli_only, **f.metadata))
+    return tuple(found)
 
 
 # ------------------------------------------------------------------------------------------------ checks and parsers
@@ -161,186 +197,242 @@ def _calib_data(opt: Option, value: list[str] | None) -> str | None:
     return None if joined.lower() == "none" else joined
 
 
-# -------------------------------------------------------------------------------------------------------- the table
+# -------------------------------------------------------------------------------------------------- the conversion's
 
-OPTIONS: tuple[Option, ...] = (
-    Option("output", Path, None, ("--output", "-o"), "Output folder (must not exist or be empty).", cli_only=True),
-    Option("rank", int, None, ("--rank", "-r"), "Latent dims d_c cached per token per layer.", nullable=True),
-    Option("kv_budget", float, None, ("--kv-budget",), "Instead of --rank: cache elements per token per layer "
-           "(d_c + d_r), or a fraction <= 1 of the source's cache (e.g. 0.25).", nullable=True, check=_kv_budget),
+
+@dataclass
+class ConvertOptions:
+    """The conversion's options (`mla_convert.convert.convert(source, out, ConvertOptions(...))`); `dataclasses.asdict`
+    of them, in this order, is what provenance.json and the resume fingerprint record. None: a default resolved from
+    the other options or the source (see each help text and conversion.pipeline.make_plan)."""
+
+    rank: int | None = option(None, "--rank", "-r", help="Latent dims d_c cached per token per layer.")
+    kv_budget: float | None = option(None, "--kv-budget", check=_kv_budget, help=(
+        "Instead of --rank: cache elements per token per layer (d_c + d_r), or a fraction <= 1 of the source's cache "
+        "(e.g. 0.25)."))
     # None: conversion.plan.default_rope_dims (docs/decisions.md#rope-key-width)
-    Option("rope_dims", int, None, ("--rope-dims",), "Dims d_r of the shared RoPE key (even). Default: a third of "
-           "--kv-budget, at most three quarters of head_dim (with --target deepseek half of it as a power of "
-           "two, up to all of head_dim), and at most 64, the rope width vLLM's MLA kernels take; head_dim/2 (same caps) with --rank.", nullable=True,
-           why="rope-key-width"),
+    rope_dims: int | None = option(None, "--rope-dims", why="rope-key-width", help=(
+        "Dims d_r of the shared RoPE key (even). Default: a third of --kv-budget, at most three quarters of head_dim "
+        "(with --target deepseek half of it as a power of two, up to all of head_dim), and at most 64, the rope "
+        "width vLLM's MLA kernels take; head_dim/2 (same caps) with --rank."))
     # None: conversion.plan.default_nope_dims (docs/decisions.md#nope-key-width)
-    Option("nope_dims", int, None, ("--nope-dims",), "Dims d_n of each head's nope query/key (the value keeps "
-           "head_dim). Default: head_dim - d_r where d_r <= head_dim/2 with merged pairs (query/key as wide as the "
-           "source's: attention costs what the source's does; the score energy kept per layer is in "
-           "provenance.json), else head_dim.", nullable=True, why="nope-key-width"),
-    # the flag's None tells the --target deepseek resolution (export.rope_fit) that it was not given
-    Option("rope_strategy", str, "attention", ("--rope-strategy",), "Which frequency pairs keep RoPE: high, low, "
-           "uniform, 2-norm or attention (the pairs whose score would suffer most under the calibration attention). "
-           "Default: attention (2-norm without calibration text; docs/decisions.md#closed-form-options); with "
-           "--target deepseek high, the fastest pairs (uniform when those do not fit).",
-           choices=("high", "low", "uniform", "2-norm", "attention"), cli_default=None,
-           why="closed-form-options"),  # rope.STRATEGIES
-    Option("rope_merge", bool, True, ("--rope-merge/--no-rope-merge",), "Merge RoPE pairs across kv heads (PCA per "
-           "frequency).", why="closed-form-options"),
-    Option("factorization", str, "joint", ("--factorization",), "joint (K and V share the latent) or split.",
-           choices=("joint", "split"), why="factorization-and-method"),
-    Option("method", str, "activation", ("--method",), "activation (whitened by calibration inputs) or weight (plain "
-           "SVD).", choices=("weight", "activation"), why="factorization-and-method"),  # lowrank.METHODS
+    nope_dims: int | None = option(None, "--nope-dims", why="nope-key-width", help=(
+        "Dims d_n of each head's nope query/key (the value keeps head_dim). Default: head_dim - d_r where d_r <= "
+        "head_dim/2 with merged pairs (query/key as wide as the source's: attention costs what the source's does; "
+        "the score energy kept per layer is in provenance.json), else head_dim."))
+    # rope.STRATEGIES; the flag's None tells the --target deepseek resolution (export.rope_fit) that it was not given
+    rope_strategy: str = option("attention", "--rope-strategy", cli_default=None, why="closed-form-options",
+                                choices=("high", "low", "uniform", "2-norm", "attention"), help=(
+        "Which frequency pairs keep RoPE: high, low, uniform, 2-norm or attention (the pairs whose score would suffer "
+        "most under the calibration attention). Default: attention (2-norm without calibration text; "
+        "docs/decisions.md#closed-form-options); with --target deepseek high, the fastest pairs (uniform when those do "
+        "not fit)."))
+    rope_merge: bool = option(True, "--rope-merge/--no-rope-merge", why="closed-form-options", help=(
+        "Merge RoPE pairs across kv heads (PCA per frequency)."))
+    factorization: str = option("joint", "--factorization", choices=("joint", "split"),
+                                why="factorization-and-method", help="joint (K and V share the latent) or split.")
+    method: str = option("activation", "--method", choices=("weight", "activation"),  # lowrank.METHODS
+                         why="factorization-and-method",
+                         help="activation (whitened by calibration inputs) or weight (plain SVD).")
     # kv: error in K/V; attention: keys by query-key score error, values by error after o_proj; scores: keys by score
     # error, values by their own (lowrank.OBJECTIVES)
-    Option("objective", str, "kv", ("--objective",), "What the low-rank factorization keeps: kv (K/V outputs), "
-           "attention (keys by their query-key score error, values by their error after o_proj) or scores (keys by "
-           "score error, values by their own). Default: kv (docs/decisions.md#closed-form-options).",
-           choices=("kv", "attention", "scores"), cli_default=None, why="closed-form-options"),
-    Option("kv_balance", float, 1.0, ("--kv-balance",), "Scale the key block so its energy is this multiple of the "
-           "value block's before a joint factorization; none: no scaling (keys and values as the source makes them). "
-           "Default: 1 (balanced).", nullable=True, cli_default=None, cli_type=Optional[str], parse=_balance,
-           check=_kv_balance, why="closed-form-options"),
-    Option("dropped_rope", str, "expected", ("--dropped-rope",), "Pairs that lose RoPE: unrotated (plain nope dims) or "
-           "expected (the query keeps the rotation expected under the head's calibration attention over distances). "
-           "Default: expected (unrotated without calibration text).", choices=("unrotated", "expected"),
-           cli_default=None, why="closed-form-options"),
+    objective: str = option("kv", "--objective", choices=("kv", "attention", "scores"), cli_default=None,
+                            why="closed-form-options", help=(
+        "What the low-rank factorization keeps: kv (K/V outputs), attention (keys by their query-key score error, "
+        "values by their error after o_proj) or scores (keys by score error, values by their own). Default: kv "
+        "(docs/decisions.md#closed-form-options)."))
+    kv_balance: float | None = option(1.0, "--kv-balance", cli_default=None, cli_type=Optional[str], parse=_balance,
+                                      check=_kv_balance, why="closed-form-options", help=(
+        "Scale the key block so its energy is this multiple of the value block's before a joint factorization; none: "
+        "no scaling (keys and values as the source makes them). Default: 1 (balanced)."))
+    dropped_rope: str = option("expected", "--dropped-rope", choices=("unrotated", "expected"), cli_default=None,
+                               why="closed-form-options", help=(
+        "Pairs that lose RoPE: unrotated (plain nope dims) or expected (the query keeps the rotation expected under "
+        "the head's calibration attention over distances). Default: expected (unrotated without calibration text)."))
     # files/datasets and their weights: mla_convert.calibration; None: weight-only statistics
-    Option("calib_data", str, "self", ("--calib-data",), "Calibration text: 'self' (text sampled from the source "
-           "itself, seeded and cached: no data set needed; chat answers through its chat template), 'self-doc' "
-           "(sampled documents, one unbroken document per window, from the BOS token), a local "
-           ".txt/.raw/.tokens/.jsonl file or a datasets name[:config[:split]]; 'none' for weight-only statistics. Mix "
-           "several with weights: repeat the option or join with commas, each NAME or NAME:WEIGHT (e.g. --calib-data "
-           "wiki.valid.tokens:0.5 --calib-data self:0.5; the windows are shared by weight). Never the text you "
-           "evaluate on. Default: self.", nullable=True, cli_default=None, cli_type=Optional[list[str]],
-           parse=_calib_data, show_default=False, why="calibration-text"),
+    calib_data: str | None = option("self", "--calib-data", cli_default=None, cli_type=Optional[list[str]],
+                                    parse=_calib_data, show_default=False, why="calibration-text", help=(
+        "Calibration text: 'self' (text sampled from the source itself, seeded and cached: no data set needed; chat "
+        "answers through its chat template), 'self-doc' (sampled documents, one unbroken document per window, from "
+        "the BOS token), a local .txt/.raw/.tokens/.jsonl file or a datasets name[:config[:split]]; 'none' for "
+        "weight-only statistics. Mix several with weights: repeat the option or join with commas, each NAME or "
+        "NAME:WEIGHT (e.g. --calib-data wiki.valid.tokens:0.5 --calib-data self:0.5; the windows are shared by "
+        "weight). Never the text you evaluate on. Default: self."))
     # None: conversion.plan.default_calib_samples of the share of the source's cache kept; the refinement trains on
     # the first refine_seq_len tokens of all but one window
-    Option("calib_samples", int, None, ("--calib-samples",), "Calibration windows. Default: "
-           f"{policy.rule_text(policy.CALIB_SAMPLES)} (docs/decisions.md#calibration-windows).", nullable=True,
-           check=_calib_samples, show_default=False, why="calibration-windows"),
+    calib_samples: int | None = option(None, "--calib-samples", check=_calib_samples, show_default=False,
+                                       why="calibration-windows", help=(
+        f"Calibration windows. Default: {policy.rule_text(policy.CALIB_SAMPLES)} "
+        "(docs/decisions.md#calibration-windows)."))
     # as long as the evaluation windows: the attention profiles see those distances
-    Option("calib_seq_len", int, 2048, ("--calib-seq-len",), "Tokens per calibration window (the attention profiles "
-           "see distances up to this; match the contexts you serve).", check=_calib_seq_len, why="calibration-windows"),
-    # None: selftext.calib_temperature of the share of the cache kept, resolved in `convert`
+    calib_seq_len: int = option(2048, "--calib-seq-len", check=_calib_seq_len, why="calibration-windows", help=(
+        "Tokens per calibration window (the attention profiles see distances up to this; match the contexts you "
+        "serve)."))
+    # None: selftext.calib_temperature of the share of the cache kept, resolved by conversion.pipeline.make_plan
     # (docs/decisions.md#self-text-temperature-length-and-batch)
-    Option("calib_temperature", float, None, ("--calib-temperature",), "Sampling temperature of the 'self' and "
-           "'self-doc' calibration text (above 1: more varied text). Default: "
-           f"{policy.rule_text(policy.CALIB_TEMPERATURE)} (docs/decisions.md#self-text-temperature-length-and-batch).", nullable=True,
-           check=_positive_finite, show_default=False, why="self-text-temperature-length-and-batch"),
-    Option("calib_sample_tokens", int, 256, ("--calib-sample-tokens",), "New tokens at most per sampled 'self' answer "
-           "(an answer ends earlier at its EOS; a 'self-doc' document fills a window).", check=_positive,
-           why="self-text-temperature-length-and-batch"),
-    Option("calib_propagate", str, "source", ("--calib-propagate",), "Later layers calibrate (and refine) on the "
-           "source's (source) or the converted earlier layers' activations (converted: each layer fit to do what the "
-           "source layer does with the inputs it will see).", choices=("source", "converted"),
-           why="calibration-stream"),
+    calib_temperature: float | None = option(None, "--calib-temperature", check=_positive_finite, show_default=False,
+                                             why="self-text-temperature-length-and-batch", help=(
+        "Sampling temperature of the 'self' and 'self-doc' calibration text (above 1: more varied text). Default: "
+        f"{policy.rule_text(policy.CALIB_TEMPERATURE)} (docs/decisions.md#self-text-temperature-length-and-batch)."))
+    calib_sample_tokens: int = option(256, "--calib-sample-tokens", check=_positive,
+                                      why="self-text-temperature-length-and-batch", help=(
+        "New tokens at most per sampled 'self' answer (an answer ends earlier at its EOS; a 'self-doc' document "
+        "fills a window)."))
+    calib_propagate: str = option("source", "--calib-propagate", choices=("source", "converted"),
+                                  why="calibration-stream", help=(
+        "Later layers calibrate (and refine) on the source's (source) or the converted earlier layers' activations "
+        "(converted: each layer fit to do what the source layer does with the inputs it will see)."))
     # None: energy with calibration text, else uniform (options.resolve_allocation): docs/decisions.md#rank-allocation
-    Option("rank_allocation", str, None, ("--rank-allocation",), "uniform: every layer gets the same latent dims. "
-           "energy: the same total, shared among layers by their calibrated spectra (relative error removed per dim; "
-           "per-layer kv_lora_rank, none above the vLLM MLA width the uniform rank needs). Default: energy (uniform "
-           "without calibration text or with --target deepseek).", choices=("uniform", "energy"), nullable=True,
-           why="rank-allocation"),
-    Option("value_inputs", str, "attended", ("--value-inputs",), "attended (default): the value up-projection fits "
-           "values on the attention-averaged inputs they are consumed through (calibrated). token: per token, as keys.",
-           choices=("token", "attended"), why="closed-form-options"),
-    Option("key_inputs", str, "attended", ("--key-inputs",), "attended (default): each calibration token counts by the "
-           "attention its key receives (calibrated). token: every token alike.", choices=("token", "attended"),
-           why="closed-form-options"),
-    Option("latent_rounds", int, 0, ("--latent-rounds",), "With --value-inputs attended: rounds of refining the shared "
-           "latent so that keys (on token inputs) and values (on attended inputs) are both fit (0: only the value "
-           "up-projection is refit).", check=_non_negative, why="closed-form-options"),
-    # None: auto (refine.resolve_steps), resolved in `convert` so that provenance records the number that ran
-    Option("refine_steps", int, None, ("--refine-steps",), "After the factorization, train each converted layer this "
-           "many Adam steps so that its outputs match the source's on the calibration text (real softmax and RoPE; "
-           "kept only where a held-out calibration sequence improves). auto (default): on a GPU "
-           f"{policy.rule_text(policy.REFINE_STEPS)}; on the CPU {policy.rule_text(policy.REFINE_STEPS_CPU)} at "
-           "--refine-queries positions a step (a GPU's at every position), when the plan estimates at most 1.5 h; 0: "
-           "off (docs/decisions.md#refinement-steps-rate-and-window).", nullable=True, cli_default="auto",
-           cli_type=Optional[str], parse=_steps, check=_non_negative, why="refinement-steps-rate-and-window"),
-    Option("refine_lr", float, 1e-3, ("--refine-lr",), "Learning rate of --refine-steps (Adam, cosine).",
-           check=_positive, why="refinement-steps-rate-and-window"),
+    rank_allocation: str | None = option(None, "--rank-allocation", choices=("uniform", "energy"),
+                                         why="rank-allocation", help=(
+        "uniform: every layer gets the same latent dims. energy: the same total, shared among layers by their "
+        "calibrated spectra (relative error removed per dim; per-layer kv_lora_rank, none above the vLLM MLA width "
+        "the uniform rank needs). Default: energy (uniform without calibration text or with --target deepseek)."))
+    value_inputs: str = option("attended", "--value-inputs", choices=("token", "attended"),
+                               why="closed-form-options", help=(
+        "attended (default): the value up-projection fits values on the attention-averaged inputs they are consumed "
+        "through (calibrated). token: per token, as keys."))
+    key_inputs: str = option("attended", "--key-inputs", choices=("token", "attended"), why="closed-form-options",
+                             help=(
+        "attended (default): each calibration token counts by the attention its key receives (calibrated). token: "
+        "every token alike."))
+    latent_rounds: int = option(0, "--latent-rounds", check=_non_negative, why="closed-form-options", help=(
+        "With --value-inputs attended: rounds of refining the shared latent so that keys (on token inputs) and "
+        "values (on attended inputs) are both fit (0: only the value up-projection is refit)."))
+    # None: auto (refine.resolve_steps), resolved by conversion.pipeline.make_plan so that provenance records the number
+    # that ran
+    refine_steps: int | None = option(None, "--refine-steps", cli_default="auto", cli_type=Optional[str],
+                                      parse=_steps, check=_non_negative, why="refinement-steps-rate-and-window", help=(
+        "After the factorization, train each converted layer this many Adam steps so that its outputs match the "
+        "source's on the calibration text (real softmax and RoPE; kept only where a held-out calibration sequence "
+        f"improves). auto (default): on a GPU {policy.rule_text(policy.REFINE_STEPS)}; on the CPU "
+        f"{policy.rule_text(policy.REFINE_STEPS_CPU)} at --refine-queries positions a step (a GPU's at every "
+        "position), when the plan estimates at most 1.5 h; 0: off "
+        "(docs/decisions.md#refinement-steps-rate-and-window)."))
+    refine_lr: float = option(1e-3, "--refine-lr", check=_positive, why="refinement-steps-rate-and-window",
+                              help="Learning rate of --refine-steps (Adam, cosine).")
     # each step trains on refine.STEP_TOKENS tokens
-    Option("refine_seq_len", int, 2048, ("--refine-seq-len",), "Tokens per refinement window, from each calibration "
-           "sequence's start (at most --calib-seq-len); each step trains on 2048 tokens (one window of 2048, two of "
-           "1024).", check=_refine_seq_len, why="refinement-steps-rate-and-window"),
+    refine_seq_len: int = option(2048, "--refine-seq-len", check=_refine_seq_len,
+                                 why="refinement-steps-rate-and-window", help=(
+        "Tokens per refinement window, from each calibration sequence's start (at most --calib-seq-len); each step "
+        "trains on 2048 tokens (one window of 2048, two of 1024)."))
     # refine.layer_update_at; its cost and quality: docs/decisions.md#refinement-on-a-cpu-positions-and-steps
-    Option("refine_queries", int, None, ("--refine-queries",), "Positions of each refinement window a step takes the "
-           "whole layer's loss at (random each step; every key of the window is still formed and attended to): "
-           "fewer cost less a step and refine less. auto (default): on the CPU "
-           f"{policy.rule_text(policy.REFINE_QUERIES_CPU)}; on a GPU 0; 0: every position.", nullable=True,
-           cli_default="auto", cli_type=Optional[str], parse=_count, check=_non_negative,
-           why="refinement-on-a-cpu-positions-and-steps"),
+    refine_queries: int | None = option(None, "--refine-queries", cli_default="auto", cli_type=Optional[str],
+                                        parse=_count, check=_non_negative,
+                                        why="refinement-on-a-cpu-positions-and-steps", help=(
+        "Positions of each refinement window a step takes the whole layer's loss at (random each step; every key of "
+        "the window is still formed and attended to): fewer cost less a step and refine less. auto (default): on the "
+        f"CPU {policy.rule_text(policy.REFINE_QUERIES_CPU)}; on a GPU 0; 0: every position."))
     # conversion.workers; measured: docs/decisions.md#refinement-workers
-    Option("refine_workers", int, None, ("--refine-workers",), "Processes that refine layers at once, each with its "
-           "share of the CPU threads (on the source's calibration stream the layers are independent). auto "
-           "(default): 2 on a CPU with 2 or more threads where the refinement is estimated at 2 minutes or more, else "
-           "1 (on a GPU, with --calib-propagate converted); 1: one layer at a time in the conversion's own process.", nullable=True, cli_default="auto",
-           cli_type=Optional[str], parse=_processes, check=_at_least_one, why="refinement-workers"),
-    # docs/decisions.md#refinement-scope-and-the-mlps-rate
-    Option("refine_scope", str, "layer", ("--refine-scope",), "What --refine-steps trains: layer (default: the whole "
-           "decoder layer, MLP and norms too, to what the source layer adds to the residual stream) or attention (the "
-           "converted attention, to the source attention's outputs; about half the refinement time).",
-           choices=("attention", "layer"), why="refinement-scope-and-the-mlps-rate"),  # refine.SCOPES
-    Option("refine_mlp_lr_scale", float, 1.0, ("--refine-mlp-lr-scale",), "With --refine-scope layer: the learning "
-           "rate of the MLP and norms, as a multiple of --refine-lr (0: the attention alone trains, to the whole "
-           "layer's target).", check=_non_negative, why="refinement-scope-and-the-mlps-rate"),
-    # the model stage (refine.refine_model); None: auto (refine.resolve_model_steps), resolved in `convert`
-    Option("refine_model_steps", int, None, ("--refine-model-steps",), "The model stage, after the layers: train every "
-           "converted attention this many Adam steps end to end so that the model's next-token distributions match "
-           "the source's on the calibration windows (KL; one window held out and checked 8 times, the best weights "
-           "seen kept). Holds the whole model in memory. auto (default): 64 on a GPU; on the CPU "
-           f"{policy.rule_text(policy.MODEL_STEPS_CPU)}, when the plan estimates at most 30 min and half the "
-           "machine's memory; 0: off (docs/decisions.md#the-model-stage).",
-           nullable=True, cli_default="auto", cli_type=Optional[str], parse=_steps, check=_non_negative,
-           why="the-model-stage"),
-    # None: auto (refine.resolve_model_lr), resolved in `convert`
-    Option("refine_model_lr", float, None, ("--refine-model-lr",), "Learning rate of --refine-model-steps (Adam, "
-           "warmup then cosine). auto (default): 1e-4 for 64 steps or more, 2e-4 for fewer.", nullable=True,
-           cli_default="auto", cli_type=Optional[str], parse=_rate, check=_positive_finite, why="the-model-stage"),
-    Option("refine_model_scope", str, "attention", ("--refine-model-scope",), "What --refine-model-steps trains: "
-           "attention (default: every converted attention) or layer (every decoder layer whole: attention, MLP and "
-           "norms).", choices=("attention", "layer"), why="the-model-stage"),  # refine.MODEL_SCOPES
-    # auto: resolved in `convert` (refine.resolve_precision); docs/decisions.md#refinement-precision
-    Option("refine_precision", str, "auto", ("--refine-precision",), "What the training steps of --refine-steps and "
-           "--refine-model-steps compute in: auto (default: bfloat16 on CPUs with AVX512-BF16 or AMX for models of "
-           "hidden size 256 or more, float32 elsewhere and on GPUs), float32, or bfloat16 (autocast). Weights, "
-           "targets and held-out checks stay float32 (docs/decisions.md#refinement-precision).",
-           choices=("auto", "float32", "bfloat16"), why="refinement-precision"),  # refine.PRECISIONS
-    Option("seed", int, 0, ("--seed",), "Seed for calibration sampling.", why="defaults-no-measurement-chose"),
+    refine_workers: int | None = option(None, "--refine-workers", cli_default="auto", cli_type=Optional[str],
+                                        parse=_processes, check=_at_least_one, why="refinement-workers", help=(
+        "Processes that refine layers at once, each with its share of the CPU threads (on the source's calibration "
+        "stream the layers are independent). auto (default): 2 on a CPU with 2 or more threads where the refinement "
+        "is estimated at 2 minutes or more, else 1 (on a GPU, with --calib-propagate converted); 1: one layer at a "
+        "time in the conversion's own process."))
+    # refine.SCOPES; docs/decisions.md#refinement-scope-and-the-mlps-rate
+    refine_scope: str = option("layer", "--refine-scope", choices=("attention", "layer"),
+                               why="refinement-scope-and-the-mlps-rate", help=(
+        "What --refine-steps trains: layer (default: the whole decoder layer, MLP and norms too, to what the source "
+        "layer adds to the residual stream) or attention (the converted attention, to the source attention's "
+        "outputs; about half the refinement time)."))
+    refine_mlp_lr_scale: float = option(1.0, "--refine-mlp-lr-scale", check=_non_negative,
+                                        why="refinement-scope-and-the-mlps-rate", help=(
+        "With --refine-scope layer: the learning rate of the MLP and norms, as a multiple of --refine-lr (0: the "
+        "attention alone trains, to the whole layer's target)."))
+    # the model stage (refine.refine_model); None: auto (refine.resolve_model_steps), resolved by make_plan
+    refine_model_steps: int | None = option(None, "--refine-model-steps", cli_default="auto", cli_type=Optional[str],
+                                            parse=_steps, check=_non_negative, why="the-model-stage", help=(
+        "The model stage, after the layers: train every converted attention this many Adam steps end to end so that "
+        "the model's next-token distributions match the source's on the calibration windows (KL; one window held out "
+        "and checked 8 times, the best weights seen kept). Holds the whole model in memory. auto (default): 64 on a "
+        f"GPU; on the CPU {policy.rule_text(policy.MODEL_STEPS_CPU)}, when the plan estimates at most 30 min and half "
+        "the machine's memory; 0: off (docs/decisions.md#the-model-stage)."))
+    # None: auto (refine.resolve_model_lr), resolved by make_plan
+    refine_model_lr: float | None = option(None, "--refine-model-lr", cli_default="auto", cli_type=Optional[str],
+                                           parse=_rate, check=_positive_finite, why="the-model-stage", help=(
+        "Learning rate of --refine-model-steps (Adam, warmup then cosine). auto (default): 1e-4 for 64 steps or "
+        "more, 2e-4 for fewer."))
+    refine_model_scope: str = option("attention", "--refine-model-scope", choices=("attention", "layer"),
+                                     why="the-model-stage", help=(  # refine.MODEL_SCOPES
+        "What --refine-model-steps trains: attention (default: every converted attention) or layer (every decoder "
+        "layer whole: attention, MLP and norms)."))
+    # auto: resolved by make_plan (refine.resolve_precision); refine.PRECISIONS; docs/decisions.md#refinement-precision
+    refine_precision: str = option("auto", "--refine-precision", choices=("auto", "float32", "bfloat16"),
+                                   why="refinement-precision", help=(
+        "What the training steps of --refine-steps and --refine-model-steps compute in: auto (default: bfloat16 on "
+        "CPUs with AVX512-BF16 or AMX for models of hidden size 256 or more, float32 elsewhere and on GPUs), "
+        "float32, or bfloat16 (autocast). Weights, targets and held-out checks stay float32 "
+        "(docs/decisions.md#refinement-precision)."))
+    seed: int = option(0, "--seed", why="defaults-no-measurement-chose", help="Seed for calibration sampling.")
     # auto is resolved by the CLI (conversion.pipeline.resolve_device): provenance records the device that ran
-    Option("device", str, "cpu", ("--device",), "Where each layer's calibration and factorization run: cpu, cuda, "
-           "cuda:N or auto (cuda when available). Layers stream one at a time either way; the checkpoint is written "
-           "from the CPU.", why="defaults-no-measurement-chose"),
-    # None: the source's (float32 for GGUF)
-    Option("dtype", str, None, ("--dtype",), "Output dtype: float32, bfloat16 or float16. Default: the source's.",
-           choices=("float32", "bfloat16", "float16"), nullable=True,
-           why="defaults-no-measurement-chose"),  # dtypes.DTYPES
-    Option("revision", str, None, ("--revision",), "Hub revision when MODEL is a hub id.", cli_only=True),
-    Option("overwrite", bool, False, ("--overwrite",), "Replace a non-empty output folder.", cli_only=True),
-    Option("dry_run", bool, False, ("--dry-run",), "Print the plan (shapes, cache sizes, memory) only.", cli_only=True),
-    Option("force", bool, False, ("--force",), "Convert even when the MLA cache is not smaller than the source's (no "
-           "saving)."),
-    # checked by export.driver.resolve_target
-    Option("target", str, None, ("--target",), "native: any options. deepseek: choose (or refuse) options up front so "
-           "the result exports exactly to stock DeepSeek-V3 (one geometric RoPE frequency set: --rope-strategy "
-           "uniform/high, merged across kv heads); warns when vLLM/FlashMLA kernels will not take the layout. "
-           "Default: --format's.", cli_only=True, why="defaults-no-measurement-chose"),
-    Option("format", str, "native", ("--format",), "native: write the MLA checkpoint to OUT. deepseek: implies "
-           "--target deepseek; write the native checkpoint to OUT-native and its verified DeepSeek-V3 export (for "
-           "vLLM/SGLang, docs/serving.md) to OUT. gguf: implies --target deepseek; OUT is NAME.gguf (f32, for "
-           "llama.cpp), the native checkpoint goes to NAME-native.", cli_only=True,
-           why="defaults-no-measurement-chose"),
+    device: str = option("cpu", "--device", why="defaults-no-measurement-chose", help=(
+        "Where each layer's calibration and factorization run: cpu, cuda, cuda:N or auto (cuda when available). "
+        "Layers stream one at a time either way; the checkpoint is written from the CPU."))
+    # None: the source's (float32 for GGUF); dtypes.DTYPES
+    dtype: str | None = option(None, "--dtype", choices=("float32", "bfloat16", "float16"),
+                               why="defaults-no-measurement-chose",
+                               help="Output dtype: float32, bfloat16 or float16. Default: the source's.")
+    force: bool = option(False, "--force", help=(
+        "Convert even when the MLA cache is not smaller than the source's (no saving)."))
     # ignored for sources without per-head q/k norms
-    Option("qk_norm", str, "exact", ("--qk-norm",), "Sources with per-head q/k RMS norms (Qwen3): exact (the key is "
-           "normalized per token at attention time: exact at full rank, expanded attention every step) or calibrated "
-           "(the key's RMS replaced by its calibration RMS per layer and kv group: plain MLA keys, absorbed decode, "
-           "an approximation; benchmarks/qwen3/README.md). Default: exact. Ignored for other sources.",
-           choices=("exact", "calibrated"), why="qwen3s-key-norm"),
-)
+    qk_norm: str = option("exact", "--qk-norm", choices=("exact", "calibrated"), why="qwen3s-key-norm", help=(
+        "Sources with per-head q/k RMS norms (Qwen3): exact (the key is normalized per token at attention time: "
+        "exact at full rank, expanded attention every step) or calibrated (the key's RMS replaced by its calibration "
+        "RMS per layer and kv group: plain MLA keys, absorbed decode, an approximation; benchmarks/qwen3/README.md). "
+        "Default: exact. Ignored for other sources."))
 
-BY_NAME = {o.name: o for o in OPTIONS}
-CONVERSION = tuple(o for o in OPTIONS if not o.cli_only)  # the fields of ConvertOptions, in order
+    def needs_statistics(self) -> bool:
+        """Whether the conversion collects calibration statistics (these options ask for something beyond plain SVD
+        of the weights)."""
+        return (
+            self.method == "activation"
+            or self.rope_strategy in ("2-norm", "attention")
+            or self.rope_merge
+            or self.objective != "kv"
+            or self.value_inputs != "token"
+            or self.key_inputs != "token"
+            or self.dropped_rope == "expected"
+            or self.qk_norm == "calibrated"  # the keys' RMS (only sources with q/k norms read it)
+            or (self.refine_steps or 0) > 0
+            or (self.refine_model_steps or 0) > 0
+        )
+
+    def needs_attention_profile(self) -> bool:
+        return self.rope_strategy == "attention" or self.dropped_rope == "expected"
+
+    def needs_attention_statistics(self) -> bool:
+        return self.needs_attention_profile() or self.value_inputs == "attended" or self.key_inputs == "attended"
+
+
+# ----------------------------------------------------------------------------------------- the command line's own
+
+
+@dataclass
+class CommandLine:
+    """The convert commands' own options, beside the conversion's (not recorded in provenance.json): where the result
+    goes and in what form. The commands take `output` first, then every `ConvertOptions` option, then the rest."""
+
+    output: Path | None = option(None, "--output", "-o", help="Output folder (must not exist or be empty).")
+    revision: str | None = option(None, "--revision", help="Hub revision when MODEL is a hub id.")
+    overwrite: bool = option(False, "--overwrite", help="Replace a non-empty output folder.")
+    dry_run: bool = option(False, "--dry-run", help="Print the plan (shapes, cache sizes, memory) only.")
+    # checked by export.driver.resolve_target
+    target: str | None = option(None, "--target", why="defaults-no-measurement-chose", help=(
+        "native: any options. deepseek: choose (or refuse) options up front so the result exports exactly to stock "
+        "DeepSeek-V3 (one geometric RoPE frequency set: --rope-strategy uniform/high, merged across kv heads); warns "
+        "when vLLM/FlashMLA kernels will not take the layout. Default: --format's."))
+    format: str = option("native", "--format", why="defaults-no-measurement-chose", help=(
+        "native: write the MLA checkpoint to OUT. deepseek: implies --target deepseek; write the native checkpoint "
+        "to OUT-native and its verified DeepSeek-V3 export (for vLLM/SGLang, docs/serving.md) to OUT. gguf: implies "
+        "--target deepseek; OUT is NAME.gguf (f32, for llama.cpp), the native checkpoint goes to NAME-native."))
+
+
+CONVERSION = options_of(ConvertOptions)  # the fields of ConvertOptions, in order
+_OWN = options_of(CommandLine, cli_only=True)
+# the convert commands' options, in --help's order
+OPTIONS: tuple[Option, ...] = (_OWN[0], *(o for o in CONVERSION if not o.library_only), *_OWN[1:])
+BY_NAME = {o.name: o for o in (*CONVERSION, *_OWN)}
 DEFAULTS = {o.name: o.default for o in CONVERSION}
 
 
@@ -348,18 +440,10 @@ def choices(name: str) -> tuple[str, ...]:
     return BY_NAME[name].choices
 
 
-def dataclass_fields() -> list[tuple[str, Any, Any]]:
-    """(name, type, default) of every conversion option, for `dataclasses.make_dataclass`."""
-    import dataclasses
-
-    return [(o.name, o.type | None if o.nullable or o.default is None else o.type, dataclasses.field(default=o.default))
-            for o in CONVERSION]
-
-
 # ------------------------------------------------------------------------------------------- rules between options
 
 # (broken when, the error line formatted with the options as `o`): checks of options together that need no source.
-# Checks against the source's config (ranks, rope and nope dims, q/k norms) stay in conversion.plan.make_plan.
+# Checks against the source's config (ranks, rope and nope dims, q/k norms) stay in conversion.plan.make_geometry.
 RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
     (lambda o: o.rank is not None and o.kv_budget is not None,
      "give --rank (latent dims) or --kv-budget (cache per token per layer), not both"),
@@ -401,18 +485,19 @@ def check_options(options) -> None:
 # ------------------------------------------------------------------------------------------------ the reference page
 
 
-def _default_text(option: Option) -> str:
-    if option.type is bool:
-        pair = option.flags[0].split("/")
-        return f"`{pair[0] if option.default else pair[1]}`" if len(pair) == 2 else "off"
-    value = option.default if option.flag_default is None else option.flag_default
+def _default_text(o: Option) -> str:
+    if o.type is bool and o.flags:
+        pair = o.flags[0].split("/")
+        return f"`{pair[0] if o.default else pair[1]}`" if len(pair) == 2 else "off"
+    value = o.default if o.flag_default is None else o.flag_default
     if value is None:
-        return "see description" if "Default" in option.help else "none"
+        return "see description" if "Default" in o.help else "none"
     return f"`{value}`"
 
 
 def markdown() -> str:
-    """docs/options.md: the reference of the convert commands' options, made from `OPTIONS`."""
+    """docs/options.md: the reference of the convert commands' options and the library's, made from `ConvertOptions`
+    and `CommandLine` (`OPTIONS`, then any library-only option)."""
     lines = [
         "# Conversion options",
         "",
@@ -427,13 +512,14 @@ def markdown() -> str:
         "| Option | Field | Default | Values | Description |",
         "|---|---|---|---|---|",
     ]
-    for o in OPTIONS:
-        flags = ", ".join(f"`{f}`" for f in o.flags)
-        values = ", ".join(o.choices) if o.choices else {bool: "flag", Path: "path", str: "text"}.get(o.type, o.type.__name__)
+    for o in (*OPTIONS, *(o for o in CONVERSION if o.library_only)):
+        flags = ", ".join(f"`{f}`" for f in o.flags) or "library only"
+        values = ", ".join(o.choices) if o.choices else {bool: "flag", Path: "path", str: "text"}.get(o.type,
+                                                                                                    o.type.__name__)
         values = f"auto, {values}" if o.parse is _steps else values
-        field = "cli only" if o.cli_only else f"`{o.name}`"
+        name = "cli only" if o.cli_only else f"`{o.name}`"
         default = _default_text(o) + (f" ([why](decisions.md#{o.why}))" if o.why else "")
-        lines.append(f"| {flags} | {field} | {default} | {values} | {o.help.replace('|', '/')} |")
+        lines.append(f"| {flags} | {name} | {default} | {values} | {o.help.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 

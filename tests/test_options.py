@@ -1,5 +1,5 @@
-"""The option schema (mla_convert/schema.py): ConvertOptions, the convert commands' options, their checks
-and docs/options.md are all made from it."""
+"""The option schema (mla_convert/schema.py): the declared classes ConvertOptions and CommandLine, and what is made
+from them: the convert commands' options, their checks and docs/options.md."""
 
 import ast
 import dataclasses
@@ -52,6 +52,49 @@ def test_commands_take_every_schema_option(name):
         assert param.help == option.help and param.default == option.flag_default, option.name
         spelled = [*param.opts, *param.secondary_opts]
         assert spelled == [s for flag in option.flags for s in flag.split("/")], option.name
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_options_classes_are_what_the_commands_offer(name):
+    """Every ConvertOptions field is a flag of the command, spelled as its metadata declares, or is marked
+    library-only; every flag of the command (beside the source and -v/-q) is a field of ConvertOptions or of
+    CommandLine, the command line's own."""
+    command = typer.main.get_command(app).commands[name]
+    offered = {p.name: [*p.opts, *p.secondary_opts] for p in command.params}
+    assert [offered.pop(own) for own in ("model", "verbose", "quiet")]
+    for cls in (schema.ConvertOptions, schema.CommandLine):
+        for f in dataclasses.fields(cls):
+            declared = [s for flag in f.metadata["flags"] for s in flag.split("/")]
+            if f.metadata["library_only"]:
+                assert f.name not in offered and not declared, f.name
+            else:
+                assert offered.pop(f.name) == declared and declared, f.name
+    assert not offered, f"flags of {name} that no options class declares: {sorted(offered)}"
+
+
+def test_an_option_declares_its_flags_or_library_only():
+    """A field without `option(...)` metadata, or an option with neither flags nor library_only, is refused; a
+    library-only option has no flag and is not a command's option."""
+    @dataclasses.dataclass
+    class Plain:
+        width: int = 3
+
+    with pytest.raises(TypeError, match="Plain.width"):
+        schema.options_of(Plain)
+    with pytest.raises(TypeError):
+        schema.option(3, help="no flags")
+    with pytest.raises(TypeError):
+        schema.option(3, "--width", help="both", library_only=True)
+
+    @dataclasses.dataclass
+    class Declared:
+        width: int | None = schema.option(None, help="Library only.", library_only=True)
+        depth: int = schema.option(2, "--depth", help="Offered.", check=lambda o, v: None if v > 0 else "bad")
+
+    width, depth = schema.options_of(Declared)
+    assert (width.flags, width.flag, width.nullable, width.type, width.default) == ((), "width", True, int, None)
+    assert (depth.flag, depth.nullable, depth.type, depth.default) == ("--depth", False, int, 2)
+    assert depth.error(0) == "bad" and width.error(None) is None
 
 
 @pytest.mark.parametrize("changes, line", [

@@ -79,7 +79,7 @@ def _convert(family: Optional[str], model: Optional[str], flags: dict[str, Any])
     device = resolve_device(flags["device"])  # auto -> what runs (recorded in provenance.json)
     _warn_test_split(BY_NAME["calib_data"].from_flag(flags["calib_data"]), flags["calib_samples"])
     target, native_out = resolve_target(flags["target"], format, output)  # deepseek: the native one to OUT-native
-    values = {o.name: o.from_flag(flags[o.name]) for o in CONVERSION}
+    values = {o.name: o.from_flag(flags[o.name]) for o in CONVERSION if not o.library_only}
     options = ConvertOptions(**{**values, "device": device})
     if output is not None and not dry_run:
         _check_outputs(model, output, native_out, format, overwrite)

@@ -1,5 +1,6 @@
-"""The conversion's options: `ConvertOptions` (recorded in provenance.json), the defaults resolved from other options,
-and the one-line description of the method they make (provenance and the model card)."""
+"""The conversion's options: `ConvertOptions` (declared in mla_convert/schema.py with every field's flags, help and
+check; recorded in provenance.json), the defaults resolved from other options, and the one-line description of the
+method they make (provenance and the model card)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import logging
 
 from mla_convert import schema
+from mla_convert.schema import ConvertOptions
 
 log = logging.getLogger(__name__)
 
@@ -22,41 +24,6 @@ QK_NORM_TEXT = {
     "calibrated": "calibrated (the key's per-token RMS replaced by its calibration RMS: plain MLA keys, absorbed "
     "decode; the query keeps its exact norm)",
 }
-
-
-class _Needs:
-    """What a conversion with these options must collect (the methods of `ConvertOptions`)."""
-
-    def needs_statistics(self) -> bool:
-        return (
-            self.method == "activation"
-            or self.rope_strategy in ("2-norm", "attention")
-            or self.rope_merge
-            or self.objective != "kv"
-            or self.value_inputs != "token"
-            or self.key_inputs != "token"
-            or self.dropped_rope == "expected"
-            or self.qk_norm == "calibrated"  # the keys' RMS (only sources with q/k norms read it)
-            or (self.refine_steps or 0) > 0
-            or (self.refine_model_steps or 0) > 0
-        )
-
-    def needs_attention_profile(self) -> bool:
-        return self.rope_strategy == "attention" or self.dropped_rope == "expected"
-
-    def needs_attention_statistics(self) -> bool:
-        return self.needs_attention_profile() or self.value_inputs == "attended" or self.key_inputs == "attended"
-
-
-# One field per conversion option of the schema (mla_convert/schema.py: name, type, default, what it
-# means, in that order); dataclasses.asdict of it is what provenance.json and the resume fingerprint record.
-ConvertOptions = dataclasses.make_dataclass(
-    "ConvertOptions",
-    schema.dataclass_fields(),
-    bases=(_Needs,),
-    namespace={"__module__": __name__, "__doc__": "Resolved conversion options (also recorded in provenance.json); "
-               "the fields, their defaults and meaning: mla_convert.schema.OPTIONS, docs/options.md."},
-)
 
 
 def resolve_allocation(options: ConvertOptions) -> ConvertOptions:
@@ -78,6 +45,18 @@ def without_calibration(options: ConvertOptions) -> ConvertOptions:
     strategy = "2-norm" if options.rope_strategy == "attention" else options.rope_strategy
     return dataclasses.replace(options, rope_strategy=strategy, dropped_rope="unrotated", value_inputs="token",
                                key_inputs="token")
+
+
+def as_planned(options: ConvertOptions, plan) -> ConvertOptions:
+    """The options as the planned conversion runs them (what provenance.json and the resume fingerprint record): each
+    default the plan (`conversion.plan.Plan`) resolved filled in: the self text's temperature, the calibration
+    windows, the layer refinement's steps, window, precision, positions and workers, the model stage's steps and
+    rate."""
+    return dataclasses.replace(options, calib_temperature=plan.calib_temperature, calib_samples=plan.memory["samples"],
+                               refine_steps=plan.refine_steps, refine_seq_len=plan.refine_seq_len,
+                               refine_precision=plan.refine_precision, refine_queries=plan.refine_queries,
+                               refine_workers=plan.refine_workers, refine_model_steps=plan.refine_model_steps,
+                               refine_model_lr=plan.refine_model_lr)
 
 
 def describe_method(options: ConvertOptions) -> str:

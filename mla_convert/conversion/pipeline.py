@@ -24,8 +24,10 @@ from mla_convert.conversion import store, timing, workers
 from mla_convert.conversion.method import convert_attention, layer_spectrum
 from mla_convert.conversion.modules import (attention_tensors, converted_decoder_layer, float32_on, gemma_fields,
                                             mla_config, other_tensor_names, raw_layer, source_decoder_layer)
-from mla_convert.conversion.options import ConvertOptions, describe_method, resolve_allocation, without_calibration
-from mla_convert.conversion.plan import ROOM_COPIES, Plan, allocate, check_room, make_plan, max_rank, output_bytes
+from mla_convert.conversion.options import (ConvertOptions, as_planned, describe_method, resolve_allocation,
+                                            without_calibration)
+from mla_convert.conversion.plan import (ROOM_COPIES, Geometry, Plan, allocate, check_room, make_geometry, max_rank,
+                                         output_bytes)
 from mla_convert.conversion.stages import model_stage, refined_layer
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
@@ -106,7 +108,7 @@ class RunRecord:
 
 def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[ConvertOptions, Plan]:
     """The options as they will run (defaults that depend on the source or the cache kept filled in: what provenance
-    records) and the plan with the refinement stages' steps and time estimates."""
+    records) and the whole plan (`make_plan`)."""
     options = resolve_allocation(without_calibration(options))
     if options.factorization == "split" and options.value_inputs == "attended" and not options.latent_rounds:
         # the attended refit fits values in the whole latent, which a split factorization keeps for keys and values
@@ -114,44 +116,65 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
         log.info("--factorization split: values keep their per-token fit (--value-inputs token)")
         options = dataclasses.replace(options, value_inputs="token")
     plan = make_plan(source, family, options)
-    if options.calib_temperature is None:
-        options = dataclasses.replace(options, calib_temperature=selftext.calib_temperature(plan.ratio))
-    options = dataclasses.replace(options, calib_samples=plan.memory["samples"])  # the default by the cache kept
-    window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
-    precision = refine.resolve_precision(options.refine_precision, options.device, plan.hidden)
-    rate = refine.cpu_rate(precision)
-    queries = refine.resolve_queries(options.refine_queries, window, plan.ratio, options.device)
-    steps = (refine.resolve_steps(options.refine_steps, plan, options.device, window, rate, queries)
-             if options.calib_data else 0)
-    plan.refine_seconds = refine.estimate_seconds(plan, steps, window, rate, queries)
-    processes = workers.resolve_workers(options.refine_workers, options.device, steps, options.calib_propagate,
-                                        plan.layers, plan.refine_seconds)
-    options = dataclasses.replace(options, refine_steps=steps, refine_seq_len=window, refine_precision=precision,
-                                  refine_queries=queries, refine_workers=processes)
-    plan.refine_steps, plan.refine_precision, plan.refine_queries = steps, precision, queries
-    plan.refine_workers = processes
-    if processes > 1:
-        plan.refine_seconds /= workers.speedup(queries)
-    model_rate = refine.cpu_rate(precision, model_stage=True)
-    model_steps = (refine.resolve_model_steps(options.refine_model_steps, plan, options.device, window, model_rate)
-                   if options.calib_data and options.calib_propagate == "source" and options.needs_statistics() else 0)
-    options = dataclasses.replace(options, refine_model_steps=model_steps,
-                                  refine_model_lr=refine.resolve_model_lr(options.refine_model_lr, model_steps))
-    plan.refine_model_steps = model_steps
-    plan.refine_model_scope = options.refine_model_scope
-    plan.refine_model_seconds = refine.estimate_model_seconds(plan, model_steps, window, model_rate)
-    plan.calibration_seconds = timing.calibration_seconds(plan, options.rank_allocation == "energy")
-    if options.calib_data:
-        from mla_convert.calibration import self_tokens_to_sample
+    return as_planned(options, plan), plan
 
-        device = resolve_device(options.device)
-        to_sample = self_tokens_to_sample(source, options.calib_data, options.calib_samples, options.calib_seq_len,
-                                          options.seed, temperature=options.calib_temperature,
-                                          sample_tokens=options.calib_sample_tokens, device=device)
-        bf16 = selftext.sampling_dtype(source, device) == torch.bfloat16
-        width = selftext.default_batch(device, options.calib_data == selftext.SELF_DOC)
-        plan.sample_seconds = timing.sample_seconds(source.config, to_sample, width, bf16)
-    return options, plan
+
+def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
+    """The whole plan, made once: the geometry (`plan.make_geometry`: the checks, shapes, cache and memory), then each
+    stage as it will run on this machine with its time estimate (`plan_stages`; nothing heavy, nothing written)."""
+    geometry = make_geometry(source, family, options)
+    shape = {f.name: getattr(geometry, f.name) for f in dataclasses.fields(Geometry)}
+    return Plan(**shape, **plan_stages(source, geometry, options))
+
+
+def plan_stages(source: Source, geometry: Geometry, options: ConvertOptions) -> dict:
+    """The stages of a conversion of `geometry` as they will run, `Plan`'s fields beyond the geometry: the self
+    text's temperature and its sampling time; the layer refinement's window, precision, positions, steps, workers and
+    time; the model stage's steps, rate and time; the calibration forwards' time. Each auto (None) option resolved
+    here, from the cache kept, the device and the estimates (mla_convert.refine, conversion.workers and .timing)."""
+    temperature = options.calib_temperature
+    if temperature is None:
+        temperature = selftext.calib_temperature(geometry.ratio)
+    window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
+    precision = refine.resolve_precision(options.refine_precision, options.device, geometry.hidden)
+    rate = refine.cpu_rate(precision)
+    queries = refine.resolve_queries(options.refine_queries, window, geometry.ratio, options.device)
+    steps = (refine.resolve_steps(options.refine_steps, geometry, options.device, window, rate, queries)
+             if options.calib_data else 0)
+    seconds = refine.estimate_seconds(geometry, steps, window, rate, queries)
+    processes = workers.resolve_workers(options.refine_workers, options.device, steps, options.calib_propagate,
+                                        geometry.layers, seconds)
+    if processes > 1:
+        seconds /= workers.speedup(queries)
+    model_rate = refine.cpu_rate(precision, model_stage=True)
+    distils = (options.calib_data and options.calib_propagate == "source"
+               and (options.needs_statistics() or steps > 0))  # a calibration stream runs (refined layers need one)
+    model_steps = (refine.resolve_model_steps(options.refine_model_steps, geometry, options.device, window, model_rate)
+                   if distils else 0)
+    return dict(
+        refine_steps=steps, refine_queries=queries, refine_workers=processes, refine_seconds=seconds,
+        refine_precision=precision, refine_seq_len=window, refine_model_steps=model_steps,
+        refine_model_seconds=refine.estimate_model_seconds(geometry, model_steps, window, model_rate),
+        refine_model_scope=options.refine_model_scope,
+        refine_model_lr=refine.resolve_model_lr(options.refine_model_lr, model_steps), calib_temperature=temperature,
+        calibration_seconds=timing.calibration_seconds(geometry, options.rank_allocation == "energy"),
+        sample_seconds=_sample_seconds(source, geometry, options, temperature),
+    )
+
+
+def _sample_seconds(source: Source, geometry: Geometry, options: ConvertOptions, temperature: float) -> float:
+    """The time on this CPU to sample the self text the cache lacks (0 without calibration text)."""
+    if not options.calib_data:
+        return 0.0
+    from mla_convert.calibration import self_tokens_to_sample
+
+    device = resolve_device(options.device)
+    to_sample = self_tokens_to_sample(source, options.calib_data, geometry.memory["samples"], options.calib_seq_len,
+                                      options.seed, temperature=temperature, sample_tokens=options.calib_sample_tokens,
+                                      device=device)
+    bf16 = selftext.sampling_dtype(source, device) == torch.bfloat16
+    width = selftext.default_batch(device, options.calib_data == selftext.SELF_DOC)
+    return timing.sample_seconds(source.config, to_sample, width, bf16)
 
 
 def convert(

@@ -1,5 +1,7 @@
-"""The plan of a conversion: shapes, cache sizes, the memory estimate and the checks of the options against the source
-config (`make_plan`: nothing heavy, nothing written), and the rank allocation among layers."""
+"""The plan of a conversion: the checks of the options against the source config and the geometry they make
+(`make_geometry`: shapes, cache sizes, what the estimates read; nothing heavy, nothing written), the whole `Plan`
+(the geometry and the stages as they will run, made once by `conversion.pipeline.make_plan`) with its memory estimate
+and `--dry-run` text, and the rank allocation among layers."""
 
 from __future__ import annotations
 
@@ -35,7 +37,10 @@ KEEP_HIDDEN_BYTES = 6 << 30
 
 
 @dataclass
-class Plan:
+class Geometry:
+    """What a conversion makes, before its stages are planned: every shape, the cache sizes and what the memory and
+    time estimates read (`make_geometry`; the stages' estimates take it as their plan)."""
+
     family: str
     model_type: str
     layers: int
@@ -57,44 +62,15 @@ class Plan:
     qk_norm_scope: str = "head"  # "head" or "projection" (Family.qk_norm_scope)
     norm_unit_offset: bool = False  # the source's norms multiply by (1 + weight) (Gemma)
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
-    memory: dict = field(default_factory=dict)  # what the memory estimate needs beyond the shapes (see make_plan)
-    refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
-    refine_queries: int = 0  # positions of a window a step takes its loss at (0: all)
-    refine_workers: int = 1  # processes refining layers at once (mla_convert.conversion.workers)
-    refine_seconds: float = 0.0
-    refine_precision: str = "float32"  # what the refinement steps compute in, as resolved
-    refine_scope: str = refine.DEFAULT_SCOPE
-    refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate
-    refine_model_seconds: float = 0.0
-    refine_model_scope: str = refine.MODEL_SCOPE
-    calibration_seconds: float = 0.0  # the calibration stream's forwards on this CPU (conversion.timing)
-    sample_seconds: float = 0.0  # the self text still to sample there
+    memory: dict = field(default_factory=dict)  # what the estimates need beyond the shapes (see make_geometry)
+    refine_scope: str = refine.DEFAULT_SCOPE  # what the layer refinement trains (its step's cost)
 
     def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
         self.kv_lora_rank = list(kv_lora_rank)
-        heads, groups, head_dim, hidden, d_r = self.heads, self.groups, self.head_dim, self.hidden, self.rope_dims
-        d_n = self.nope_dims
-        after = 0
-        q_rows = heads * head_dim if self.qk_norm else heads * (d_n + d_r)  # with q/k norms: the source's query
-        for layer, rank in enumerate(self.kv_lora_rank):
-            shapes = {
-                "q_proj": (q_rows, hidden),
-                "kv_a_proj": (rank + d_r, hidden),
-                "kv_b_proj": (groups * (d_n + head_dim), rank),
-                "o_proj": (hidden, heads * head_dim),
-            }
-            if self.qk_norm:
-                shapes["q_head_proj"] = (heads * (d_n + d_r), head_dim)
-            after += sum(math.prod(s) for s in shapes.values())
-            after += self.qkv_bias * (q_rows + rank + d_r + groups * (d_n + head_dim))
-            whole = self.qk_norm_scope == "projection"
-            if self.qk_norm == "exact":  # k_norm, and the rope key's maps R and K
-                after += head_dim * (groups if whole else 1) + 2 * groups * head_dim * d_r
-            after += head_dim * (heads if whole else 1) if self.qk_norm else 0  # q_norm
-            if layer == 0:
-                self.shapes = shapes
-        self.attn_params_after = after
+        self.shapes, self.attn_params_after = attention_shapes(
+            self.kv_lora_rank, self.hidden, self.heads, self.groups, self.head_dim, self.rope_dims, self.nope_dims,
+            self.qk_norm, self.qk_norm_scope, self.qkv_bias)
 
     @property
     def kv_before(self) -> int:
@@ -107,7 +83,7 @@ class Plan:
 
     @property
     def bytes_per_element(self) -> int:
-        return torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
+        return element_size(self.dtype)
 
     @property
     def kv_bytes_before(self) -> int:
@@ -119,7 +95,38 @@ class Plan:
 
     @property
     def ratio(self) -> float:
-        return self.kv_bytes_after / self.kv_bytes_before
+        return cache_share(self.kv_lora_rank, self.rope_dims, self.kv_before)
+
+    def kv_cache_record(self) -> dict:
+        return {
+            "elements_per_token_per_layer_before": self.kv_before,
+            "elements_per_token_per_layer_after": self.kv_after(),
+            "bytes_per_token_before": self.kv_bytes_before,
+            "bytes_per_token_after": self.kv_bytes_after,
+            "ratio": round(self.ratio, 6),
+            "dtype": self.dtype,
+        }
+
+
+@dataclass
+class Plan(Geometry):
+    """The whole plan of a conversion (`conversion.pipeline.make_plan`, made once): its geometry and each stage as it
+    will run (steps, window, precision, workers, the self text's temperature, the model stage's rate) with the time
+    estimates on this machine. The energy rank allocation later changes the ranks (`set_kv_lora_rank`)."""
+
+    refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
+    refine_queries: int = 0  # positions of a window a step takes its loss at (0: all)
+    refine_workers: int = 1  # processes refining layers at once (mla_convert.conversion.workers)
+    refine_seconds: float = 0.0
+    refine_precision: str = "float32"  # what the refinement steps compute in, as resolved
+    refine_seq_len: int = refine.SEQ_LEN  # tokens per refinement window (at most a calibration window)
+    refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate
+    refine_model_seconds: float = 0.0
+    refine_model_scope: str = refine.MODEL_SCOPE
+    refine_model_lr: float | None = None  # the model stage's rate, as resolved
+    calib_temperature: float | None = None  # the self text's sampling temperature, as resolved
+    calibration_seconds: float = 0.0  # the calibration stream's forwards on this CPU (conversion.timing)
+    sample_seconds: float = 0.0  # the self text still to sample there
 
     def memory_parts(self) -> dict[str, int]:
         """Peak resident bytes by what holds them, at the heaviest moment of each phase (`memory_estimate`).
@@ -180,16 +187,6 @@ class Plan:
     def memory_estimate(self) -> int:
         """Peak resident bytes: `memory_parts` x MEMORY_SAFETY (see there)."""
         return int(sum(self.memory_parts().values()) * MEMORY_SAFETY)
-
-    def kv_cache_record(self) -> dict:
-        return {
-            "elements_per_token_per_layer_before": self.kv_before,
-            "elements_per_token_per_layer_after": self.kv_after(),
-            "bytes_per_token_before": self.kv_bytes_before,
-            "bytes_per_token_after": self.kv_bytes_after,
-            "ratio": round(self.ratio, 6),
-            "dtype": self.dtype,
-        }
 
     def describe(self, target: str = "native") -> str:
         """The plan as `--dry-run` prints it; `target` deepseek: the serving line is the DeepSeek-V3 export's."""
@@ -375,12 +372,9 @@ def _nope_dims(options: ConvertOptions, head_dim: int, d_r: int, qk_norm: str | 
     return d_n
 
 
-def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
-    """Validate the options (`schema.check_options`, then against the source config) and compute the plan (nothing
-    heavy, nothing written)."""
-    config = source.config
-    layers, hidden, heads, groups, head_dim = _dims(config)
-    check_options(options)  # each option on its own, and the rules between options (mla_convert.schema)
+def _rope_dims_and_rank(options: ConvertOptions, config) -> tuple[int, int]:
+    """d_r and the uniform d_c, checked against the source config."""
+    _, _, _, groups, head_dim = _dims(config)
     d_r = default_rope_dims(options, groups, head_dim) if options.rope_dims is None else options.rope_dims
     if d_r <= 0 or d_r % 2 or d_r > groups * head_dim:
         raise UserError(
@@ -402,59 +396,95 @@ def make_plan(source: Source, family: Family, options: ConvertOptions) -> Plan:
         raise UserError(f"the latent rank must be positive (got {rank}); raise --rank/--kv-budget or lower --rope-dims")
     if rank > top:
         raise UserError(f"--rank {rank} exceeds the maximum {top} (min of 2 x kv heads x head_dim and hidden size)")
+    return d_r, rank
+
+
+def attention_shapes(ranks: list[int], hidden: int, heads: int, groups: int, head_dim: int, d_r: int, d_n: int,
+                     qk_norm: str | None, qk_norm_scope: str, qkv_bias: bool) -> tuple[dict, int]:
+    """The converted attention's tensor shapes (the first layer's) and its parameters over all layers."""
+    after, first = 0, {}
+    q_rows = heads * head_dim if qk_norm else heads * (d_n + d_r)  # with q/k norms: the source's query
+    for layer, rank in enumerate(ranks):
+        shapes = {
+            "q_proj": (q_rows, hidden),
+            "kv_a_proj": (rank + d_r, hidden),
+            "kv_b_proj": (groups * (d_n + head_dim), rank),
+            "o_proj": (hidden, heads * head_dim),
+        }
+        if qk_norm:
+            shapes["q_head_proj"] = (heads * (d_n + d_r), head_dim)
+        after += sum(math.prod(s) for s in shapes.values())
+        after += qkv_bias * (q_rows + rank + d_r + groups * (d_n + head_dim))
+        whole = qk_norm_scope == "projection"
+        if qk_norm == "exact":  # k_norm, and the rope key's maps R and K
+            after += head_dim * (groups if whole else 1) + 2 * groups * head_dim * d_r
+        after += head_dim * (heads if whole else 1) if qk_norm else 0  # q_norm
+        if layer == 0:
+            first = shapes
+    return first, after
+
+
+def cache_share(ranks: list[int], d_r: int, kv_before: int) -> float:
+    """The MLA cache over the source's: (d_c + d_r) summed over layers, over the source's K and V elements."""
+    return sum(r + d_r for r in ranks) / (kv_before * len(ranks))
+
+
+def element_size(dtype: str) -> int:
+    return torch.empty(0, dtype=DTYPES[dtype]).element_size()
+
+
+def make_geometry(source: Source, family: Family, options: ConvertOptions) -> Geometry:
+    """Validate the options (`schema.check_options`, then against the source config) and compute what the conversion
+    makes: every shape, the cache sizes and what the estimates read (nothing heavy, nothing written). The stages are
+    planned from it (`conversion.pipeline.make_plan`)."""
+    config = source.config
+    layers, hidden, heads, groups, head_dim = _dims(config)
+    check_options(options)  # each option on its own, and the rules between options (mla_convert.schema)
+    d_r, rank = _rope_dims_and_rank(options, config)
     qk_norm = options.qk_norm if family.has_qk_norm(config) else None
     if qk_norm == "calibrated" and options.calib_data is None:
         raise UserError("--qk-norm calibrated takes each key's RMS from calibration text: pass --calib-data "
                         "(or use --qk-norm exact)")
     d_n = _nope_dims(options, head_dim, d_r, qk_norm)
     dtype = options.dtype or _source_dtype(config)
-    qkv_bias, o_bias = family.attention_biases(config)
+    qkv_bias, _ = family.attention_biases(config)
     ranks = [rank] * layers
-    plan = Plan(
-        family=family.name,
-        model_type=config.model_type,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        groups=groups,
-        head_dim=head_dim,
-        kv_lora_rank=ranks,
-        rope_dims=d_r,
-        nope_dims=d_n,
-        dtype=dtype,
-        source_bytes=source.nbytes(),
-        calib_tokens=0,  # below, with the windows the cache kept asks for
-        refine_scope=options.refine_scope,
-        memory={
-            "intermediate": getattr(config, "intermediate_size", 4 * hidden),
-            "vocab": config.vocab_size,
-            "source_element": _source_element(source, family),
-            "calibrated": bool(options.calib_data) and options.needs_statistics(),
-            "attended": bool(options.calib_data) and options.value_inputs == "attended",
-            "seq_len": options.calib_seq_len,
-            "shard_bytes": SHARD_BYTES,
-        },
-    )
-    per_layer_before = (2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias
-    plan.attn_params_before = per_layer_before * layers
-    # what decoding a token reads: every layer and the head (the self text's sampling cost)
-    plan.memory["parameters"] = plan.attn_params_before + layers * 3 * hidden * plan.memory["intermediate"] + (
-        config.vocab_size * hidden)
-    plan.qkv_bias, plan.qk_norm, plan.norm_eps = bool(qkv_bias), qk_norm, float(getattr(config, "rms_norm_eps", 1e-6))
-    plan.qk_norm_scope = family.qk_norm_scope(config) or "head"
-    plan.norm_unit_offset = family.gemma(config)
-    plan.set_kv_lora_rank(ranks)
-    plan.memory["samples"] = options.calib_samples or default_calib_samples(plan.ratio)  # by the cache kept
-    if plan.memory["calibrated"]:
-        plan.calib_tokens = plan.memory["samples"] * options.calib_seq_len
-        plan.memory["kept_hidden"] = kept_hidden_bytes(options, layers * plan.calib_tokens * hidden * 4)
-    plan.memory["shard_bytes"] = min(SHARD_BYTES, output_bytes(config, plan))  # the writer holds at most a shard
-    if plan.ratio >= 1 and not options.force:
+    scope = family.qk_norm_scope(config) or "head"
+    shapes, after = attention_shapes(ranks, hidden, heads, groups, head_dim, d_r, d_n, qk_norm, scope, bool(qkv_bias))
+    kept = cache_share(ranks, d_r, 2 * groups * head_dim)
+    source_bytes = source.nbytes()
+    before = ((2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias) * layers
+    intermediate = getattr(config, "intermediate_size", 4 * hidden)
+    calibrated = bool(options.calib_data) and options.needs_statistics()
+    samples = options.calib_samples or default_calib_samples(kept)  # by the cache kept
+    calib_tokens = samples * options.calib_seq_len if calibrated else 0
+    memory = {
+        "intermediate": intermediate,
+        "vocab": config.vocab_size,
+        "source_element": _source_element(source, family),
+        "calibrated": calibrated,
+        "attended": bool(options.calib_data) and options.value_inputs == "attended",
+        "seq_len": options.calib_seq_len,
+        # the writer holds at most a shard
+        "shard_bytes": min(SHARD_BYTES, _output_bytes(config, after, element_size(dtype))),
+        # what decoding a token reads: every layer and the head (the self text's sampling cost)
+        "parameters": before + layers * 3 * hidden * intermediate + config.vocab_size * hidden,
+        "samples": samples,
+    }
+    if calibrated:
+        memory["kept_hidden"] = kept_hidden_bytes(options, layers * calib_tokens * hidden * 4)
+    if kept >= 1 and not options.force:
         raise UserError(
-            f"the MLA cache ({plan.kv_after():g} per token per layer) is not smaller than the source's "
-            f"({plan.kv_before}): lower --rank/--rope-dims, or pass --force to convert anyway"
+            f"the MLA cache ({rank + d_r:g} per token per layer) is not smaller than the source's "
+            f"({2 * groups * head_dim}): lower --rank/--rope-dims, or pass --force to convert anyway"
         )
-    return plan
+    return Geometry(family=family.name, model_type=config.model_type, layers=layers, hidden=hidden, heads=heads,
+                    groups=groups, head_dim=head_dim, kv_lora_rank=ranks, rope_dims=d_r, nope_dims=d_n, dtype=dtype,
+                    source_bytes=source_bytes, calib_tokens=calib_tokens, attn_params_before=before,
+                    attn_params_after=after, shapes=shapes, qkv_bias=bool(qkv_bias), qk_norm=qk_norm,
+                    qk_norm_scope=scope, norm_unit_offset=family.gemma(config),
+                    norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)), memory=memory,
+                    refine_scope=options.refine_scope)
 
 
 def _source_element(source: Source, family: Family) -> int:
@@ -470,12 +500,16 @@ def _source_dtype(config) -> str:
 
 
 
-def output_bytes(config, plan: Plan) -> int:
+def output_bytes(config, plan: Geometry) -> int:
     """Bytes of the converted checkpoint: every tensor the source keeps plus the new attention, in the output dtype."""
+    return _output_bytes(config, plan.attn_params_after, plan.bytes_per_element)
+
+
+def _output_bytes(config, attn_params_after: int, element: int) -> int:
     hidden, layers = config.hidden_size, config.num_hidden_layers
     embeddings = config.vocab_size * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
     mlp = 3 * hidden * config.intermediate_size + 2 * hidden  # gate, up, down; the two norms
-    return (embeddings + hidden + layers * mlp + plan.attn_params_after) * plan.bytes_per_element
+    return (embeddings + hidden + layers * mlp + attn_params_after) * element
 
 
 ROOM_COPIES = 2  # a conversion needs its checkpoint's size twice: the layers kept for a resume beside the shards
