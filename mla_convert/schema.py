@@ -178,7 +178,7 @@ OPTIONS: tuple[Option, ...] = (
            "head_dim). Default: head_dim - d_r where d_r <= head_dim/2 with merged pairs (query/key as wide as the "
            "source's: attention costs what the source's does; the score energy kept per layer is in "
            "provenance.json), else head_dim.", nullable=True, why="nope-key-width"),
-    # the flag's None tells the --target deepseek resolution (export.rope_fit) that it was not given
+    # the flag's None tells the --target deepseek resolution (conversion.target) that it was not given
     Option("rope_strategy", str, "attention", ("--rope-strategy",), "Which frequency pairs keep RoPE: high, low, "
            "uniform, 2-norm or attention (the pairs whose score would suffer most under the calibration attention). "
            "Default: attention (2-norm without calibration text; docs/decisions.md#closed-form-options); with "

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from mla_convert.cli import app
 from mla_convert.convert import ConvertOptions
 from mla_convert.errors import UserError
-from mla_convert.export import check_exportable, deepseek_convert_options, serving_notes
+from mla_convert.convert import deepseek_convert_options
+from mla_convert.export import check_exportable, serving_notes
 
 torch.set_num_threads(2)
 

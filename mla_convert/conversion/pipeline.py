@@ -1,9 +1,11 @@
 """The conversion driver: resolve the options and the plan, then one decoder layer at a time (calibration statistics,
 the per-layer method, refinement, the resume store), the model stage, and the shards, config, provenance and card.
 
-Phases of `convert`: setup (`resolve`: options and plan; `Conversion.__init__`: device, RoPE, calibration stream),
-statistics (`Conversion.allocate_ranks`, with the energy allocation), layers (`Conversion.convert_layers`), the model
-stage (`Conversion.train_model`) and the write (`Conversion.write`)."""
+Two public steps: `prepare` (options -> one `Prepared`: the family, the target's rules, `resolve`: the options as they
+run and the plan) and `run` (the prepared conversion -> the output folder); `convert` is the two in one call.
+Phases of `run`: setup (`Conversion.__init__`: device, RoPE, calibration stream), statistics
+(`Conversion.allocate_ranks`, with the energy allocation), layers (`Conversion.convert_layers`), the model stage
+(`Conversion.train_model`) and the write (`Conversion.write`)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ from mla_convert import provenance, refine, rope, selftext
 from mla_convert.card import write_model_card
 from mla_convert.outputs import SHARD_BYTES, ShardedWriter, kept_file_intact, resume_dir, staged_output
 from mla_convert.sources import Source
-from mla_convert.writes import room_for
+from mla_convert.writes import check_room, room_for
 from mla_convert.conversion import store, timing, workers
 from mla_convert.conversion.method import convert_attention, layer_spectrum
 from mla_convert.conversion.modules import (attention_tensors, converted_decoder_layer, float32_on, gemma_fields,
                                             mla_config, other_tensor_names, raw_layer, source_decoder_layer)
 from mla_convert.conversion.options import ConvertOptions, describe_method, resolve_allocation, without_calibration
-from mla_convert.conversion.plan import ROOM_COPIES, Plan, allocate, check_room, make_plan, max_rank, output_bytes
+from mla_convert.conversion import target as target_rules
+from mla_convert.conversion.plan import ROOM_COPIES, Plan, allocate, make_plan, max_rank, output_bytes
 from mla_convert.conversion.stages import model_stage, refined_layer
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
@@ -154,23 +157,47 @@ def resolve(source: Source, family: Family, options: ConvertOptions) -> tuple[Co
     return options, plan
 
 
-def convert(
-    source: Source,
-    out: Path,
-    options: ConvertOptions,
-    family_name: str | None = None,
-    overwrite: bool = False,
-    dry_run: bool = False,
-    progress: bool = True,
-) -> Plan:
-    """Convert `source` into a native MLA checkpoint at `out`. With `dry_run`, only plan and return."""
-    from mla_convert.validate import check_source_finite, check_source_shapes
+@dataclass
+class Prepared:
+    """A conversion decided before any work (`prepare`): the source and its family, the options as they will run, the
+    plan, the target, and what the target's resolution chose (`notes`) or warns of (`warnings`), for the caller to
+    say."""
+
+    source: Source
+    family: Family
+    options: ConvertOptions
+    plan: Plan
+    target: str = "native"
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return self.plan.describe(self.target)
+
+
+def prepare(source: Source, options: ConvertOptions, family_name: str | None = None, *, target: str = "native",
+            format: str = "native", explicit: frozenset[str] | set[str] = frozenset()) -> Prepared:
+    """The conversion's first step: the family, the source's shapes, the options resolved for `target` (native or
+    deepseek; `format` is the export that follows, deepseek or gguf, whose limits are checked now), the defaults and
+    the plan, each once. `explicit` names the options the user set (the target keeps them or refuses). Nothing heavy,
+    nothing written: `--dry-run` prints `Prepared.describe()`."""
+    from mla_convert.validate import check_source_shapes
 
     family = family_for(source.config, family_name)
+    warnings = target_rules.check_source(family, source.config, target, options.qk_norm)
+    options, notes = target_rules.target_options(source.config, family, options, target, format, explicit)
     check_source_shapes(source, family)  # every tensor present, of the config's shape: before the plan
     options, plan = resolve(source, family, options)
-    if dry_run:
-        return plan
+    target_rules.check_plan(plan, format)
+    return Prepared(source, family, options, plan, target, notes, warnings)
+
+
+def run(prepared: Prepared, out: Path, *, overwrite: bool = False, progress: bool = True) -> Path:
+    """The conversion's second step: the prepared conversion written as a native MLA checkpoint at `out` (staged,
+    resumable, moved into place whole). Returns `out`."""
+    from mla_convert.validate import check_source_finite
+
+    source, family, options, plan = prepared.source, prepared.family, prepared.options, prepared.plan
     check_source_finite(source, family)  # before any work: a NaN or inf weight would convert into a broken output
     source.tokenizer()  # read even without calibration text: a broken tokenizer is refused, not copied into the output
     run = Conversion(source, family, options, plan, progress)
@@ -187,7 +214,24 @@ def convert(
         trained = run.train_model()
         run.write(stage, trained)
     log.info("wrote %s", out)
-    return plan
+    return Path(out)
+
+
+def convert(
+    source: Source,
+    out: Path,
+    options: ConvertOptions,
+    family_name: str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    progress: bool = True,
+) -> Plan:
+    """Convert `source` into a native MLA checkpoint at `out` (`prepare`, then `run`); returns the plan as it ran.
+    With `dry_run`, only prepare and return the plan."""
+    prepared = prepare(source, options, family_name)
+    if not dry_run:
+        run(prepared, out, overwrite=overwrite, progress=progress)
+    return prepared.plan
 
 
 class Conversion:

@@ -4,8 +4,6 @@ config (`make_plan`: nothing heavy, nothing written), and the rank allocation am
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -479,22 +477,6 @@ def output_bytes(config, plan: Plan) -> int:
 
 
 ROOM_COPIES = 2  # a conversion needs its checkpoint's size twice: the layers kept for a resume beside the shards
-
-
-def check_room(out: Path, needed: int, what: str = "the checkpoint") -> None:
-    """Refuse, before any work, an output whose file system cannot take `needed` bytes (`what` they hold) or whose
-    folder cannot be written."""
-    from mla_convert.writes import size_text
-
-    parent = Path(out).expanduser().resolve()
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write under {parent} (permission denied): choose an output folder you can write to")
-    free = shutil.disk_usage(parent).free
-    if free < needed:
-        raise UserError(f"{parent} has {size_text(free)} free, the output needs about {size_text(needed)} ({what}): "
-                        "free space or choose another output folder")
 
 
 def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
