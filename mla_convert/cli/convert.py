@@ -58,12 +58,10 @@ def resolve_target(target: str | None, format: str, output: Path | None) -> tupl
     With --format deepseek, OUT is the DeepSeek-V3 export (what engines serve) and the native checkpoint goes beside
     it, to OUT-native.
     """
-    from mla_convert.conversion.target import FORMATS, TARGETS
-
-    if format not in FORMATS:
+    if format not in ("native", "deepseek", "gguf"):
         raise UserError(f"--format must be native, deepseek or gguf, got {format}")
     target = target or ("deepseek" if format == "gguf" else format)
-    if target not in TARGETS:
+    if target not in ("native", "deepseek"):
         raise UserError(f"--target must be native or deepseek, got {target}")
     if format in ("deepseek", "gguf") and target != "deepseek":
         raise UserError(f"--format {format} needs DeepSeek-exportable options: drop --target native")

@@ -20,10 +20,6 @@ from mla_convert.errors import UserError
 from mla_convert.rope import source_frequencies
 from mla_convert.rope_fit import fit_deepseek_rope
 
-TARGETS = ("native", "deepseek")
-FORMATS = ("native", "deepseek", "gguf")
-
-
 def check_source(family, config, target: str, qk_norm: str) -> list[str]:
     """What the source's family cannot carry to `target` (engine limits, per-head q/k norms): refused with a
     UserError; returns the notes a native conversion gets (printed to stderr)."""
