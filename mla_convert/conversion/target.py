@@ -23,6 +23,8 @@ from mla_convert.rope_fit import fit_deepseek_rope
 def check_source(family, config, target: str, qk_norm: str) -> list[str]:
     """What the source's family cannot carry to `target` (engine limits, per-head q/k norms): refused with a
     UserError; returns the notes a native conversion gets (printed to stderr)."""
+    if target not in ("native", "deepseek"):
+        raise UserError(f"--target must be native or deepseek, got {target}")
     if family.engine_limits(config) and target == "deepseek":
         raise UserError(f"this model has {' and '.join(family.engine_limits(config))}, which DeepSeek-V3's MLA (and "
                         "llama.cpp's) cannot hold: convert with --target native and run it in transformers (eval, "
