@@ -61,7 +61,7 @@ def rope_config(config, kind: str = "full_attention"):
 
 def source_frequencies(config) -> tuple[torch.Tensor, float]:
     """The source's inverse frequencies [d_h/2] (float64, after its RoPE type's scaling) and the attention scaling its
-    RoPE type applies to cos/sin. The conversion and the DeepSeek export (export/rope_fit.py) both read them here."""
+    RoPE type applies to cos/sin. The conversion and the DeepSeek export (rope_fit.py) both read them here."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rotary = LlamaRotaryEmbedding(config)

@@ -220,7 +220,7 @@ class ConvertOptions:
         "Dims d_n of each head's nope query/key (the value keeps head_dim). Default: head_dim - d_r where d_r <= "
         "head_dim/2 with merged pairs (query/key as wide as the source's: attention costs what the source's does; "
         "the score energy kept per layer is in provenance.json), else head_dim."))
-    # rope.STRATEGIES; the flag's None tells the --target deepseek resolution (export.rope_fit) that it was not given
+    # rope.STRATEGIES; the flag's None tells the --target deepseek resolution (conversion.target) that it was not given
     rope_strategy: str = option("attention", "--rope-strategy", cli_default=None, why="closed-form-options",
                                 choices=("high", "low", "uniform", "2-norm", "attention"), help=(
         "Which frequency pairs keep RoPE: high, low, uniform, 2-norm or attention (the pairs whose score would suffer "
@@ -382,28 +382,6 @@ class ConvertOptions:
         "RMS per layer and kv group: plain MLA keys, absorbed decode, an approximation; benchmarks/qwen3/README.md). "
         "Default: exact. Ignored for other sources."))
 
-    def needs_statistics(self) -> bool:
-        """Whether the conversion collects calibration statistics (these options ask for something beyond plain SVD
-        of the weights)."""
-        return (
-            self.method == "activation"
-            or self.rope_strategy in ("2-norm", "attention")
-            or self.rope_merge
-            or self.objective != "kv"
-            or self.value_inputs != "token"
-            or self.key_inputs != "token"
-            or self.dropped_rope == "expected"
-            or self.qk_norm == "calibrated"  # the keys' RMS (only sources with q/k norms read it)
-            or (self.refine_steps or 0) > 0
-            or (self.refine_model_steps or 0) > 0
-        )
-
-    def needs_attention_profile(self) -> bool:
-        return self.rope_strategy == "attention" or self.dropped_rope == "expected"
-
-    def needs_attention_statistics(self) -> bool:
-        return self.needs_attention_profile() or self.value_inputs == "attended" or self.key_inputs == "attended"
-
 
 # ----------------------------------------------------------------------------------------- the command line's own
 
@@ -417,7 +395,7 @@ class CommandLine:
     revision: str | None = option(None, "--revision", help="Hub revision when MODEL is a hub id.")
     overwrite: bool = option(False, "--overwrite", help="Replace a non-empty output folder.")
     dry_run: bool = option(False, "--dry-run", help="Print the plan (shapes, cache sizes, memory) only.")
-    # checked by export.driver.resolve_target
+    # checked by cli.convert.resolve_target
     target: str | None = option(None, "--target", why="defaults-no-measurement-chose", help=(
         "native: any options. deepseek: choose (or refuse) options up front so the result exports exactly to stock "
         "DeepSeek-V3 (one geometric RoPE frequency set: --rope-strategy uniform/high, merged across kv heads); warns "

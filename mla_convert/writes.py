@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 from pathlib import Path
 
 from mla_convert.errors import UserError, as_os_error
@@ -29,6 +30,20 @@ def size_text(n: int) -> str:
     if n >= 2**30:
         return f"{n / 2**30:.1f} GiB"
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{max(n, 1024) / 2**10:.0f} KiB"
+
+
+def check_room(out: Path, needed: int, what: str = "the checkpoint") -> None:
+    """Refuse, before any work, an output whose file system cannot take `needed` bytes (`what` they hold) or whose
+    folder cannot be written."""
+    parent = Path(out).expanduser().resolve()
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write under {parent} (permission denied): choose an output folder you can write to")
+    free = shutil.disk_usage(parent).free
+    if free < needed:
+        raise UserError(f"{parent} has {size_text(free)} free, the output needs about {size_text(needed)} ({what}): "
+                        "free space or choose another output folder")
 
 
 def is_no_room(err: BaseException) -> bool:

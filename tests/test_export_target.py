@@ -11,9 +11,9 @@ from conftest import assert_user_error
 from typer.testing import CliRunner
 
 from mla_convert.cli import app
-from mla_convert.convert import ConvertOptions
+from mla_convert.convert import ConvertOptions, deepseek_convert_options, prepare
 from mla_convert.errors import UserError
-from mla_convert.export import check_exportable, deepseek_convert_options, serving_notes
+from mla_convert.export import check_exportable, serving_notes
 
 torch.set_num_threads(2)
 
@@ -197,3 +197,21 @@ def test_cli_export_prints_serving_warning(tmp_path):
     code, output = run("export", native, "-o", tmp_path / "ds2", "--no-verify", "--pad-latent", "vllm")
     assert code == 0, output
     assert "vLLM's MLA backends" not in output and "FlashMLA needs kv_lora_rank 512" in output
+
+
+def test_prepare_resolves_the_target_once(sources):
+    """The library's first step resolves --target deepseek into the options and the plan it returns (nothing
+    written), and refuses what the --format export cannot hold before any work."""
+    from mla_convert.sources import open_source
+
+    native = prepare(open_source(str(sources["llama-gqa"])), ConvertOptions(kv_budget=0.25))
+    assert native.target == "native" and native.notes == [] and native.options.rope_strategy != "high"
+    prepared = prepare(open_source(str(sources["llama-gqa"])), ConvertOptions(kv_budget=0.25), target="deepseek",
+                       format="deepseek")
+    assert prepared.options.rope_strategy == "high" and prepared.options.rank_allocation == "uniform"
+    assert prepared.plan.rope_dims == prepared.options.rope_dims
+    assert prepared.notes[0].startswith("--target deepseek: --rope-strategy high")
+    with pytest.raises(UserError, match="llama.cpp's deepseek2 attention has no place for"):
+        prepare(open_source(str(sources["qwen2"])), ConvertOptions(kv_budget=0.25), target="deepseek", format="gguf")
+    with pytest.raises(UserError, match="target must be native or deepseek"):
+        prepare(open_source(str(sources["llama-gqa"])), ConvertOptions(kv_budget=0.25), target="deepseek-v3")

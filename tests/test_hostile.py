@@ -1186,7 +1186,7 @@ def test_convert_on_a_disk_that_fills_while_it_writes(ws, disk, monkeypatch, lea
 
 def test_export_on_a_disk_that_fills_while_it_writes(exportable, disk, monkeypatch):
     out = disk.path / "exp"
-    _fill_after(monkeypatch, "mla_convert.conversion.plan.check_room", disk, 64 << 10)
+    _fill_after(monkeypatch, "mla_convert.writes.check_room", disk, 64 << 10)
     code, output = run("export", exportable, "-o", out, "--no-verify")
     assert_disk_full(code, output, out)
     assert sorted(p.name for p in disk.path.iterdir()) == [disk.filler.name]  # no OUT, no hidden part

@@ -197,7 +197,8 @@ def test_target_deepseek_serves_in_stock_engines(tmp_path, convert_tiny, kind, r
     computes it."""
     from mla_convert.checkpoint import open_source
     from mla_convert.convert import ConvertOptions
-    from mla_convert.export import ExportOptions, deepseek_convert_options, export
+    from mla_convert.convert import deepseek_convert_options
+    from mla_convert.export import ExportOptions, export
 
     src = tiny_source(kind, tmp_path / "src", seed=3, **({"rope_parameters": rope} if rope else {}))
     options, _ = deepseek_convert_options(open_source(str(src)).config, ConvertOptions(rank=24, rope_dims=8))

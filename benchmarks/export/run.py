@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=2 nice python benchmarks/export/run.py  # SmolLM2-135M at 50% of its cache -> benchmarks/export/
 
 Steps, the same as `mla-convert llama --kv-budget 0.5 --target deepseek --format deepseek` (plus a bfloat16 export):
-resolve DeepSeek-exportable conversion options from the source config (`export.deepseek_convert_options`), convert
+resolve DeepSeek-exportable conversion options from the source config (`convert.deepseek_convert_options`), convert
 the embedded SmolLM2-135M-Instruct (activation-aware joint SVD calibrated on wikitext-2 *validation*), export it with
 float32 and (unless --no-bfloat16) bfloat16 weights, then score the source, the native model and the exports on the
 same windows of wikitext-2 raw *test* with `mla_convert.evaluate.perplexity` (the protocol of `mla-convert eval`:
@@ -70,8 +70,8 @@ def build(args, cache: dict, save):
     """The native conversion and its DeepSeek-V3 exports (each reused from --work when there): (native folder,
     export dtypes, the notes of `--target deepseek`)."""
     from mla_convert.checkpoint import open_source
-    from mla_convert.convert import ConvertOptions, convert
-    from mla_convert.export import ExportOptions, deepseek_convert_options, export
+    from mla_convert.convert import ConvertOptions, convert, deepseek_convert_options
+    from mla_convert.export import ExportOptions, export
 
     native = args.work / "native"
     timings = cache.setdefault("timings", {})

@@ -52,27 +52,35 @@ def _check_outputs(model: str | None, output: Path, native_out: Path, format: st
         check_output(out, overwrite, inputs)
 
 
-def _check_source(found, config, target: str, qk_norm: str, dry_run: bool) -> None:
-    """What the source's family cannot carry to the target (engine limits, per-head q/k norms): refused or noted."""
-    limits = found.engine_limits(config)
-    if limits and target == "deepseek":
-        raise UserError(f"this model has {' and '.join(limits)}, which DeepSeek-V3's MLA (and llama.cpp's) cannot hold: "
-                        "convert with --target native and run it in transformers (eval, generate)")
-    if limits and not dry_run:
-        typer.echo(f"note: this model has {' and '.join(limits)}: the converted checkpoint runs in transformers; "
-                   "vLLM and the DeepSeek-V3/GGUF exports refuse it", err=True)
-    if found.has_qk_norm(config) and (target == "deepseek" or qk_norm == "exact"):
-        _refuse_qk_norm_serving(target, qk_norm)
+def resolve_target(target: str | None, format: str, output: Path | None) -> tuple[str, Path | None]:
+    """Check `mla-convert convert --target/--format`; returns (target, the folder the native checkpoint goes to).
+
+    With --format deepseek, OUT is the DeepSeek-V3 export (what engines serve) and the native checkpoint goes beside
+    it, to OUT-native.
+    """
+    if format not in ("native", "deepseek", "gguf"):
+        raise UserError(f"--format must be native, deepseek or gguf, got {format}")
+    target = target or ("deepseek" if format == "gguf" else format)
+    if target not in ("native", "deepseek"):
+        raise UserError(f"--target must be native or deepseek, got {target}")
+    if format in ("deepseek", "gguf") and target != "deepseek":
+        raise UserError(f"--format {format} needs DeepSeek-exportable options: drop --target native")
+    if format == "gguf" and output is not None:
+        if output.suffix != ".gguf":
+            raise UserError(f"--format gguf writes one file: -o must end in .gguf (got {output})")
+        return target, output.with_name(output.stem + "-native")
+    native_out = output.with_name(output.name + "-native") if format == "deepseek" and output is not None else output
+    return target, native_out
 
 
 def _convert(family: Optional[str], model: Optional[str], flags: dict[str, Any]) -> None:
-    """One conversion from the flags of a convert command (`flags`: every schema option by name, as typer parsed it)."""
+    """One conversion from the flags of a convert command (`flags`: every schema option by name, as typer parsed it):
+    prepared once, run once, then exported when --format asks."""
     output, dry_run, overwrite, format = flags["output"], flags["dry_run"], flags["overwrite"], flags["format"]
     if output is None and not dry_run:
         raise UserError("give an output folder with -o OUT (or --dry-run to only print the plan)")
+    from mla_convert.convert import ConvertOptions, prepare, resolve_device
     from mla_convert.sources import open_source
-    from mla_convert.convert import ConvertOptions, resolve_device
-    from mla_convert.export import convert_to_target, resolve_target
 
     if flags["revision"] is not None and model is not None and Path(model).expanduser().exists():
         raise UserError(f"--revision selects a Hub revision, but {model} is a local path: drop --revision")
@@ -82,26 +90,63 @@ def _convert(family: Optional[str], model: Optional[str], flags: dict[str, Any])
     values = {o.name: o.from_flag(flags[o.name]) for o in CONVERSION if not o.library_only}
     options = ConvertOptions(**{**values, "device": device})
     if output is not None and not dry_run:
-        _check_outputs(model, output, native_out, format, overwrite)
+        _check_outputs(model, output, native_out, format, overwrite)  # the GGUF output's one check
     source = open_source(model, flags["revision"])
-    from mla_convert.families import family_for
-
-    _check_source(family_for(source.config, family), source.config, target, options.qk_norm, dry_run)
     explicit = {k for k in ("rope_strategy", "rope_dims") if flags[k] is not None}
-    convert_to_target(source, output, native_out, options, family, target=target, format=format, explicit=explicit,
-                      overwrite=overwrite, dry_run=dry_run, progress=not flags["quiet"], say=typer.echo)
+    prepared = prepare(source, options, family, target=target, format=format, explicit=explicit)
+    _say_prepared(prepared, dry_run)
+    if dry_run:
+        typer.echo(prepared.describe())
+        where = (f" (native MLA to {native_out}, DeepSeek-V3 export to {output})" if format == "deepseek" else
+                 f" (native MLA to {native_out}, GGUF to {output})" if format == "gguf" else "")
+        typer.echo(f"dry run: nothing written{where}")
+        return
+    _run_and_export(prepared, output, native_out, format, overwrite, progress=not flags["quiet"])
 
 
-def _refuse_qk_norm_serving(target: str, qk_norm: str) -> None:
-    """Sources with per-head q/k norms: a DeepSeek-V3 target is refused; a native exact one converts, with a note."""
-    if target == "deepseek":
-        raise UserError("this model normalizes each query and key head (q_norm/k_norm), which DeepSeek-V3's MLA "
-                        "cannot hold (per-token query and key scales): convert with --target native (transformers; "
-                        "--qk-norm calibrated for absorbed decode and vLLM through mla-convert's plugin)")
-    typer.echo("note: --qk-norm exact keeps the per-token key norm: expanded attention at every step in transformers; "
-               "vLLM and the DeepSeek-V3 export refuse it (--qk-norm calibrated: absorbed decode, served by vLLM through "
-               "the plugin, measured error)",
-               err=True)
+def _say_prepared(prepared, dry_run: bool) -> None:
+    """What the preparation chose and what the engines will make of the plan's layout, before any work."""
+    config, plan = prepared.source.config, prepared.plan
+    limits = prepared.family.engine_limits(config)
+    if limits and not dry_run:
+        typer.echo(f"note: this model has {' and '.join(limits)}: the converted checkpoint runs in transformers; "
+                   "vLLM and the DeepSeek-V3/GGUF exports refuse it", err=True)
+    for note in prepared.warnings:
+        typer.echo(note, err=True)
+    for note in prepared.notes:
+        typer.echo(note)
+    if prepared.target == "deepseek":
+        from mla_convert.export.plan import deepseek_layout_notes
+
+        layout = deepseek_layout_notes(config, plan.kv_lora_rank, plan.rope_dims)
+    else:  # the native checkpoint serves through the vLLM plugin if its layout fits
+        from mla_convert.serving.layout import serving_notes
+
+        layout = serving_notes(plan.kv_lora_rank, plan.rope_dims)
+    for note in layout:
+        typer.echo(f"warning: {note}", err=True)
+
+
+def _run_and_export(prepared, output: Path, native_out: Path, format: str, overwrite: bool, progress: bool) -> None:
+    """The prepared conversion written to `native_out`, then the export `format` asks for to `output`."""
+    from mla_convert.convert import run
+
+    run(prepared, native_out, overwrite=overwrite, progress=progress)
+    typer.echo(prepared.describe())  # the plan as it ran (the energy allocation sets the ranks)
+    typer.echo(f"wrote {native_out}  (load: import mla_convert; AutoModelForCausalLM.from_pretrained('{native_out}'))")
+    if format == "deepseek":
+        from mla_convert.export import ExportOptions, export, report_export
+
+        report_export(export(native_out, output, ExportOptions(), overwrite=overwrite), output, typer.echo)
+    elif format == "gguf":
+        from mla_convert.export.gguf import export_gguf, report_gguf
+
+        report_gguf(export_gguf(native_out, output, "f32", overwrite=overwrite), output, typer.echo)
+    elif prepared.target == "deepseek":
+        from mla_convert.rope_fit import check_exportable
+
+        for problem in check_exportable(native_out):  # a converter change broke what prepare resolved
+            typer.echo(f"warning: the result will not export exactly to DeepSeek-V3: {problem}", err=True)
 
 
 def _parameters() -> list[inspect.Parameter]:

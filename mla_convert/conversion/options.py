@@ -26,6 +26,33 @@ QK_NORM_TEXT = {
 }
 
 
+def needs_statistics(options: ConvertOptions) -> bool:
+    """Whether the conversion collects calibration statistics (the options ask for something beyond plain SVD of the
+    weights)."""
+    return (
+        options.method == "activation"
+        or options.rope_strategy in ("2-norm", "attention")
+        or options.rope_merge
+        or options.objective != "kv"
+        or options.value_inputs != "token"
+        or options.key_inputs != "token"
+        or options.dropped_rope == "expected"
+        or options.qk_norm == "calibrated"  # the keys' RMS (only sources with q/k norms read it)
+        or (options.refine_steps or 0) > 0
+        or (options.refine_model_steps or 0) > 0
+    )
+
+
+def needs_attention_profile(options: ConvertOptions) -> bool:
+    """Whether the conversion reads the calibration attention by distance (the attention pair choice, expected phases)."""
+    return options.rope_strategy == "attention" or options.dropped_rope == "expected"
+
+
+def needs_attention_statistics(options: ConvertOptions) -> bool:
+    """Whether the calibration collects attention statistics of any kind."""
+    return needs_attention_profile(options) or options.value_inputs == "attended" or options.key_inputs == "attended"
+
+
 def resolve_allocation(options: ConvertOptions) -> ConvertOptions:
     """The default rank allocation (None): energy, which shares the dims by every layer's calibrated spectrum before
     it converts any (on the source's stream, whichever stream the conversion then follows); uniform without
@@ -38,7 +65,7 @@ def resolve_allocation(options: ConvertOptions) -> ConvertOptions:
 def without_calibration(options: ConvertOptions) -> ConvertOptions:
     """With no calibration text, the attention-profile choices fall back to their data-free neighbours (2-norm on
     weight proxies, unrotated dropped pairs), with a warning; the resolved options are what provenance records."""
-    if options.calib_data is not None or not options.needs_attention_statistics():
+    if options.calib_data is not None or not needs_attention_statistics(options):
         return options
     log.warning("no calibration text: --rope-strategy attention -> 2-norm (weight proxies), --dropped-rope expected "
                 "-> unrotated, --value-inputs attended -> token; pass --calib-data for the attention-aware choices")

@@ -1,9 +1,11 @@
 """The conversion driver: resolve the options and the plan, then one decoder layer at a time (calibration statistics,
 the per-layer method, refinement, the resume store), the model stage, and the shards, config, provenance and card.
 
-Phases of `convert`: setup (`resolve`: options and plan; `Conversion.__init__`: device, RoPE, calibration stream),
-statistics (`Conversion.allocate_ranks`, with the energy allocation), layers (`Conversion.convert_layers`), the model
-stage (`Conversion.train_model`) and the write (`Conversion.write`)."""
+Two public steps: `prepare` (options -> one `Prepared`: the family, the target's rules, `resolve`: the options as they
+run and the plan) and `run` (the prepared conversion -> the output folder); `convert` is the two in one call.
+Phases of `run`: setup (`Conversion.__init__`: device, RoPE, calibration stream), statistics
+(`Conversion.allocate_ranks`, with the energy allocation), layers (`Conversion.convert_layers`), the model stage
+(`Conversion.train_model`) and the write (`Conversion.write`)."""
 
 from __future__ import annotations
 
@@ -19,15 +21,16 @@ from mla_convert import provenance, refine, rope, selftext
 from mla_convert.card import write_model_card
 from mla_convert.outputs import SHARD_BYTES, ShardedWriter, kept_file_intact, resume_dir, staged_output
 from mla_convert.sources import Source
-from mla_convert.writes import room_for
+from mla_convert.writes import check_room, room_for
 from mla_convert.conversion import store, timing, workers
 from mla_convert.conversion.method import convert_attention, layer_spectrum
 from mla_convert.conversion.modules import (attention_tensors, converted_decoder_layer, float32_on, gemma_fields,
                                             mla_config, other_tensor_names, raw_layer, source_decoder_layer)
-from mla_convert.conversion.options import (ConvertOptions, as_planned, describe_method, resolve_allocation,
+from mla_convert.conversion.options import (ConvertOptions, as_planned, describe_method, needs_attention_profile,
+                                            needs_attention_statistics, needs_statistics, resolve_allocation,
                                             without_calibration)
-from mla_convert.conversion.plan import (ROOM_COPIES, Geometry, Plan, allocate, check_room, make_geometry, max_rank,
-                                         output_bytes)
+from mla_convert.conversion import target as target_rules
+from mla_convert.conversion.plan import ROOM_COPIES, Geometry, Plan, allocate, make_geometry, max_rank, output_bytes
 from mla_convert.conversion.stages import model_stage, refined_layer
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
@@ -148,7 +151,7 @@ def plan_stages(source: Source, geometry: Geometry, options: ConvertOptions) -> 
         seconds /= workers.speedup(queries)
     model_rate = refine.cpu_rate(precision, model_stage=True)
     distils = (options.calib_data and options.calib_propagate == "source"
-               and (options.needs_statistics() or steps > 0))  # a calibration stream runs (refined layers need one)
+               and (needs_statistics(options) or steps > 0))  # a calibration stream runs (refined layers need one)
     model_steps = (refine.resolve_model_steps(options.refine_model_steps, geometry, options.device, window, model_rate)
                    if distils else 0)
     return dict(
@@ -177,23 +180,47 @@ def _sample_seconds(source: Source, geometry: Geometry, options: ConvertOptions,
     return timing.sample_seconds(source.config, to_sample, width, bf16)
 
 
-def convert(
-    source: Source,
-    out: Path,
-    options: ConvertOptions,
-    family_name: str | None = None,
-    overwrite: bool = False,
-    dry_run: bool = False,
-    progress: bool = True,
-) -> Plan:
-    """Convert `source` into a native MLA checkpoint at `out`. With `dry_run`, only plan and return."""
-    from mla_convert.validate import check_source_finite, check_source_shapes
+@dataclass
+class Prepared:
+    """A conversion decided before any work (`prepare`): the source and its family, the options as they will run, the
+    plan, the target, and what the target's resolution chose (`notes`) or warns of (`warnings`), for the caller to
+    say."""
+
+    source: Source
+    family: Family
+    options: ConvertOptions
+    plan: Plan
+    target: str = "native"
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return self.plan.describe(self.target)
+
+
+def prepare(source: Source, options: ConvertOptions, family_name: str | None = None, *, target: str = "native",
+            format: str = "native", explicit: frozenset[str] | set[str] = frozenset()) -> Prepared:
+    """The conversion's first step: the family, the source's shapes, the options resolved for `target` (native or
+    deepseek; `format` is the export that follows, deepseek or gguf, whose limits are checked now), the defaults and
+    the plan, each once. `explicit` names the options the user set (the target keeps them or refuses). Nothing heavy,
+    nothing written: `--dry-run` prints `Prepared.describe()`."""
+    from mla_convert.validate import check_source_shapes
 
     family = family_for(source.config, family_name)
+    warnings = target_rules.check_source(family, source.config, target, options.qk_norm)
+    options, notes = target_rules.target_options(source.config, family, options, target, format, explicit)
     check_source_shapes(source, family)  # every tensor present, of the config's shape: before the plan
     options, plan = resolve(source, family, options)
-    if dry_run:
-        return plan
+    target_rules.check_plan(plan, format)
+    return Prepared(source, family, options, plan, target, notes, warnings)
+
+
+def run(prepared: Prepared, out: Path, *, overwrite: bool = False, progress: bool = True) -> Path:
+    """The conversion's second step: the prepared conversion written as a native MLA checkpoint at `out` (staged,
+    resumable, moved into place whole). Returns `out`."""
+    from mla_convert.validate import check_source_finite
+
+    source, family, options, plan = prepared.source, prepared.family, prepared.options, prepared.plan
     check_source_finite(source, family)  # before any work: a NaN or inf weight would convert into a broken output
     source.tokenizer()  # read even without calibration text: a broken tokenizer is refused, not copied into the output
     run = Conversion(source, family, options, plan, progress)
@@ -210,7 +237,24 @@ def convert(
         trained = run.train_model()
         run.write(stage, trained)
     log.info("wrote %s", out)
-    return plan
+    return Path(out)
+
+
+def convert(
+    source: Source,
+    out: Path,
+    options: ConvertOptions,
+    family_name: str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    progress: bool = True,
+) -> Plan:
+    """Convert `source` into a native MLA checkpoint at `out` (`prepare`, then `run`); returns the plan as it ran.
+    With `dry_run`, only prepare and return the plan."""
+    prepared = prepare(source, options, family_name)
+    if not dry_run:
+        run(prepared, out, overwrite=overwrite, progress=progress)
+    return prepared.plan
 
 
 class Conversion:
@@ -229,7 +273,7 @@ class Conversion:
         self.device = torch.device(resolve_device(options.device))
         torch.manual_seed(options.seed)
         # the calibration text and tokenizer are read before anything is staged: their errors come first
-        self.runner = self.new_runner() if options.needs_statistics() and options.calib_data else None
+        self.runner = self.new_runner() if needs_statistics(options) and options.calib_data else None
         self.record = RunRecord([[0] * (plan.rope_dims // 2) for _ in range(plan.layers)])
         self.kept: Path | None = None
         self.statistics: dict[int, tuple] = {}  # layer -> statistics the statistics pass kept for the conversion pass
@@ -263,10 +307,10 @@ class Conversion:
                 return prefix, layer_tensors, attn, source_layer, statistics
             with torch.device(device):  # factory calls (eye, zeros, ones) land beside their inputs
                 cov = second_moment(self.runner.attention_input(source_layer))
-                if options.needs_attention_statistics():
+                if needs_attention_statistics(options):
                     every = ATTENDED_EVERY if options.value_inputs == "attended" else 0
                     profile, attended, keyed = self.runner.attention_statistics(source_layer, attended_every=every)
-                    if options.needs_attention_profile():
+                    if needs_attention_profile(options):
                         phase = rope.attention_phases(profile, self.frequencies[i][0].to(device))
                     keyed = keyed if options.key_inputs == "attended" else None
         return prefix, layer_tensors, attn, source_layer, (cov, phase, attended, keyed)
@@ -305,7 +349,7 @@ class Conversion:
         done = {i for i in range(plan.layers) if kept_file_intact(kept / store.layer_file(i))}
         if done:
             log.warning("resuming in %s: %d of %d layers were converted already", kept.parent, len(done), plan.layers)
-        if self.options.needs_statistics() and self.runner is None:
+        if needs_statistics(self.options) and self.runner is None:
             log.warning("no calibration data: RoPE selection and factorization use weight-only statistics")
         skip_through = -1  # layers up to this one need no calibration forward: their output activations are kept
         bar = self.bar("layers: convert")

@@ -6,8 +6,6 @@ and `--dry-run` text, and the rank allocation among layers."""
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from mla_convert import lowrank, policy, refine
 from mla_convert.outputs import SHARD_BYTES
 from mla_convert.sources import Source
 from mla_convert.conversion import timing
-from mla_convert.conversion.options import QK_NORM_TEXT, ConvertOptions
+from mla_convert.conversion.options import QK_NORM_TEXT, ConvertOptions, needs_statistics
 from mla_convert.schema import check_options
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
@@ -455,7 +453,7 @@ def make_geometry(source: Source, family: Family, options: ConvertOptions) -> Ge
     source_bytes = source.nbytes()
     before = ((2 * heads + 2 * groups) * head_dim * hidden + (heads + 2 * groups) * head_dim * qkv_bias) * layers
     intermediate = getattr(config, "intermediate_size", 4 * hidden)
-    calibrated = bool(options.calib_data) and options.needs_statistics()
+    calibrated = bool(options.calib_data) and needs_statistics(options)
     samples = options.calib_samples or default_calib_samples(kept)  # by the cache kept
     calib_tokens = samples * options.calib_seq_len if calibrated else 0
     memory = {
@@ -513,22 +511,6 @@ def _output_bytes(config, attn_params_after: int, element: int) -> int:
 
 
 ROOM_COPIES = 2  # a conversion needs its checkpoint's size twice: the layers kept for a resume beside the shards
-
-
-def check_room(out: Path, needed: int, what: str = "the checkpoint") -> None:
-    """Refuse, before any work, an output whose file system cannot take `needed` bytes (`what` they hold) or whose
-    folder cannot be written."""
-    from mla_convert.writes import size_text
-
-    parent = Path(out).expanduser().resolve()
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write under {parent} (permission denied): choose an output folder you can write to")
-    free = shutil.disk_usage(parent).free
-    if free < needed:
-        raise UserError(f"{parent} has {size_text(free)} free, the output needs about {size_text(needed)} ({what}): "
-                        "free space or choose another output folder")
 
 
 def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:

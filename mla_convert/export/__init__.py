@@ -24,12 +24,13 @@ sqrt(1e-6 / source eps), which makes every decoder RMSNorm compute exactly what 
 What the format cannot express is either re-expressed exactly, approximated only with `allow_approx` (and then always
 measured), or refused with the conversion options that produce an exportable model.
 
-Rooms: rope_fit.py (RoPE frequencies: the fit, the conversion-time choice for `--target deepseek`), plan.py (options,
-exported shapes, config, serving notes), layer.py (tensor mapping and the identity norm), verify.py (the stock check
-in a subprocess), driver.py (`export`, and `convert_to_target` behind `mla-convert convert --target/--format`).
+Rooms: plan.py (options, exported shapes, config, serving notes: `make_export_plan`), layer.py (tensor mapping and the
+identity norm), verify.py (the stock check in a subprocess), driver.py (`export`), gguf.py (llama.cpp's deepseek2
+file). The RoPE fit they share with the conversion's `--target deepseek` is `mla_convert.rope_fit`, a room below
+both. export/ imports nothing of conversion/: it reads finished native checkpoints.
 """
 
-from mla_convert.export.driver import LAYER_ATTENTION, convert_to_target, export, report_export, resolve_target
+from mla_convert.export.driver import LAYER_ATTENTION, export, report_export
 from mla_convert.export.layer import NORM_TOLERANCE, export_layer, identity_norm_scale
 from mla_convert.export.plan import (
     DTYPE_CHOICES,
@@ -42,24 +43,23 @@ from mla_convert.export.plan import (
     ExportPlan,
     deepseek_config,
     deepseek_layout_notes,
-    make_plan,
+    make_export_plan,
+    native_config,
     serving_notes,
 )
-from mla_convert.export.rope_fit import (
+from mla_convert.export.verify import relative_error, verify_export
+from mla_convert.rope_fit import (
     FREQ_TOLERANCE,
-    TARGET_STRATEGIES,
     RopeFit,
     check_exportable,
     deepseek_compatible_rope_pairs,
-    deepseek_convert_options,
     fit_deepseek_rope,
 )
-from mla_convert.export.verify import relative_error, verify_export
 
 __all__ = [
     "DTYPE_CHOICES", "EXPORT_EPS", "FLASHMLA_LAYOUT", "FORMATS", "FREQ_TOLERANCE", "LAYER_ATTENTION", "NORM_TOLERANCE",
-    "PAD_CHOICES", "TARGET_STRATEGIES", "VLLM_MLA_HEAD_SIZES", "ExportOptions", "ExportPlan", "RopeFit",
-    "check_exportable", "convert_to_target", "deepseek_compatible_rope_pairs", "deepseek_config", "deepseek_convert_options",
-    "deepseek_layout_notes", "export", "export_layer", "fit_deepseek_rope", "identity_norm_scale", "make_plan",
-    "relative_error", "report_export", "resolve_target", "serving_notes", "verify_export",
+    "PAD_CHOICES", "VLLM_MLA_HEAD_SIZES", "ExportOptions", "ExportPlan", "RopeFit", "check_exportable",
+    "deepseek_compatible_rope_pairs", "deepseek_config", "deepseek_layout_notes", "export", "export_layer",
+    "fit_deepseek_rope", "identity_norm_scale", "make_export_plan", "native_config", "relative_error", "report_export",
+    "serving_notes", "verify_export",
 ]  # fmt: skip

@@ -16,28 +16,12 @@ import torch
 
 from mla_convert.errors import UserError
 from mla_convert.export.layer import export_layer
-from mla_convert.export.plan import ExportOptions, deepseek_config, make_plan, out_dtype
+from mla_convert.export.plan import ExportOptions, deepseek_config, make_export_plan, native_config, out_dtype
 from mla_convert.export.verify import verify_export
 
 log = logging.getLogger(__name__)
 
 LAYER_ATTENTION = ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
-
-
-def native_config(folder: Path, what: str = "export"):
-    """The MLAConfig of the native checkpoint folder `folder`; a UserError (naming `what` needs it) for a config.json
-    that cannot be read or is not a native MLA model's."""
-    from mla_convert.modeling import MLAConfig
-
-    try:
-        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError) as e:  # ValueError: not JSON or not UTF-8; AttributeError: not an object
-        raise UserError(f"cannot read {folder / 'config.json'} ({type(e).__name__}): pass a native MLA checkpoint "
-                        "folder whose config.json is intact") from None
-    if model_type != "mla":
-        raise UserError(f"{what} needs a native MLA checkpoint (model_type mla, made by `mla-convert llama ... -o "
-                        f"DIR`), got model_type {model_type}")
-    return MLAConfig.from_pretrained(folder)
 
 
 def _layer_biases(source, config) -> list[dict]:
@@ -155,11 +139,10 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     """Export the native MLA checkpoint folder `model` to a DeepSeek-V3 folder `out`; returns the export record
     (what provenance.json holds under "export", plus "measurements")."""
     from mla_convert.card import write_model_card
-    from mla_convert.conversion.plan import check_room
     from mla_convert.outputs import ShardedWriter, check_output, staged_output
     from mla_convert.sources import SafetensorsSource
     from mla_convert.validate import check_checkpoint_finite
-    from mla_convert.writes import room_for
+    from mla_convert.writes import check_room, room_for
 
     folder = Path(model).expanduser()
     if not (folder / "config.json").is_file():
@@ -172,7 +155,7 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
     elements = sum(math.prod(source.shape(name)) for name in source.keys())
     needed = elements * dtype.itemsize
     check_room(Path(out), needed)  # before any work: the export is one full copy
-    plan = make_plan(config, _layer_biases(source, config), options)
+    plan = make_export_plan(config, _layer_biases(source, config), options)
     for note in plan.warnings:
         log.warning("%s", note)
     for note in plan.approximations:
@@ -191,105 +174,6 @@ def export(model: str | os.PathLike, out: str | os.PathLike, options: ExportOpti
         write_model_card(stage)
     record["measurements"] = measurements
     return record
-
-
-# ---------------------------------------------------------------------------------------------------- convert --target
-
-
-def resolve_target(target: str | None, format: str, output: Path | None) -> tuple[str, Path | None]:
-    """Check `mla-convert convert --target/--format`; returns (target, the folder the native checkpoint goes to).
-
-    With --format deepseek, OUT is the DeepSeek-V3 export (what engines serve) and the native checkpoint goes beside
-    it, to OUT-native.
-    """
-    if format not in ("native", "deepseek", "gguf"):
-        raise UserError(f"--format must be native, deepseek or gguf, got {format}")
-    target = target or ("deepseek" if format == "gguf" else format)
-    if target not in ("native", "deepseek"):
-        raise UserError(f"--target must be native or deepseek, got {target}")
-    if format in ("deepseek", "gguf") and target != "deepseek":
-        raise UserError(f"--format {format} needs DeepSeek-exportable options: drop --target native")
-    if format == "gguf" and output is not None:
-        if output.suffix != ".gguf":
-            raise UserError(f"--format gguf writes one file: -o must end in .gguf (got {output})")
-        return target, output.with_name(output.stem + "-native")
-    native_out = output.with_name(output.name + "-native") if format == "deepseek" and output is not None else output
-    return target, native_out
-
-
-def _plan_quietly(convert, source, native_out, options, family):
-    """The plan alone (a dry run), its warnings held back: the conversion that follows prints them once."""
-    logger = logging.getLogger("mla_convert")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        return convert(source, native_out, options, family, dry_run=True)
-    finally:
-        logger.setLevel(level)
-
-
-def convert_to_target(source, output: Path | None, native_out: Path | None, options, family: str | None, *,
-                      target: str, format: str, explicit: set[str], overwrite: bool, dry_run: bool, progress: bool,
-                      say: Callable[..., None]) -> None:
-    """Convert `source` for `target` (native or deepseek) and, with `format` deepseek, export the result to `output`.
-
-    `target` deepseek resolves and checks exportable options (deepseek_convert_options) before any heavy work;
-    `explicit` names the options the user set. Notes go through `say(text)`, warnings through `say(text, err=True)`
-    (the CLI passes typer.echo).
-    """
-    from mla_convert.convert import convert
-
-    if format == "gguf" and output is not None and not dry_run:  # a GGUF path that cannot be written is named first
-        from mla_convert.export.gguf import check_gguf_output
-
-        check_gguf_output(output, overwrite, ())
-    if target == "deepseek":  # resolve and check exportable options before any heavy work
-        from mla_convert.export.plan import deepseek_layout_notes
-        from mla_convert.export.rope_fit import deepseek_convert_options
-        from mla_convert.families import family_for
-
-        options, notes = deepseek_convert_options(source.config, options, explicit)
-        if format == "gguf" and any(family_for(source.config, family).attention_biases(source.config)):
-            raise UserError("this model has attention biases, which llama.cpp's deepseek2 attention has no place for: "
-                            "serve the native checkpoint through the vLLM plugin or transformers (docs/serving.md)")
-        if format == "deepseek" and any(family_for(source.config, family).attention_biases(source.config)):
-            raise UserError("this model has attention biases, which vLLM's and SGLang's DeepSeek classes drop "
-                            "silently: serve the native checkpoint through the vLLM plugin instead (convert without "
-                            "--format deepseek; docs/serving.md), or convert with --target deepseek and run "
-                            "`mla-convert export --keep-biases` (transformers only) or `--drop-biases --allow-approx`")
-        plan = _plan_quietly(convert, source, native_out, options, family)
-        if format == "deepseek" and plan.dtype == "float16":
-            raise UserError("the DeepSeek-V3 export cannot hold float16 (its identity latent norm needs bfloat16's "
-                            "range): pass --dtype bfloat16 or --dtype float32")
-        for note in notes:
-            say(note)
-        for note in deepseek_layout_notes(source.config, plan.kv_lora_rank, plan.rope_dims):
-            say(f"warning: {note}", err=True)
-    if target != "deepseek":  # the native checkpoint serves through the vLLM plugin if its layout fits
-        from mla_convert.serving.layout import serving_notes
-
-        plan = _plan_quietly(convert, source, native_out, options, family)
-        for note in serving_notes(plan.kv_lora_rank, plan.rope_dims):
-            say(f"warning: {note}", err=True)
-    plan = convert(source, native_out, options, family, overwrite=overwrite, dry_run=dry_run, progress=progress)
-    say(plan.describe(target))
-    if dry_run:
-        where = (f" (native MLA to {native_out}, DeepSeek-V3 export to {output})" if format == "deepseek" else
-                 f" (native MLA to {native_out}, GGUF to {output})" if format == "gguf" else "")
-        say(f"dry run: nothing written{where}")
-        return
-    say(f"wrote {native_out}  (load: import mla_convert; AutoModelForCausalLM.from_pretrained('{native_out}'))")
-    if format == "deepseek":
-        report_export(export(native_out, output, ExportOptions(), overwrite=overwrite), output, say)
-    elif format == "gguf":
-        from mla_convert.export.gguf import export_gguf, report_gguf
-
-        report_gguf(export_gguf(native_out, output, "f32", overwrite=overwrite), output, say)
-    elif target == "deepseek":
-        from mla_convert.export.rope_fit import check_exportable
-
-        for problem in check_exportable(native_out):  # a converter change broke what was resolved above
-            say(f"warning: the result will not export exactly to DeepSeek-V3: {problem}", err=True)
 
 
 def report_export(record: dict, output: Path, say: Callable[..., None]) -> None:

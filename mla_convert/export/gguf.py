@@ -222,7 +222,7 @@ def _query_layout(config, plan) -> _QueryLayout:
 
 def _exportable_config(folder: Path):
     """The native config of `folder`, refused where llama.cpp's deepseek2 could not run it exactly."""
-    from mla_convert.export.driver import native_config
+    from mla_convert.export.plan import native_config
     from mla_convert.serving.layout import check_servable
 
     config = native_config(folder, "the GGUF export")
@@ -348,7 +348,7 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     import gguf
 
     from mla_convert import provenance
-    from mla_convert.export.plan import ExportOptions, make_plan
+    from mla_convert.export.plan import ExportOptions, make_export_plan
     from mla_convert.sources import SafetensorsSource
 
     if gguf_type not in GGUF_TYPES:
@@ -365,7 +365,7 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     try:
         _check_weights(source, config)
         layers = [{} for _ in range(config.num_hidden_layers)]
-        plan = make_plan(config, layers, ExportOptions(verify=False, pad_latent=pad_latent))
+        plan = make_export_plan(config, layers, ExportOptions(verify=False, pad_latent=pad_latent))
         query = _query_layout(config, plan)
         tok = tokenizer_meta(folder, config.vocab_size)
         special = gguf.SpecialVocab(folder, load_merges=False, n_vocab=config.vocab_size)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mla_convert.export.plan import EXPORT_EPS, ExportPlan
-from mla_convert.export.rope_fit import place_rope_rows
+from mla_convert.rope_fit import place_rope_rows
 
 # Relative error allowed on the latent (and on the query under the q_lora path) by the identity-norm trick. Below
 # float32's resolution of 6e-8 per element after rounding the scale down to a power of two.

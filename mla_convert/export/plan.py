@@ -1,19 +1,21 @@
 """The export plan: the options, the exported shapes and config, and which biases survive, decided from the native
 config and the biases alone before any tensor is written.
 
-`make_plan` refuses (or, with `allow_approx`, records as an approximation) what the format cannot hold;
+`make_export_plan` refuses (or, with `allow_approx`, records as an approximation) what the format cannot hold;
 `serving_notes` says what vLLM and SGLang will do with the exported layout; `deepseek_config` writes config.json.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.export.rope_fit import RopeFit, fit_deepseek_rope
+from mla_convert.rope_fit import RopeFit, fit_deepseek_rope
 from mla_convert.rope import source_frequencies
 from mla_convert.serving.llamacpp import LLAMACPP_BLOCK
 
@@ -179,6 +181,22 @@ def deepseek_layout_notes(config, kv_lora_rank: list[int], rope_dims: int) -> li
     return serving_notes(max(kv_lora_rank), rope_dims, native_per_token, heads, head_dim)
 
 
+def native_config(folder: Path, what: str = "export"):
+    """The MLAConfig of the native checkpoint folder `folder`; a UserError (naming `what` needs it) for a config.json
+    that cannot be read or is not a native MLA model's."""
+    from mla_convert.modeling import MLAConfig
+
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:  # ValueError: not JSON or not UTF-8; AttributeError: not an object
+        raise UserError(f"cannot read {folder / 'config.json'} ({type(e).__name__}): pass a native MLA checkpoint "
+                        "folder whose config.json is intact") from None
+    if model_type != "mla":
+        raise UserError(f"{what} needs a native MLA checkpoint (model_type mla, made by `mla-convert llama ... -o "
+                        f"DIR`), got model_type {model_type}")
+    return MLAConfig.from_pretrained(folder)
+
+
 def _check_options(options: ExportOptions) -> None:
     if options.format not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {options.format}")
@@ -190,7 +208,7 @@ def _check_options(options: ExportOptions) -> None:
         raise UserError("--allow-approx exports are always measured: drop --no-verify")
 
 
-def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> ExportPlan:
+def make_export_plan(config, layer_biases: list[dict], options: ExportOptions) -> ExportPlan:
     """Decide the exported shapes, the RoPE mapping and which biases survive, from the config and the biases alone."""
     _check_options(options)
     if getattr(config, "model_type", None) != "mla":
@@ -219,7 +237,7 @@ def make_plan(config, layer_biases: list[dict], options: ExportOptions) -> Expor
         if not options.allow_approx:
             raise UserError(
                 f"not exportable exactly: {message}. Convert with --rope-strategy high or uniform and --rope-merge "
-                "(see mla_convert.export.deepseek_compatible_rope_pairs), or pass --allow-approx to export the "
+                "(see mla_convert.rope_fit.deepseek_compatible_rope_pairs), or pass --allow-approx to export the "
                 "nearest geometric frequencies with the logit error measured"
             )
         approximations.append(message)
