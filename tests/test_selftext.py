@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_convert import policy, selftext
-from mla_convert.calibration import calibration_tokens, parse_mixture, token_windows, window_counts
+from mla_convert import policy
+from mla_convert.conversion import selftext
+from mla_convert.conversion.calibration import calibration_tokens, parse_mixture, token_windows, window_counts
 from mla_convert.checkpoint import open_source
 from mla_convert.conversion.plan import default_calib_samples
 from mla_convert.errors import UserError
@@ -141,7 +142,7 @@ def test_mixture_windows(sources, cache, calib_text):
 
 def test_tokens_to_sample_are_what_the_cache_lacks(sources, cache, calib_text):
     """What `--dry-run` prices as sampling: the self text's windows the cache does not hold yet, none of a file's."""
-    from mla_convert.calibration import self_tokens_to_sample
+    from mla_convert.conversion.calibration import self_tokens_to_sample
 
     src = open_source(str(sources["llama-gqa"]))
     spec = f"{calib_text}:1,self:3"
