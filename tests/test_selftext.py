@@ -236,7 +236,7 @@ def test_default_temperature_follows_the_cache_kept(sources, convert_tiny, cache
 
 
 def test_eval_warns_on_any_text_of_a_mixture(sources, convert_tiny, cache, calib_text):
-    from mla_convert.evaluate import calibration_overlap
+    from mla_convert.conversion.calibration import calibration_overlap
 
     out = convert_tiny(sources["llama-gqa"], rank=8, rope_dims=8, calib_data=f"self:1,{calib_text}:1")
     assert "calibrated on" in calibration_overlap(str(out), str(calib_text), calib_text.read_text())
