@@ -1,5 +1,6 @@
 """The calibration text: `--calib-data` specs (files, datasets, the source's own text, weighted mixtures) -> token
-windows [N, T]; the text sampled from the source is `conversion.selftext`'s."""
+windows [N, T] (the text sampled from the source is `conversion.selftext`'s), and whether an evaluation text is the
+calibration text a model was converted on (`calibration_overlap`)."""
 
 from __future__ import annotations
 
