@@ -153,7 +153,7 @@ def _settings_section(steps: list[dict]) -> list[str]:
 
 
 def _refine_lines(record) -> list[str]:
-    """The refinement's effect (mla_convert.refine): held-out attention-output error, mean over layers."""
+    """The refinement's effect (mla_convert.conversion.refine_layer): held-out attention-output error, mean over layers."""
     if not isinstance(record, list) or not record:
         return []
     before = sum(r["before"] for r in record) / len(record)
@@ -164,7 +164,7 @@ def _refine_lines(record) -> list[str]:
 
 
 def _model_stage_lines(record) -> list[str]:
-    """The model stage's effect (mla_convert.refine.refine_model): held-out KL to the source, per token."""
+    """The model stage's effect (mla_convert.conversion.model_stage): held-out KL to the source, per token."""
     if not isinstance(record, dict) or "before" not in record:
         return []
     at = f", the weights after step {record['step']}" if record.get("step") else ""

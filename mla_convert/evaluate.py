@@ -329,31 +329,3 @@ def cache_bytes(cache) -> int:
 def tensor_bytes(tensors) -> int:
     """Bytes the tensors hold (None entries skipped): the one count behind every measured KV-cache figure."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def calibration_overlap(model: str | None, spec: str, text: str) -> str | None:
-    """A warning when the evaluation text `spec` (loaded: `text`) is, or shares lines with, the calibration text
-    recorded in the model folder's provenance (a perplexity on it flatters the conversion); None otherwise."""
-    from mla_convert import data, provenance
-
-    if model is None or not Path(model).is_dir():
-        return None
-    record = provenance.load(model) or {}
-    while record and record.get("kind") != "convert":  # finetune / export: the conversion is further up
-        record = record.get("parent") or {}
-    from mla_convert.calibration import parse_mixture
-
-    spec_calib = (record.get("options") or {}).get("calib_data")
-    eval_path = Path(spec).expanduser()
-    for calib, _ in parse_mixture(spec_calib) if spec_calib else []:  # each text of a weighted mixture
-        calib_path = Path(calib).expanduser()
-        if calib == spec or (calib_path.is_file() and eval_path.is_file()
-                             and calib_path.resolve() == eval_path.resolve()):  # fmt: skip
-            return (f"{spec} is the text {model} was calibrated on: the perplexity flatters the conversion; "
-                    "evaluate on held-out text (e.g. wiki.test.raw when calibrating on wiki.valid.tokens)")
-        if calib_path.is_file():
-            shared = data.overlapping_lines(calib_path.read_text(encoding="utf-8", errors="replace"), text)
-            if shared:
-                return (f"{spec} shares {shared} lines with the calibration text {calib}: the perplexity flatters "
-                        "the conversion; evaluate on held-out text")
-    return None

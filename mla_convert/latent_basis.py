@@ -206,8 +206,9 @@ def cache_kept(config) -> float:
 def _calibration_windows(model, folder: Path, spec: str, samples: int, seq_len: int) -> torch.Tensor:
     """Windows of `spec` as a conversion reads them: 'self' is text sampled from the conversion's source (named in
     provenance.json), at the temperature a conversion to this share of the cache uses, from the same cache."""
-    from mla_convert import provenance, selftext
-    from mla_convert.calibration import calibration_tokens, check_calib_spec
+    from mla_convert import provenance
+    from mla_convert.conversion import selftext
+    from mla_convert.conversion.calibration import calibration_tokens, check_calib_spec
     from mla_convert.checkpoint import open_source
 
     check_calib_spec(spec, samples)

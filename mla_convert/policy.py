@@ -14,7 +14,7 @@ CALIB_TEMPERATURE = (1.2, 1.0)  # --calib-temperature of `self` text: varied tex
 REFINE_STEPS = (200, 300)  # --refine-steps auto (per layer) on a GPU: a wider latent has more to fit
 REFINE_STEPS_CPU = (200, 600)  # ... on a CPU, where a step at the wide budget takes its loss at fewer positions
 REFINE_QUERIES_CPU = (256, 256)  # --refine-queries auto on a CPU (0: every position; a GPU takes every position)
-MODEL_STEPS_CPU = (32, 1)  # --refine-model-steps auto on a CPU (a GPU takes refine.MODEL_STEPS)
+MODEL_STEPS_CPU = (32, 1)  # --refine-model-steps auto on a CPU (a GPU takes conversion.model_stage.MODEL_STEPS)
 
 
 def by_cache_kept(kept: float, pair: tuple):

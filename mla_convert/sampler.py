@@ -1,5 +1,5 @@
 """Batched sampling from a transformers causal LM, a token a step for every sequence at once (the self text's sampler,
-`mla_convert.selftext`).
+`mla_convert.conversion.selftext`).
 
 `width` slots each hold one sequence at its own position in a preallocated key/value cache (`SlotCache`). Every step
 feeds one token per slot: the next token of its prompt while the prompt lasts (the prompt is read a token a step, so

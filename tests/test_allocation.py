@@ -100,7 +100,7 @@ def test_statistics_kept_from_the_statistics_pass_convert_identically(steep_firs
 
     from mla_convert.conversion import pipeline, plan
 
-    from mla_convert.calibration import LayerRunner
+    from mla_convert.conversion.statistics import LayerRunner
 
     advances = []
     forward = LayerRunner.advance

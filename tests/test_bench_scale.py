@@ -49,9 +49,9 @@ def test_refined_layers_come_from_their_own_lines(tmp_path):
 
 @pytest.mark.parametrize("kept", ["kept", "not kept"])
 def test_the_line_read_is_the_one_the_conversion_writes(tmp_path, kept):
-    from mla_convert.conversion import stages
+    from mla_convert.conversion import refine_layer
 
-    line = stages.REFINED_LINE % (3, 0.5, 1.0 / 3, kept, 12.34)
+    line = refine_layer.REFINED_LINE % (3, 0.5, 1.0 / 3, kept, 12.34)
     row = parse(tmp_path, line + "\n")
     assert (row["refine_seconds"], row["refine_error"]) == ({"3": 12.3}, {"3": [0.5, 0.3333]})
 

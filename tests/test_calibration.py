@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_convert.calibration import LayerRunner, by_distance
+from mla_convert.conversion.statistics import LayerRunner, by_distance
 
 
 def _reference_profile(runner: LayerRunner, layer) -> torch.Tensor:
@@ -103,7 +103,7 @@ def test_advance_a_window_at_a_time_is_the_batched_advance_bit_for_bit():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from mla_convert.calibration import BATCH, CPU_BATCH, advance_batch
+    from mla_convert.conversion.statistics import BATCH, CPU_BATCH, advance_batch
 
     assert advance_batch("cpu") == CPU_BATCH == 1 and advance_batch("cuda:1") == advance_batch("cuda") == BATCH > 1
     torch.manual_seed(2)

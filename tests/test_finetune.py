@@ -277,7 +277,7 @@ def test_resume_reads_no_pickle_and_repeats_losses(tiny_run):
 def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
     """data=self: the training text is sampled from the teacher (no data set): enough tokens for the budget plus the
     held-out windows, a run on it writes a model, and a run that cannot say how much text it needs is refused."""
-    from mla_convert import selftext
+    from mla_convert.conversion import selftext
 
     monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
     cfg = finetune.load_config(tiny_run["recipe"], ["data=self", "max_tokens=256", f"output={tmp_path / 'run'}",
@@ -303,7 +303,7 @@ def test_report_texts_scored_at_every_evaluation(tiny_run, tmp_path, monkeypatch
     text the run trains on; data=self samples in batches of sample_batch (its own cache entry)."""
     from accelerate.state import AcceleratorState
 
-    from mla_convert import selftext
+    from mla_convert.conversion import selftext
     from mla_convert.checkpoint import open_source
 
     monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
@@ -348,7 +348,7 @@ def test_report_texts_scored_at_every_evaluation(tiny_run, tmp_path, monkeypatch
 def test_self_text_sampled_on_a_gpu_has_its_own_cache_entry(tiny_run):
     """Text sampled on a CUDA device (bfloat16, other random streams) never stands in for the CPU's, nor the reverse;
     the CPU's key is the one its caches were written with."""
-    from mla_convert import selftext
+    from mla_convert.conversion import selftext
     from mla_convert.checkpoint import open_source
 
     source = open_source(str(tiny_run["teacher"]))
@@ -361,7 +361,7 @@ def test_self_text_sampled_on_a_gpu_has_its_own_cache_entry(tiny_run):
 def test_self_text_samples_on_cuda(tiny_run, tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from mla_convert import selftext
+    from mla_convert.conversion import selftext
     from mla_convert.checkpoint import open_source
 
     monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))

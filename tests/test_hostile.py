@@ -1261,7 +1261,7 @@ def test_push_from_a_full_disk_changes_nothing(student, disk, monkeypatch):
 def test_self_text_cache_on_a_full_disk_is_a_warning_and_leaves_no_part(ws, disk, monkeypatch):
     """The self-text cache is a convenience: a full disk where it lives is one warning, the text is still used, and
     no part of a cache file is left behind."""
-    from mla_convert import selftext
+    from mla_convert.conversion import selftext
 
     monkeypatch.setenv("MLA_CONVERT_CACHE", str(disk.path / "cache"))
     disk.fill(0)

@@ -32,13 +32,14 @@ def test_convert_options_are_the_schema():
 
 
 def test_choices_are_the_librarys():
-    from mla_convert import lowrank, refine, rope
+    from mla_convert import lowrank, rope
+    from mla_convert.conversion import model_stage, refine_layer
     from mla_convert.dtypes import DTYPES
 
     assert schema.choices("rope_strategy") == rope.STRATEGIES
     assert schema.choices("method") == lowrank.METHODS and schema.choices("objective") == lowrank.OBJECTIVES
     assert schema.choices("dtype") == tuple(DTYPES)
-    assert (refine.SCOPES, refine.MODEL_SCOPES, refine.PRECISIONS) == (
+    assert (refine_layer.SCOPES, model_stage.MODEL_SCOPES, refine_layer.PRECISIONS) == (
         schema.choices("refine_scope"), schema.choices("refine_model_scope"), schema.choices("refine_precision"))
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_convert import sampler, selftext
+from mla_convert import sampler
+from mla_convert.conversion import selftext
 from mla_convert.checkpoint import open_source
 from tiny import tiny_source
 
@@ -111,10 +112,10 @@ def test_dry_run_prices_a_tiny_models_sampling():
     steps."""
     from transformers import LlamaConfig
 
-    from mla_convert.conversion import timing
+    from mla_convert.conversion import estimates
 
     tiny = LlamaConfig(vocab_size=49152, hidden_size=192, intermediate_size=512, num_hidden_layers=3,
                        num_attention_heads=3, num_key_value_heads=1)
-    seconds = timing.sample_seconds(tiny, 65536, 64)
-    assert seconds > 30 and timing.sample_seconds(tiny, 65536, 8) > seconds
-    assert timing.sample_seconds(tiny, 2 * 65536, 64) == pytest.approx(2 * seconds)
+    seconds = estimates.sample_seconds(tiny, 65536, 64)
+    assert seconds > 30 and estimates.sample_seconds(tiny, 65536, 8) > seconds
+    assert estimates.sample_seconds(tiny, 2 * 65536, 64) == pytest.approx(2 * seconds)

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
-from mla_convert import policy, refine
+from mla_convert import policy
 from mla_convert.checkpoint import open_source
 from mla_convert.outputs import ShardedWriter
 from mla_convert.cli import app
@@ -138,7 +138,7 @@ def test_memory_estimate_does_not_grow_with_depth(tmp_path, calib_text, monkeypa
     kept = [plan_for(tmp_path, calib_text, n).memory_parts() for n in (2, 8)]
     part = "hidden states kept from the statistics pass"
     assert kept[1][part] == 4 * kept[0][part] == 8 * 2 * 64 * 64 * 4  # layers x tokens x hidden x float32
-    monkeypatch.setattr("mla_convert.refine.machine_bytes", lambda: 4 * kept[1][part] - 1)  # a quarter too little
+    monkeypatch.setattr("mla_convert.conversion.estimates.machine_bytes", lambda: 4 * kept[1][part] - 1)  # a quarter too little
     assert part in plan_for(tmp_path, calib_text, 2).memory_parts()
     assert part not in plan_for(tmp_path, calib_text, 8).memory_parts()
     monkeypatch.setattr("mla_convert.conversion.plan.KEEP_HIDDEN_BYTES", 0)

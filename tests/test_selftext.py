@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_convert import policy, selftext
-from mla_convert.calibration import calibration_tokens, parse_mixture, token_windows, window_counts
+from mla_convert import policy
+from mla_convert.conversion import selftext
+from mla_convert.conversion.calibration import calibration_tokens, parse_mixture, token_windows, window_counts
 from mla_convert.checkpoint import open_source
 from mla_convert.conversion.plan import default_calib_samples
 from mla_convert.errors import UserError
@@ -141,7 +142,7 @@ def test_mixture_windows(sources, cache, calib_text):
 
 def test_tokens_to_sample_are_what_the_cache_lacks(sources, cache, calib_text):
     """What `--dry-run` prices as sampling: the self text's windows the cache does not hold yet, none of a file's."""
-    from mla_convert.calibration import self_tokens_to_sample
+    from mla_convert.conversion.calibration import self_tokens_to_sample
 
     src = open_source(str(sources["llama-gqa"]))
     spec = f"{calib_text}:1,self:3"
@@ -235,7 +236,7 @@ def test_default_temperature_follows_the_cache_kept(sources, convert_tiny, cache
 
 
 def test_eval_warns_on_any_text_of_a_mixture(sources, convert_tiny, cache, calib_text):
-    from mla_convert.evaluate import calibration_overlap
+    from mla_convert.conversion.calibration import calibration_overlap
 
     out = convert_tiny(sources["llama-gqa"], rank=8, rope_dims=8, calib_data=f"self:1,{calib_text}:1")
     assert "calibrated on" in calibration_overlap(str(out), str(calib_text), calib_text.read_text())

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Where one step of the model stage (`--refine-model-steps`, `refine.refine_model`) spends its time on this machine.
+"""Where one step of the model stage (`--refine-model-steps`, `model_stage.refine_model`) spends its time on this machine.
 
     python benchmarks/convert/model_stage.py --model out/FOLDER [--steps 3] [--seq-len 2048] [--precision bfloat16]
 
 Runs the stage's step on a converted (native MLA) checkpoint as `refine_model` runs it: the forward through every layer
-(`refine.final_hidden`), the head and the KL to a teacher with its gradient (`refine._kl_chunks`, from the teacher's
-`refine.teacher_terms`, formed once and timed apart), the layers' backward and Adam over the attention's weights.
+(`model_stage.final_hidden`), the head and the KL to a teacher with its gradient (`model_stage._kl_chunks`, from the teacher's
+`model_stage.teacher_terms`, formed once and timed apart), the layers' backward and Adam over the attention's weights.
 Random tokens and teacher states (the cost does not depend on them). Prints the four parts' seconds for each of
 --steps timed steps after a warm-up, then one step's operators by their own CPU time (`torch.profiler`).
 """
@@ -34,28 +34,28 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
-    from mla_convert import refine
+    from mla_convert.conversion import model_stage, refine_layer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    names = set(refine.model_parameter_names(model))
+    names = set(model_stage.model_parameter_names(model))
     for name, p in model.named_parameters():
         p.requires_grad_(name in names)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (args.seq_len,))
     teacher = torch.randn(args.seq_len, model.config.hidden_size)
     start = time.perf_counter()
-    terms = refine.teacher_terms(model, teacher)  # once a window, before the steps
+    terms = model_stage.teacher_terms(model, teacher)  # once a window, before the steps
     formed = time.perf_counter() - start
     model.train()
 
     def step() -> tuple[float, ...]:
         marks = [time.perf_counter()]
-        with refine._compute(ids, args.precision):
-            hidden = refine.final_hidden(model, ids)
+        with refine_layer._compute(ids, args.precision):
+            hidden = model_stage.final_hidden(model, ids)
         marks.append(time.perf_counter())
         leaf = hidden.detach().float().requires_grad_(True)
-        refine._kl_chunks(model, leaf, terms, backward=True, precision=args.precision)
+        model_stage._kl_chunks(model, leaf, terms, backward=True, precision=args.precision)
         marks.append(time.perf_counter())
         optimizer.zero_grad(set_to_none=True)
         hidden.backward(leaf.grad.to(hidden.dtype))

@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args()
 
-    from mla_convert import selftext
+    from mla_convert.conversion import selftext
     from mla_convert.sources import open_source
 
     source = open_source(args.model)

@@ -12,12 +12,12 @@ intermediate 1536), of Llama-3-8B's (hidden 4096, 32 / 8 heads, head_dim 128, in
 tiny models (hidden 64) or of a hidden-256 model, on one window (2048 tokens by default: the refinement's step); it prints seconds a step for each precision, measured twice in alternation
 after a warm-up step, and what `--refine-steps` (200 by default) would cost a layer at that rate.
 `--model` takes one decoder layer of a converted (native MLA) checkpoint instead, as the refinement trains it
-(`refine.layer_update`); `--compile` runs its forward through `torch.compile`; `--batch` windows a step (the
+(`refine_layer.layer_update`); `--compile` runs its forward through `torch.compile`; `--batch` windows a step (the
 refinement takes 2048 / T windows of T tokens); `--queries N` takes the loss at N random positions a step
-(`refine.layer_update_at`, `--refine-queries`); `--profile` prints the operators of the steps in one precision
+(`refine_layer.layer_update_at`, `--refine-queries`); `--profile` prints the operators of the steps in one precision
 (float32 unless named) by their own CPU time (`torch.profiler`) instead of timing both precisions; `--grouped-ab`
 times, in bfloat16 and in alternation for `--rounds` rounds, the step as the refinement takes it (a kv group's query
-heads stacked over its keys, `modeling_mla.grouped_sdpa`; Adam fused, `refine.adam`) against the step before them
+heads stacked over its keys, `modeling_mla.grouped_sdpa`; Adam fused, `refine_layer.adam`) against the step before them
 (each group's keys and values repeated for its heads; Adam's per-tensor update).
 """
 
@@ -47,7 +47,7 @@ def plain(layer, x, embeddings):
 
 
 def update(layer, x, embeddings):
-    from mla_convert.refine import layer_update
+    from mla_convert.conversion.refine_layer import layer_update
 
     return layer_update(layer, x, embeddings)
 
@@ -114,7 +114,7 @@ def main() -> None:
     target = torch.randn_like(x)
     embeddings = tuple(t.expand(batch, -1, -1) for t in rotary(x, torch.arange(args.seq_len)[None]))
     from mla_convert.modeling import modeling_mla
-    from mla_convert.refine import adam, layer_update_at
+    from mla_convert.conversion.refine_layer import adam, layer_update_at
 
     optimizer = adam([{"params": list(layer.parameters()), "lr": 1e-3}])
     forward = update if args.model else plain

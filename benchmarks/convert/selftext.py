@@ -17,7 +17,7 @@ Each row: tokens kept (prompt and answer, as the calibration stream reads them) 
 statistics (answers' mean length, the share ending at EOS, distinct tokens per answer token, and the source's own
 mean negative log-likelihood at temperature 1 of the answer tokens, with its standard error: the same distribution
 gives the same figures within their errors); and for the slots, `--dry-run`'s estimate of that sampling
-(`timing.sample_seconds`) over the measured time.
+(`estimates.sample_seconds`) over the measured time.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from benchmarks.common import harness  # noqa: E402  (the machine record)
 def generate_batches(model, tokenizer, tokens: int, temperature: float, batch: int, seed: int = 0):
     """The previous sampler: batch after batch of `model.generate` (left-padded prompts, plain temperature
     sampling, torch's global generator seeded per batch) until `tokens` are kept."""
-    from mla_convert import selftext
+    from mla_convert.conversion import selftext
 
     out, have, index = [], 0, 0
     while have < tokens:
@@ -63,7 +63,7 @@ def generate_batches(model, tokenizer, tokens: int, temperature: float, batch: i
 
 
 def slot_samples(model, tokenizer, tokens: int, temperature: float, width: int, seed: int = 0):
-    from mla_convert import selftext
+    from mla_convert.conversion import selftext
 
     table = {tuple(p) for p in selftext.prompts(tokenizer, 0, len(selftext.PROMPTS))}
     out = []
@@ -108,8 +108,8 @@ def tiny_model(folder: Path, embedded) -> Path:
 
 
 def measure(source, label: str, args, out: Path | None) -> None:
-    from mla_convert import selftext
-    from mla_convert.conversion import timing
+    from mla_convert.conversion import selftext
+    from mla_convert.conversion import estimates
 
     tokenizer = source.tokenizer()
     dtype = selftext.sampling_dtype(source)
@@ -129,7 +129,7 @@ def measure(source, label: str, args, out: Path | None) -> None:
                "temperature": args.temperature, "tokens": tokens, "seconds": round(seconds, 2),
                "tokens_per_s": round(tokens / seconds, 1), "load_at_start": load}
         if sampler == "slots":
-            estimate = timing.sample_seconds(source.config, tokens, width, dtype == torch.bfloat16)
+            estimate = estimates.sample_seconds(source.config, tokens, width, dtype == torch.bfloat16)
             row["estimate_s"], row["estimate_over_measured"] = round(estimate, 1), round(estimate / seconds, 3)
         row.update(statistics(model, samples, tokenizer.eos_token_id))
         row["machine"] = harness.machine()
@@ -142,8 +142,8 @@ def check_estimate(source, args, tmp: str) -> None:
     """`selftext.self_tokens` end to end (the model's loading included) into an empty cache, against the estimate."""
     import os
 
-    from mla_convert import selftext
-    from mla_convert.conversion import timing
+    from mla_convert.conversion import selftext
+    from mla_convert.conversion import estimates
 
     os.environ["MLA_CONVERT_CACHE"] = str(Path(tmp) / "cache")
     load = [round(x, 2) for x in os.getloadavg()]
@@ -151,7 +151,7 @@ def check_estimate(source, args, tmp: str) -> None:
     tokens = selftext.self_tokens(source, args.self_tokens, 0, temperature=args.temperature).numel()
     seconds = time.perf_counter() - start
     bf16 = selftext.sampling_dtype(source) == torch.bfloat16
-    estimate = timing.sample_seconds(source.config, args.self_tokens, selftext.BATCH, bf16)
+    estimate = estimates.sample_seconds(source.config, args.self_tokens, selftext.BATCH, bf16)
     row = {"model": args.model or ("random llama, 3 layers, 192 wide" if args.tiny_only else "embedded"),
            "sampler": "self_tokens", "width": selftext.BATCH, "temperature": args.temperature,
            "asked": args.self_tokens, "tokens": tokens, "seconds": round(seconds, 2),

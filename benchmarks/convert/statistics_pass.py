@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import harness  # noqa: E402  (the machine record)
 
-from mla_convert.calibration import (  # noqa: E402
-    LayerRunner, advance_batch, calibration_tokens, second_moment)
+from mla_convert.conversion.calibration import calibration_tokens  # noqa: E402
+from mla_convert.conversion.statistics import LayerRunner, advance_batch, second_moment  # noqa: E402
 from mla_convert.conversion.modules import float32_on, raw_layer, source_decoder_layer  # noqa: E402
 from mla_convert.conversion.pipeline import ATTENDED_EVERY  # noqa: E402
 from mla_convert.families import family_for  # noqa: E402

@@ -55,8 +55,8 @@ def perplexities(model, ids: dict, args) -> dict:
 def calibration_windows(model, args, count: int = 4):
     """The first `count` windows of the calibration text a default conversion to this model's share of the cache
     reads (`--calib self`: the self text at its temperature, from the cache the conversion filled), or of a text."""
-    from mla_convert import selftext
-    from mla_convert.calibration import calibration_tokens
+    from mla_convert.conversion import selftext
+    from mla_convert.conversion.calibration import calibration_tokens
     from mla_convert.checkpoint import open_source
     from mla_convert.latent_basis import cache_kept
 

@@ -20,7 +20,7 @@ benchmarks/quality/quality_probes.jsonl (series D; series C scored `wiki-dev` al
 `--score NAME FOLDER` scores a converted folder (e.g. the main job's) on the same windows and appends its row
 (its conversion options from the folder's provenance.json); FOLDER `source` scores the embedded source.
 `--model-stage NAME FOLDER [steps=N lr=X scope=S seq_len=T top=K precision=P]` runs the model stage
-(`--refine-model-steps`, mla_convert.refine.refine_model; steps in float32 unless precision=bfloat16) on a converted
+(`--refine-model-steps`, mla_convert.conversion.model_stage.refine_model; steps in float32 unless precision=bfloat16) on a converted
 folder with the calibration windows its provenance names (the same cached tokens), writes out/probe-NAME and scores
 it: what the stage adds to a conversion without converting again. Its
 row holds the held-out KL at each check (`curve`: [step, KL]).
@@ -149,8 +149,8 @@ def apply_overrides(overrides: dict, given: dict | None = None) -> dict:
 
 def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     """The model stage on a converted folder (see the module docstring); returns its probe row."""
-    from mla_convert import refine, selftext
-    from mla_convert.calibration import calibration_tokens
+    from mla_convert.conversion import model_stage, refine_layer, selftext
+    from mla_convert.conversion.calibration import calibration_tokens
     from mla_convert.checkpoint import open_source
     from mla_convert.evaluate import load_model
 
@@ -167,9 +167,9 @@ def model_stage(name: str, folder: Path, settings: list[str]) -> dict:
     del source
     model, tok, _ = load_model(str(folder))
     start = time.time()
-    rec = refine.refine_model(model, tokens, teacher, kw.get("steps", refine.MODEL_STEPS), kw.get("lr", refine.MODEL_LR),
-                              seq_len=kw.get("seq_len", refine.SEQ_LEN), seed=opts["seed"],
-                              scope=kw.get("scope", refine.MODEL_SCOPE), top=kw.get("top"),
+    rec = model_stage.refine_model(model, tokens, teacher, kw.get("steps", model_stage.MODEL_STEPS), kw.get("lr", model_stage.MODEL_LR),
+                              seq_len=kw.get("seq_len", refine_layer.SEQ_LEN), seed=opts["seed"],
+                              scope=kw.get("scope", model_stage.MODEL_SCOPE), top=kw.get("top"),
                               precision=kw.get("precision", "float32"))
     seconds = time.time() - start
     out = ROOT / "out" / f"probe-{name}"

@@ -28,7 +28,7 @@ def _warn_test_split(calib_data: str | None, calib_samples: int | None) -> None:
     """Check the calibration text's spec before the (possibly slow) source load, and warn about a test split."""
     if calib_data is None:
         return
-    from mla_convert.calibration import check_calib_spec
+    from mla_convert.conversion.calibration import check_calib_spec
     from mla_convert.data import looks_like_test_split
 
     # by default at least the narrow latents' windows (policy.CALIB_SAMPLES)

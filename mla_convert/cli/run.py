@@ -74,6 +74,7 @@ def eval_command(
     perplexity by position and pass-key retrieval up to the model's context)."""
     setup_logging(verbose, quiet)
     from mla_convert import evaluate, longctx
+    from mla_convert.conversion.calibration import calibration_overlap
     from mla_convert.data import load_text
 
     evaluate.check_device(device)
@@ -83,7 +84,7 @@ def eval_command(
     if record:
         _check_record(model)
     text = load_text(data)
-    warning = evaluate.calibration_overlap(model, data, text)
+    warning = calibration_overlap(model, data, text)
     if warning:
         typer.echo(f"warning: {warning}", err=True)
     if cache_type is not None and engine == "vllm":

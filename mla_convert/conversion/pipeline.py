@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from mla_convert import provenance, refine, rope, selftext
+from mla_convert import provenance, rope
 from mla_convert.card import write_model_card
 from mla_convert.outputs import SHARD_BYTES, ShardedWriter, kept_file_intact, resume_dir, staged_output
 from mla_convert.sources import Source
 from mla_convert.writes import check_room, room_for
-from mla_convert.conversion import store, timing, workers
+from mla_convert.conversion import estimates, refine_layer, selftext, store, workers
 from mla_convert.conversion.method import convert_attention, layer_spectrum
 from mla_convert.conversion.modules import (attention_tensors, converted_decoder_layer, float32_on, gemma_fields,
                                             mla_config, other_tensor_names, raw_layer, source_decoder_layer)
@@ -31,7 +31,8 @@ from mla_convert.conversion.options import (ConvertOptions, as_planned, describe
                                             without_calibration)
 from mla_convert.conversion import target as target_rules
 from mla_convert.conversion.plan import ROOM_COPIES, Geometry, Plan, allocate, make_geometry, max_rank, output_bytes
-from mla_convert.conversion.stages import model_stage, refined_layer
+from mla_convert.conversion.model_stage import model_stage
+from mla_convert.conversion.refine_layer import refined_layer
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for
@@ -134,33 +135,33 @@ def plan_stages(source: Source, geometry: Geometry, options: ConvertOptions) -> 
     """The stages of a conversion of `geometry` as they will run, `Plan`'s fields beyond the geometry: the self
     text's temperature and its sampling time; the layer refinement's window, precision, positions, steps, workers and
     time; the model stage's steps, rate and time; the calibration forwards' time. Each auto (None) option resolved
-    here, from the cache kept, the device and the estimates (mla_convert.refine, conversion.workers and .timing)."""
+    here, from the cache kept, the device and the estimates (conversion.estimates, .refine_layer and .workers)."""
     temperature = options.calib_temperature
     if temperature is None:
         temperature = selftext.calib_temperature(geometry.ratio)
     window = min(options.refine_seq_len, options.calib_seq_len)  # the refinement windows are calibration windows
-    precision = refine.resolve_precision(options.refine_precision, options.device, geometry.hidden)
-    rate = refine.cpu_rate(precision)
-    queries = refine.resolve_queries(options.refine_queries, window, geometry.ratio, options.device)
-    steps = (refine.resolve_steps(options.refine_steps, geometry, options.device, window, rate, queries)
+    precision = refine_layer.resolve_precision(options.refine_precision, options.device, geometry.hidden)
+    rate = estimates.cpu_rate(precision)
+    queries = estimates.resolve_queries(options.refine_queries, window, geometry.ratio, options.device)
+    steps = (estimates.resolve_steps(options.refine_steps, geometry, options.device, window, rate, queries)
              if options.calib_data else 0)
-    seconds = refine.estimate_seconds(geometry, steps, window, rate, queries)
+    seconds = estimates.estimate_seconds(geometry, steps, window, rate, queries)
     processes = workers.resolve_workers(options.refine_workers, options.device, steps, options.calib_propagate,
                                         geometry.layers, seconds)
     if processes > 1:
         seconds /= workers.speedup(queries)
-    model_rate = refine.cpu_rate(precision, model_stage=True)
+    model_rate = estimates.cpu_rate(precision, model_stage=True)
     distils = (options.calib_data and options.calib_propagate == "source"
                and (needs_statistics(options) or steps > 0))  # a calibration stream runs (refined layers need one)
-    model_steps = (refine.resolve_model_steps(options.refine_model_steps, geometry, options.device, window, model_rate)
+    model_steps = (estimates.resolve_model_steps(options.refine_model_steps, geometry, options.device, window, model_rate)
                    if distils else 0)
     return dict(
         refine_steps=steps, refine_queries=queries, refine_workers=processes, refine_seconds=seconds,
         refine_precision=precision, refine_seq_len=window, refine_model_steps=model_steps,
-        refine_model_seconds=refine.estimate_model_seconds(geometry, model_steps, window, model_rate),
+        refine_model_seconds=estimates.estimate_model_seconds(geometry, model_steps, window, model_rate),
         refine_model_scope=options.refine_model_scope,
-        refine_model_lr=refine.resolve_model_lr(options.refine_model_lr, model_steps), calib_temperature=temperature,
-        calibration_seconds=timing.calibration_seconds(geometry, options.rank_allocation == "energy"),
+        refine_model_lr=estimates.resolve_model_lr(options.refine_model_lr, model_steps), calib_temperature=temperature,
+        calibration_seconds=estimates.calibration_seconds(geometry, options.rank_allocation == "energy"),
         sample_seconds=_sample_seconds(source, geometry, options, temperature),
     )
 
@@ -169,7 +170,7 @@ def _sample_seconds(source: Source, geometry: Geometry, options: ConvertOptions,
     """The time on this CPU to sample the self text the cache lacks (0 without calibration text)."""
     if not options.calib_data:
         return 0.0
-    from mla_convert.calibration import self_tokens_to_sample
+    from mla_convert.conversion.calibration import self_tokens_to_sample
 
     device = resolve_device(options.device)
     to_sample = self_tokens_to_sample(source, options.calib_data, geometry.memory["samples"], options.calib_seq_len,
@@ -177,7 +178,7 @@ def _sample_seconds(source: Source, geometry: Geometry, options: ConvertOptions,
                                       device=device)
     bf16 = selftext.sampling_dtype(source, device) == torch.bfloat16
     width = selftext.default_batch(device, options.calib_data == selftext.SELF_DOC)
-    return timing.sample_seconds(source.config, to_sample, width, bf16)
+    return estimates.sample_seconds(source.config, to_sample, width, bf16)
 
 
 @dataclass
@@ -264,7 +265,7 @@ class Conversion:
     def __init__(self, source: Source, family: Family, options: ConvertOptions, plan: Plan, progress: bool):
         self.source, self.family, self.options, self.plan, self.progress = source, family, options, plan, progress
         self.config = config = source.config
-        # calibration runs source layers causally (calibration.layer_mask); eager where sdpa would drop the source's
+        # calibration runs source layers causally (statistics.layer_mask); eager where sdpa would drop the source's
         # score soft-capping (Gemma 2)
         config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
         # each layer's RoPE (Gemma 3: a base per layer type)
@@ -299,7 +300,7 @@ class Conversion:
         attn = float32_on(attention_tensors(layer_tensors, self.family, i, prefix, self.plan.qk_norm), device)
         source_layer = cov = phase = attended = keyed = None
         if self.runner is not None:
-            from mla_convert.calibration import second_moment
+            from mla_convert.conversion.statistics import second_moment
 
             source_layer = source_decoder_layer(self.config, self.family, i, float32_on(layer_tensors, device))
             if i in self.statistics:
@@ -399,7 +400,7 @@ class Conversion:
         # the whole layer along the source's stream: its update is what the advance below computes anyway
         from_advance = refining and options.refine_scope == "layer" and options.calib_propagate == "source"
         if refining and not from_advance:  # on the stream the runner carries
-            targets = refine.stream_targets(source_layer, runner, options.refine_scope)
+            targets = refine_layer.stream_targets(source_layer, runner, options.refine_scope)
         if runner is not None and options.calib_propagate == "source":
             inputs = runner.hidden
             if i in self.hidden:  # the statistics pass's: the same layer on the same hidden states
@@ -408,7 +409,7 @@ class Conversion:
                 runner.advance(source_layer)  # now, so that its float32 copy is gone before the factorization
             source_layer = None
             if from_advance:
-                targets = (inputs, runner.hidden - inputs)  # = refine.stream_targets(..., "layer")
+                targets = (inputs, runner.hidden - inputs)  # = refine_layer.stream_targets(..., "layer")
             del inputs
         clock.lap("calibration")
         with torch.device(device):
@@ -506,7 +507,8 @@ class Conversion:
 
 
 def calibration_runner(source: Source, options: ConvertOptions):
-    from mla_convert.calibration import LayerRunner, advance_batch, calibration_tokens
+    from mla_convert.conversion.calibration import calibration_tokens
+    from mla_convert.conversion.statistics import LayerRunner, advance_batch
 
     device = resolve_device(options.device)
     tokens = calibration_tokens(source, options.calib_data, options.calib_samples, options.calib_seq_len, options.seed,

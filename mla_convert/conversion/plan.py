@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from mla_convert import lowrank, policy, refine
+from mla_convert import lowrank, policy
 from mla_convert.outputs import SHARD_BYTES
 from mla_convert.sources import Source
-from mla_convert.conversion import timing
+from mla_convert.conversion import estimates, model_stage, refine_layer
 from mla_convert.conversion.options import QK_NORM_TEXT, ConvertOptions, needs_statistics
 from mla_convert.schema import check_options
 from mla_convert.dtypes import DTYPES
@@ -61,7 +61,7 @@ class Geometry:
     norm_unit_offset: bool = False  # the source's norms multiply by (1 + weight) (Gemma)
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
     memory: dict = field(default_factory=dict)  # what the estimates need beyond the shapes (see make_geometry)
-    refine_scope: str = refine.DEFAULT_SCOPE  # what the layer refinement trains (its step's cost)
+    refine_scope: str = refine_layer.DEFAULT_SCOPE  # what the layer refinement trains (its step's cost)
 
     def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
@@ -112,15 +112,15 @@ class Plan(Geometry):
     will run (steps, window, precision, workers, the self text's temperature, the model stage's rate) with the time
     estimates on this machine. The energy rank allocation later changes the ranks (`set_kv_lora_rank`)."""
 
-    refine_steps: int = 0  # per layer, as resolved (mla_convert.refine); with the CPU time estimate for them
+    refine_steps: int = 0  # per layer, as resolved (conversion.estimates); with the CPU time estimate for them
     refine_queries: int = 0  # positions of a window a step takes its loss at (0: all)
     refine_workers: int = 1  # processes refining layers at once (mla_convert.conversion.workers)
     refine_seconds: float = 0.0
     refine_precision: str = "float32"  # what the refinement steps compute in, as resolved
-    refine_seq_len: int = refine.SEQ_LEN  # tokens per refinement window (at most a calibration window)
+    refine_seq_len: int = refine_layer.SEQ_LEN  # tokens per refinement window (at most a calibration window)
     refine_model_steps: int = 0  # the model stage, as resolved; with its CPU time estimate
     refine_model_seconds: float = 0.0
-    refine_model_scope: str = refine.MODEL_SCOPE
+    refine_model_scope: str = model_stage.MODEL_SCOPE
     refine_model_lr: float | None = None  # the model stage's rate, as resolved
     calib_temperature: float | None = None  # the self text's sampling temperature, as resolved
     calibration_seconds: float = 0.0  # the calibration stream's forwards on this CPU (conversion.timing)
@@ -175,9 +175,9 @@ class Plan(Geometry):
         writing = m["shard_bytes"] + (attn + mlp) * out + BASELINE
         if writing > sum(parts.values()):  # the writer's phase is the heavier one: it is what the estimate shows
             parts = {"runtime": BASELINE, "shard writer buffer": m["shard_bytes"], "one kept layer": (attn + mlp) * out}
-        if self.refine_model_steps:  # the model stage holds the whole converted model (refine.model_stage_bytes)
+        if self.refine_model_steps:  # the model stage holds the whole converted model (estimates.model_stage_bytes)
             stage = {"runtime": BASELINE, "calibration hidden states": 2 * tokens * hidden * 4,
-                     "model stage": refine.model_stage_bytes(self, seq, self.refine_model_scope)}
+                     "model stage": estimates.model_stage_bytes(self, seq, self.refine_model_scope)}
             if sum(stage.values()) > sum(parts.values()):
                 parts = stage
         return parts
@@ -281,12 +281,12 @@ class Plan(Geometry):
                 f"{cpu.rope_dims})")
 
     def describe_time(self) -> str:
-        """The time estimate's line: the total on this CPU (at `refine.cpu_speed`: its threads, or the speed a user
+        """The time estimate's line: the total on this CPU (at `estimates.cpu_speed`: its threads, or the speed a user
         set) and its phases."""
         phases = {"self text": self.sample_seconds, "calibration": self.calibration_seconds,
                   "refinement": self.refine_seconds, "model stage": self.refine_model_seconds}
         minutes = ", ".join(f"{k} {v / 60:.0f}" for k, v in phases.items() if v)
-        return f"time on this CPU ({refine.cpu_speed_source()}): about {timing.total_seconds(self) / 60:.0f} min" + (
+        return f"time on this CPU ({estimates.cpu_speed_source()}): about {estimates.total_seconds(self) / 60:.0f} min" + (
             f" ({minutes} min)" if minutes else "")
 
 
@@ -302,7 +302,7 @@ def kept_hidden_bytes(options: ConvertOptions, every_layer: int) -> int:
     (`every_layer` bytes, float32) where the energy allocation runs that pass on the source's stream and they fit
     KEEP_HIDDEN_BYTES and a quarter of the machine's memory, else none (0)."""
     keeps = options.rank_allocation == "energy" and options.calib_propagate == "source"
-    machine = refine.machine_bytes()
+    machine = estimates.machine_bytes()
     fits = every_layer <= KEEP_HIDDEN_BYTES and (machine is None or every_layer <= machine / 4)
     return every_layer if keeps and fits else 0
 

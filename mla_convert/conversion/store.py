@@ -76,7 +76,7 @@ def fingerprint(source: Source, options: ConvertOptions, plan: Plan) -> dict:
 
     from mla_convert import __version__
 
-    from mla_convert.calibration import parse_mixture
+    from mla_convert.conversion.calibration import parse_mixture
 
     calib = [Path(name).expanduser() for name, _ in parse_mixture(options.calib_data)] if options.calib_data else []
     return {

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.selftext import SELF
+from mla_convert.conversion.selftext import SELF
 from mla_convert.training.recipe import FINAL_DIR, FinetuneConfig, METRICS_FILE, PLOT_FILE, STATE_FILE, TRAINER_DIR
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.selftext import SELF
+from mla_convert.conversion.selftext import SELF
 from mla_convert.training.recipe import FinetuneConfig
 from mla_convert.training.models import teacher_spec
 
@@ -35,11 +35,11 @@ class DataOrder:
 
 
 def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -> torch.Tensor:
-    """data=self: a token stream sampled from the teacher (the source; mla_convert.selftext, cached) on `device`,
+    """data=self: a token stream sampled from the teacher (the source; mla_convert.conversion.selftext, cached) on `device`,
     long enough for the run's token budget (or data_tokens, when fewer) plus the held-out windows when eval_data is
     unset."""
     from mla_convert.sources import open_source
-    from mla_convert.selftext import self_tokens
+    from mla_convert.conversion.selftext import self_tokens
 
     spec = teacher_spec(cfg) if cfg.teacher is not None else None
     if spec is None:
