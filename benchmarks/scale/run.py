@@ -214,7 +214,7 @@ def parse_plan(output: str) -> dict:
 
 
 def refined_layers(output: str) -> dict:
-    """Each refined layer's seconds and held-out error (before, after), from its log line (`refine_layer.refined_layer`),
+    """Each refined layer's seconds and held-out error (before, after), from its log line (`stages.refined_layer`),
     which a layer refined in a worker process prints as well (the layer clock then times only the hand-off)."""
     lines = re.findall(r"refine: layer (\d+) held-out error (\S+) -> (\S+) \((?:not )?kept\), ([\d.]+) s", output)
     return {"refine_seconds": {int(n): float(s) for n, _, _, s in lines},

@@ -1,7 +1,7 @@
 """The model stage (`--refine-model-steps`): after every layer is converted (and refined), the converted model's
 attention is trained end to end so that its next-token distributions match the source's on the same calibration
-windows: KL(source || converted) per token (`refine_model`); `model_stage` is the conversion's stage, which builds the
-whole converted model from the kept layers and keeps what it trained in the resume folder.
+windows: KL(source || converted) per token (`refine_model`); `stages.model_stage` is the conversion's stage, which builds
+the whole converted model from the kept layers and keeps what it trained in the resume folder.
 
 Layer-wise targets cannot see how the errors of successive layers compound; the source's own output distribution can.
 It reads no other text (the calibration windows, one held out), and needs the source's final hidden states only, which
@@ -13,25 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from mla_convert.conversion.refine_layer import EXACT, SEQ_LEN, _compute, adam
-from mla_convert.outputs import kept_file_intact, seal_kept_file
 from mla_convert.schema import DEFAULTS, choices
-from mla_convert.writes import save_tensors
-
-if TYPE_CHECKING:
-    from mla_convert.conversion.options import ConvertOptions
-    from mla_convert.conversion.plan import Plan
-    from mla_convert.families import Family
-    from mla_convert.sources import Source
 
 log = logging.getLogger(__name__)
 MODEL_STAGE_FILE = "model_stage.safetensors"  # in the resume folder: the trained attention tensors and the record
@@ -259,53 +247,3 @@ def refine_model(model, tokens: torch.Tensor, teacher: torch.Tensor, steps: int,
         p.requires_grad_(True)
     _copy(params, best)
     return record
-
-
-def model_stage(source: Source, config, plan: Plan, family: Family, rope_pairs, runner, kept: Path,
-                options: ConvertOptions, device) -> tuple[dict[str, torch.Tensor], dict]:
-    """The model stage (`refine_model`): the whole converted model, built in float32 from the source's other
-    tensors and the kept layers, trained end to end to the source's next-token distributions on the calibration
-    windows (the runner's hidden states are the source's after its last layer). Returns (the trained attention
-    tensors, none if the stage did not help; the stage's record): the tensors replace the kept layers' when the
-    shards are written; they and the record are kept in the resume folder first, so a run killed later does not
-    train again."""
-    from safetensors import safe_open
-
-    from mla_convert.conversion.modules import mla_config, other_tensor_names  # they import the plan, which reads
-    from mla_convert.conversion.store import layer_file, read_layer  # this module's defaults
-    from mla_convert.modeling.modeling_mla import MLAForCausalLM
-
-    done = kept / MODEL_STAGE_FILE
-    if kept_file_intact(done):
-        with safe_open(str(done), framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}, json.loads(f.metadata()["record"])
-    clock = time.perf_counter()
-    state = {name: source.get_raw(name).float() for name in other_tensor_names(source, family)}
-    for i in range(plan.layers):
-        state.update({n: t.float() for n, t in read_layer(kept / layer_file(i)).items()})
-    with torch.device(device):
-        model = MLAForCausalLM(mla_config(config, plan, family, rope_pairs, "float32"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is the embedding
-        raise RuntimeError(f"model stage: the converted state does not fit the model ({missing[:3]}, {unexpected[:3]})")
-    model.tie_weights()
-    del state
-    model.eval()
-    with torch.no_grad():
-        teacher = model.model.norm(runner.hidden)  # the source's final norm is the converted model's (not converted)
-    record = refine_model(model, runner.tokens.to(device), teacher, options.refine_model_steps,
-                          options.refine_model_lr, seq_len=options.refine_seq_len, seed=options.seed,
-                          scope=options.refine_model_scope, precision=options.refine_precision)
-    del teacher
-    record = {k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}
-    record["curve"] = [[step, round(kl, 6)] for step, kl in record["curve"]]
-    record["seconds"] = round(time.perf_counter() - clock, 1)
-    record["scope"] = options.refine_model_scope
-    log.info("refine model: held-out KL %.4g -> %.4g (%s)", record["before"], record["after"],
-             f"kept after step {record['step']} of {options.refine_model_steps}" if record["kept"] else "not kept")
-    names = set(model_parameter_names(model, options.refine_model_scope)) if record["kept"] else set()
-    trained = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if n in names}
-    tmp = done.with_name(done.name + ".tmp")
-    save_tensors(trained, tmp, metadata={"record": json.dumps(record)})
-    seal_kept_file(tmp, done)
-    return trained, record

@@ -31,8 +31,7 @@ from mla_convert.conversion.options import (ConvertOptions, as_planned, describe
                                             without_calibration)
 from mla_convert.conversion import target as target_rules
 from mla_convert.conversion.plan import ROOM_COPIES, Geometry, Plan, allocate, make_geometry, max_rank, output_bytes
-from mla_convert.conversion.model_stage import model_stage
-from mla_convert.conversion.refine_layer import refined_layer
+from mla_convert.conversion.stages import model_stage, refined_layer
 from mla_convert.dtypes import DTYPES
 from mla_convert.errors import UserError
 from mla_convert.families import Family, family_for

@@ -1,6 +1,6 @@
 """Layer refinement (`--refine-steps`): after the closed-form factorization, the MLA attention's weights are trained
 by gradient descent so that its output (after o_proj) matches the source attention's on the calibration activations,
-through the real softmax and RoPE (`refine_module`); `refined_layer` is the conversion's stage, one layer.
+through the real softmax and RoPE (`refine_module`); `stages.refined_layer` is the conversion's stage, one layer.
 
 The closed form minimizes a quadratic proxy (K/V error under input statistics); the rank and RoPE truncation it leaves
 behind is a nonlinear error in attention outputs. This step measures that error directly and reduces it, layer by
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 import torch
 
@@ -237,31 +236,3 @@ random positions of its windows (`layer_update_at`), every key still formed. Ret
     else:
         module.load_state_dict(saved)
     return record
-
-
-def refined_layer(config, plan, family, rope_pairs, i, layer_tensors, mla_tensors, targets, position_embeddings, options,
-                  device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """(the layer's MLA attention tensors, its other tensors where they were trained and kept, else {}, the layer's
-    refinement record) after `refine_module` on the calibration targets: of the attention, or of the whole
-    layer (`--refine-scope layer`, its MLP and norms on copies: the source's tensors are not touched)."""
-    from mla_convert.conversion.modules import converted_decoder_layer  # it imports the plan, which reads this module
-
-    whole = options.refine_scope == "layer"
-    others = {n: t.to(device=device, dtype=torch.float32, copy=whole) for n, t in layer_tensors.items()}
-    layer = converted_decoder_layer(config, plan, family, rope_pairs, i, others, mla_tensors)
-    if whole:
-        module, forward = layer, layer_update
-        slow = tuple(p for n, p in layer.named_parameters() if not n.startswith("self_attn."))
-    else:
-        module, forward, slow = layer.self_attn, attention_output, ()
-    clock = time.perf_counter()
-    record = refine_module(module, *targets, position_embeddings, options.refine_steps, options.refine_lr,
-                           seq_len=options.refine_seq_len, seed=options.seed + i, forward=forward,
-                           slow=slow, slow_lr=options.refine_lr * options.refine_mlp_lr_scale,
-                           precision=options.refine_precision, queries=options.refine_queries)
-    log.info(REFINED_LINE, i, record["before"], record["after"], "kept" if record["kept"] else "not kept",
-             time.perf_counter() - clock)
-    row = {"layer": i, **{k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}}
-    trained = {n: t.detach().cpu() for n, t in layer.state_dict().items() if not n.startswith("self_attn.")}
-    return ({k: v.detach() for k, v in layer.self_attn.state_dict().items()},
-            trained if whole and record["kept"] else {}, row)

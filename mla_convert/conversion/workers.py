@@ -63,14 +63,14 @@ def _start(threads: int, level: int) -> None:
 
 
 def _refine(args: tuple):
-    from mla_convert.conversion.refine_layer import refined_layer
+    from mla_convert.conversion.stages import refined_layer
 
     return refined_layer(*args)
 
 
 class RefinePool:
     """At most `workers` layers refining at once, each in a worker process with torch.get_num_threads() // workers
-    threads; `done(i, result)` receives each layer's `refine_layer.refined_layer` result in this process as it finishes.
+    threads; `done(i, result)` receives each layer's `stages.refined_layer` result in this process as it finishes.
     Used as a context manager: leaving it waits for every layer, or, on an error, stops the workers."""
 
     def __init__(self, workers: int, done: Callable[[int, tuple], None]):
