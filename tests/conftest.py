@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -73,3 +74,29 @@ def convert_tiny(tmp_path_factory, calib_text):
         return out
 
     return run
+
+
+# The hostile-input tests' workspace (tests/test_hostile*.py, pieces in tests/hostile.py): a tiny source, its
+# calibration text and a user's own files beside them; a fine-tuned student and an exportable conversion of it.
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, sources, calib_text) -> Path:
+    root = tmp_path_factory.mktemp("hostile")
+    shutil.copytree(sources["llama-gqa"], root / "src")
+    shutil.copy(calib_text, root / "calib.txt")
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("my own notes")
+    (root / "secret.txt").write_text("hf_" + "a" * 34 + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def student(ws, convert_tiny) -> Path:
+    return convert_tiny(ws / "src", rank=8, rope_dims=8)
+
+
+@pytest.fixture(scope="module")
+def exportable(ws, convert_tiny) -> Path:
+    return convert_tiny(ws / "src", rank=8, rope_strategy="uniform")
+
