@@ -106,7 +106,7 @@ def gguf_points(label: str, gguf: str, args, ids: dict, record) -> None:
     from mla_convert.serving import llamacpp
 
     if gguf == "auto":
-        from bench_llamacpp import source_gguf
+        from benchmarks.llamacpp.run import source_gguf
 
         gguf = str(source_gguf(ROOT / "out"))  # weights stay out of benchmarks/ (out/ is ignored)
     layout = llamacpp.gguf_mla_layout(gguf)
