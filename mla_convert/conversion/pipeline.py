@@ -226,7 +226,8 @@ def run(prepared: Prepared, out: Path, *, overwrite: bool = False, progress: boo
     run = Conversion(source, family, options, plan, progress)
     inputs = (Path(source.origin),) if Path(source.origin).exists() else ()  # the folder or the .gguf file read
     needed = ROOM_COPIES * output_bytes(source.config, plan)
-    check_room(Path(out), needed, "the checkpoint and the layers kept for a resume")  # before the staging folder and the calibration forwards
+    # before the staging folder and the calibration forwards
+    check_room(Path(out), needed, "the checkpoint and the layers kept for a resume")
     # the disk may still fill while the run writes (another program writes there too): one line, the layers kept
     with room_for(out, needed, "the conversion to"), \
             staged_output(out, overwrite, inputs, fingerprint=store.fingerprint(source, options, plan)) as stage:

@@ -17,16 +17,17 @@ import torch
 from mla_convert import rope as rope_lib
 from mla_convert.conversion.plan import default_rope_dims
 from mla_convert.errors import UserError
-from mla_convert.rope import source_frequencies
 from mla_convert.rope_fit import fit_deepseek_rope
+
 
 def check_source(family, config, target: str, qk_norm: str) -> list[str]:
     """What the source's family cannot carry to `target` (engine limits, per-head q/k norms): refused with a
     UserError; returns the notes a native conversion gets (printed to stderr)."""
     if target not in ("native", "deepseek"):
         raise UserError(f"--target must be native or deepseek, got {target}")
-    if family.engine_limits(config) and target == "deepseek":
-        raise UserError(f"this model has {' and '.join(family.engine_limits(config))}, which DeepSeek-V3's MLA (and "
+    limits = family.engine_limits(config)
+    if limits and target == "deepseek":
+        raise UserError(f"this model has {' and '.join(limits)}, which DeepSeek-V3's MLA (and "
                         "llama.cpp's) cannot hold: convert with --target native and run it in transformers (eval, "
                         "generate)")
     if not family.has_qk_norm(config) or (target != "deepseek" and qk_norm != "exact"):
@@ -106,7 +107,7 @@ def deepseek_convert_options(config, options, explicit: frozenset[str] | set[str
         candidates = [options.rope_strategy]
     else:
         candidates = list(TARGET_STRATEGIES)
-    inv_freq, _ = source_frequencies(config)
+    inv_freq, _ = rope_lib.source_frequencies(config)
     eye = torch.eye(groups, dtype=torch.float64).expand(head_dim // 2, groups, groups)
     # a default width halves until the fastest pairs fit (RoPE scaling such as llama3 bends the slow ones)
     widths = [d_r] if "rope_dims" in explicit else [d_r >> k for k in range(d_r.bit_length() - 1)]
