@@ -294,6 +294,12 @@ def kv_cache_bytes_per_token(model, tokens: int = 8) -> int:
     return cache_bytes(cache) // tokens
 
 
+def served_cache_type(model, kind: str | None) -> str | None:
+    """`--cache-type` where given, else the cache type a converted model's config says its latent is served in
+    (`latent_cache_type`, written by a conversion with --cache-type or --kv-bytes), else None (the model's dtype)."""
+    return kind if kind is not None else getattr(model.config, "latent_cache_type", None)
+
+
 def use_cache_type(model, kind: str) -> float:
     """Make `model` read its KV cache as llama.cpp's cache type `kind` stores it (mla_convert.kvquant): a converted
     model's cached row [latent, rope key], a source's keys and values (with llama.cpp's Hadamard rotation). -> the

@@ -157,11 +157,12 @@ def allocate_ranks(spectra: list[torch.Tensor], total: int, unit: int = 1, floor
     """Share `total` latent dims among layers: each layer's eigenvalues are scaled by its total (relative error), and
     the dims go, `unit` at a time, to the layer whose next `unit` eigenvalues remove the most relative error.
 
-    Every rank is a multiple of `unit`, at least `floor` and at most `cap` (default: its spectrum's length); the
-    ranks sum to `total` (which must be a multiple of `unit` and fit between the floors and caps)."""
+    Every rank is `floor` plus a multiple of `unit`, and at most `cap` (default: its spectrum's length); the ranks
+    sum to `total` (which must exceed the floors by a multiple of `unit` and fit between the floors and caps)."""
     layers = len(spectra)
-    caps = [min(len(s), cap or len(s)) // unit * unit for s in spectra]
-    if total % unit or not layers * floor <= total <= sum(caps) or floor % unit or any(floor > c for c in caps):
+    caps = [floor + max(0, min(len(s), cap or len(s)) - floor) // unit * unit for s in spectra]
+    if (total - layers * floor) % unit or not layers * floor <= total <= sum(caps) or any(
+            floor > min(len(s), cap or len(s)) for s in spectra):
         raise ValueError(f"cannot share {total} dims among {layers} layers (unit {unit}, floor {floor}, caps {caps})")
     gains = []  # (relative error removed by the layer's next unit, layer, rank after it)
     for layer, s in enumerate(spectra):

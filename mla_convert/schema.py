@@ -129,6 +129,12 @@ def _kv_budget(opt: Option, v) -> str | None:
     return f"--kv-budget must be a positive number (elements, or a fraction <= 1), got {v}"
 
 
+def _kv_bytes(opt: Option, v) -> str | None:
+    if math.isfinite(v) and v > 0:
+        return None
+    return f"--kv-bytes must be a positive number (bytes per token, or a fraction <= 1 of the source's), got {v}"
+
+
 def _kv_balance(opt: Option, v) -> str | None:
     if not math.isfinite(v):
         return f"--kv-balance must be a positive number, got {v}"
@@ -210,6 +216,18 @@ class ConvertOptions:
     kv_budget: float | None = option(None, "--kv-budget", check=_kv_budget, help=(
         "Instead of --rank: cache elements per token per layer (d_c + d_r), or a fraction <= 1 of the source's cache "
         "(e.g. 0.25)."))
+    kv_bytes: float | None = option(None, "--kv-bytes", check=_kv_bytes, why="a-cache-budget-in-bytes", help=(
+        "Instead of --rank/--kv-budget: the cache's bytes per token over all layers, or a fraction <= 1 of the "
+        "source's 16-bit cache bytes (e.g. 0.125). The plan chooses the latent's width and the cache type it is "
+        "stored in (f16, q8_0, q4_0: a wider latent in fewer bits) on the measured frontier, and says where the "
+        "source's own quantized cache does better at these bytes."))
+    cache_type: str | None = option(None, "--cache-type", choices=tuple(policy.LATENT_CACHE_COST),
+                                    why="a-cache-budget-in-bytes", help=(
+        "The cache type the latent is served in (llama.cpp's blocks of 32, as `eval --cache-type` and "
+        "--cache-type-k store it): with --kv-bytes, the only type considered; recorded in the config "
+        "(latent_cache_type: eval and generate read the cache so), each layer's row a whole number of blocks, and a "
+        "quantized type stores the latent in the balanced basis (as `mla-convert rebase`). Default: f16, or "
+        "--kv-bytes' choice."))
     # None: conversion.plan.default_rope_dims (docs/decisions.md#rope-key-width)
     rope_dims: int | None = option(None, "--rope-dims", why="rope-key-width", help=(
         "Dims d_r of the shared RoPE key (even). Default: a third of --kv-budget, at most three quarters of head_dim "
@@ -423,10 +441,12 @@ def choices(name: str) -> tuple[str, ...]:
 # (broken when, the error line formatted with the options as `o`): checks of options together that need no source.
 # Checks against the source's config (ranks, rope and nope dims, q/k norms) stay in conversion.plan.make_geometry.
 RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
-    (lambda o: o.rank is not None and o.kv_budget is not None,
-     "give --rank (latent dims) or --kv-budget (cache per token per layer), not both"),
-    (lambda o: o.rank is None and o.kv_budget is None,
-     "give --rank (latent dims) or --kv-budget (elements per token per layer, or a fraction)"),
+    (lambda o: sum(v is not None for v in (o.rank, o.kv_budget, o.kv_bytes)) > 1,
+     "give one of --rank (latent dims), --kv-budget (cache per token per layer) or --kv-bytes (bytes per token), "
+     "not more"),
+    (lambda o: o.rank is None and o.kv_budget is None and o.kv_bytes is None,
+     "give --rank (latent dims), --kv-budget (elements per token per layer, or a fraction) or --kv-bytes (bytes per "
+     "token, or a fraction of the source's)"),
     (lambda o: o.calib_data is None and o.objective != "kv",
      "--objective {o.objective} needs calibration text: pass --calib-data FILE or --objective kv"),
     (lambda o: o.latent_rounds and (o.value_inputs != "attended" or o.factorization != "joint"),

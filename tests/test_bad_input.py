@@ -91,7 +91,7 @@ CASES = {
     "convert a broken gguf": (["llama", "{ws}/bad.gguf", "--rank", "8", "-o", "{ws}/out", *CALIB], "cannot read GGUF"),
     "convert --rank not a number": (["llama", "{ws}/src", "--rank", "abc", "-o", "{ws}/out"], "--rank"),
     "convert --rank and --kv-budget": (["llama", "{ws}/src", "--rank", "8", "--kv-budget", "0.5", "-o", "{ws}/out",
-                                        *CALIB], "not both"),
+                                        *CALIB], "not more"),
     "convert --kv-budget nan": (["llama", "{ws}/src", "--kv-budget", "nan", "-o", "{ws}/out", *CALIB],
                                 "--kv-budget must be a positive"),
     "convert --kv-budget 0": (["llama", "{ws}/src", "--kv-budget", "0", "-o", "{ws}/out", *CALIB],

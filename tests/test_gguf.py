@@ -238,7 +238,7 @@ def test_quantized_cache_types_in_llamacpp_match_the_simulation(tmp_path):
     gives the same scores bit for bit. The same for the folder re-based for quantized caches (`rebase`)."""
     from tiny import tiny_text
 
-    from mla_convert.latent_basis import rebase_checkpoint
+    from mla_convert.rebase import rebase_checkpoint
 
     _, native = convert_tiny("llama-gqa", tmp_path, rank=16, rope_dims=32, head_dim=64, hidden_size=128)
     (tmp_path / "calib.txt").write_text(tiny_text(seed=3) * 4)

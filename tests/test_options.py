@@ -106,8 +106,9 @@ def test_an_option_declares_its_flags_or_library_only():
     (dict(calib_seq_len=1), "--calib-seq-len must be at least 2"),
     (dict(refine_mlp_lr_scale=float("nan")), "--refine-mlp-lr-scale must be 0 or more, got nan"),
     (dict(dtype="int8"), "--dtype must be one of float32, bfloat16, float16, got int8"),
-    (dict(rank=8), "give --rank (latent dims) or --kv-budget (cache per token per layer), not both"),
-    (dict(kv_budget=None), "give --rank (latent dims) or --kv-budget (elements per token per layer, or a fraction)"),
+    (dict(rank=8), "give one of --rank (latent dims), --kv-budget (cache per token per layer) or --kv-bytes"),
+    (dict(kv_bytes=0.125), "give one of --rank (latent dims), --kv-budget (cache per token per layer) or --kv-bytes"),
+    (dict(kv_budget=None), "give --rank (latent dims), --kv-budget (elements per token per layer, or a fraction) or --kv-bytes"),
     (dict(calib_data=None, objective="scores"), "--objective scores needs calibration text"),
     (dict(refine_model_steps=4, calib_propagate="converted"), "--calib-propagate converted does not carry"),
 ])

@@ -98,7 +98,7 @@ def rebase_command(
     """Store a converted model's latent in a basis block-quantized caches hold well (llama.cpp's --cache-type-k q4_0,
     `eval --cache-type`): the same model in 32-bit arithmetic, the change measured and recorded."""
     setup_logging(verbose, quiet)
-    from mla_convert.latent_basis import rebase_checkpoint
+    from mla_convert.rebase import rebase_checkpoint
 
     record = rebase_checkpoint(model, output, basis, calib_data, calib_samples, calib_seq_len, overwrite)
     typer.echo(f"wrote {output}: latent basis {basis} (largest logit change {record['max_rel_logit_change']:.2e} of "

@@ -96,6 +96,7 @@ def eval_command(
     seq_len = 2048 if seq_len is None else seq_len
     result, label = _score(engine, model, text, seq_len, windows, dtype, device, quiet, cache_type)
     result.update(model=label, data=data, dtype=dtype)
+    cache_type = result.get("cache_type", cache_type)
     cache = dtype if cache_type is None else f"{cache_type} cache: ggml's blocks, as llama.cpp stores them"
     if engine == "vllm":
         cache = f"{dtype}, as vLLM allocates it, {result['attention_backend']}"
@@ -180,6 +181,7 @@ def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: 
 
         with torch.inference_mode():
             net, tokenizer, label = evaluate.load_model(model, dtype, device)
+            cache_type = evaluate.served_cache_type(net, cache_type)
             stored = evaluate.use_cache_type(net, cache_type) if cache_type is not None else None
             result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
             result["kv_cache_bytes_per_token"] = stored or evaluate.kv_cache_bytes_per_token(net)
@@ -267,6 +269,7 @@ def generate_command(
     evaluate.check_device(device)
     net, tokenizer, label = evaluate.load_model(model, dtype, device)
     evaluate.check_generation_config(net, label)
+    cache_type = evaluate.served_cache_type(net, cache_type)
     stored = evaluate.use_cache_type(net, cache_type) if cache_type is not None else None
     ids = encode_prompt(tokenizer, prompt, label, chat, device)
     run = generate(net, tokenizer, ids, max_new_tokens, sample=sample, temperature=temperature, seed=seed, cache=cache)

@@ -68,6 +68,8 @@ def mla_config(source_config, plan: Plan, family: Family, rope_pairs: list[list[
     if family.gemma(source_config):
         fields.update(gemma_fields(source_config, plan))
     config = MLAConfig(**fields)
+    if plan.latent_cache_type and plan.latent_cache_type != "f16":  # eval and generate read the cache so
+        config.latent_cache_type = plan.latent_cache_type
     config.architectures = ["MLAForCausalLM"]
     config.dtype = dtype
     return config

@@ -78,8 +78,11 @@ def as_planned(options: ConvertOptions, plan) -> ConvertOptions:
     """The options as the planned conversion runs them (what provenance.json and the resume fingerprint record): each
     default the plan (`conversion.plan.Plan`) resolved filled in: the self text's temperature, the calibration
     windows, the layer refinement's steps, window, precision, positions and workers, the model stage's steps and
-    rate."""
-    return dataclasses.replace(options, calib_temperature=plan.calib_temperature, calib_samples=plan.memory["samples"],
+    rate; and --kv-bytes as the width (--kv-budget, elements) and --cache-type it chose."""
+    if plan.cache_choice is not None:
+        options = dataclasses.replace(options, kv_bytes=None, kv_budget=float(plan.cache_choice.chosen.elements))
+    return dataclasses.replace(options, cache_type=plan.latent_cache_type,
+                               calib_temperature=plan.calib_temperature, calib_samples=plan.memory["samples"],
                                refine_steps=plan.refine_steps, refine_seq_len=plan.refine_seq_len,
                                refine_precision=plan.refine_precision, refine_queries=plan.refine_queries,
                                refine_workers=plan.refine_workers, refine_model_steps=plan.refine_model_steps,

@@ -43,6 +43,7 @@ ATTENDED_EVERY = 4  # attended-input statistics on every 4th block of calibratio
 # the same source stream) while they add up to at most this: a small model's (SmolLM2-135M: about 3 MB a layer), not an
 # 8B model's (about 1.3 GB a layer).
 KEEP_STATISTICS_BYTES = 1 << 30
+REBASE_WINDOWS = 4  # calibration windows the balanced latent basis is fitted on (as `mla-convert rebase`'s default)
 
 
 def resolve_device(device: str) -> str:
@@ -484,6 +485,8 @@ class Conversion:
                 writer.add(name, trained.get(name, tensor))
         writer.finalize()
         mla_config(config, plan, self.family, self.record.rope_pairs, plan.dtype).save_pretrained(stage)
+        if plan.latent_basis() != "native":
+            self.rebase(stage)
         copied = source.copy_aux_files(stage)
         record = provenance.new(
             "convert",
@@ -504,6 +507,22 @@ class Conversion:
         )
         provenance.save(stage, record)
         write_model_card(stage)
+
+
+    def rebase(self, stage: Path) -> None:
+        """The latent in the basis its block cache type holds best (`latent_basis.rebase_in_place`), fitted on the
+        first REBASE_WINDOWS calibration windows (a seeded rotation without calibration text)."""
+        from mla_convert.conversion.calibration import calibration_tokens
+        from mla_convert.latent_basis import rebase_in_place
+
+        options, windows = self.options, None
+        if self.plan.latent_basis() == "balanced":
+            windows = calibration_tokens(self.source, options.calib_data, min(REBASE_WINDOWS, self.plan.memory["samples"]),
+                                         options.calib_seq_len, options.seed, temperature=options.calib_temperature,
+                                         sample_tokens=options.calib_sample_tokens)
+        error = rebase_in_place(stage, windows)
+        log.info("latent basis %s for the %s cache (largest logit change %.2e of the largest logit)",
+                 self.plan.latent_basis(), self.plan.latent_cache_type, error)
 
 
 def calibration_runner(source: Source, options: ConvertOptions):

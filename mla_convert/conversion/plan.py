@@ -13,7 +13,7 @@ import torch
 from mla_convert import lowrank, policy
 from mla_convert.outputs import SHARD_BYTES
 from mla_convert.sources import Source
-from mla_convert.conversion import estimates, model_stage, refine_layer
+from mla_convert.conversion import cachebudget, estimates, model_stage, refine_layer
 from mla_convert.conversion.options import QK_NORM_TEXT, ConvertOptions, needs_statistics
 from mla_convert.schema import check_options
 from mla_convert.dtypes import DTYPES
@@ -61,6 +61,8 @@ class Geometry:
     norm_eps: float = 1e-6  # the source's rms_norm_eps (its q/k norms' epsilon)
     memory: dict = field(default_factory=dict)  # what the estimates need beyond the shapes (see make_geometry)
     refine_scope: str = refine_layer.DEFAULT_SCOPE  # what the layer refinement trains (its step's cost)
+    latent_cache_type: str | None = None  # --cache-type (or --kv-bytes' choice): the type the latent is served in
+    cache_choice: cachebudget.Choice | None = None  # --kv-bytes: the candidates and the choice
 
     def set_kv_lora_rank(self, kv_lora_rank: list[int]) -> None:
         """Per-layer latent dims (after a rank allocation): the shapes shown are the first layer's."""
@@ -102,7 +104,27 @@ class Geometry:
             "bytes_per_token_after": self.kv_bytes_after,
             "ratio": round(self.ratio, 6),
             "dtype": self.dtype,
+            **({"cache_type": self.latent_cache_type, "bytes_per_token_in_cache_type": self.cache_type_bytes(),
+                "latent_basis": self.latent_basis()} if self.latent_cache_type else {}),
+            **({"budget_bytes": self.cache_choice.budget, "predicted_ratio": self.cache_choice.chosen.predicted}
+               if self.cache_choice else {}),
         }
+
+    def latent_basis(self) -> str:
+        """The basis the conversion stores the latent in (`mla_convert.latent_basis`): for a block cache type
+        "balanced" (fitted on the calibration text) or, without calibration text, "rotation"; else (and for per-head
+        q/k norms, which it is not built for) "native"."""
+        from mla_convert import kvquant
+
+        if not self.latent_cache_type or not kvquant.cache_type(self.latent_cache_type).levels or self.qk_norm:
+            return "native"
+        return "balanced" if self.memory.get("calibrated") else "rotation"
+
+    def cache_type_bytes(self) -> float:
+        """Bytes per token (all layers) of the cached rows in `latent_cache_type` (whole blocks)."""
+        from mla_convert import kvquant
+
+        return sum(kvquant.latent_row_bytes(r, self.rope_dims, self.latent_cache_type) for r in self.kv_lora_rank)
 
 
 @dataclass
@@ -200,6 +222,12 @@ class Plan(Geometry):
             f"KV cache per token (all layers, {self.dtype}): {self.kv_bytes_before} -> {self.kv_bytes_after} bytes "
             f"(ratio {self.ratio:.3f}, {1 / self.ratio:.2f}x smaller)",
             self.describe_cache_types(),
+            *(self.cache_choice.describe() if self.cache_choice else []),
+            *([f"served with its latent in {self.latent_cache_type}: {self.cache_type_bytes():,.0f} bytes per token "
+               f"({self.cache_type_bytes() / (2 * self.kv_before * self.layers):.3f} of the source's 16-bit)"
+               + (f"; the latent stored in the {self.latent_basis()} basis (exact)" if self.latent_basis() != "native"
+                  else "")]
+              if self.latent_cache_type else []),
             f"attention parameters: {self.attn_params_before:,} -> {self.attn_params_after:,}",
             self.describe_export_serving() if target == "deepseek" else self.describe_serving(),
             *([f"per-head q/k norms: {QK_NORM_TEXT[self.qk_norm]}"] if self.qk_norm else []),
@@ -235,6 +263,8 @@ class Plan(Geometry):
                 + ", ".join(f"{k} {share(b)}" for k, b in ours.items()) + "; the source's own cache quantized, no "
                 "conversion: " + ", ".join(f"{k} {share(b)}" for k, b in source.items()))
         smallest = min(source, key=source.get)
+        if self.latent_cache_type:  # its bytes and the source's alternatives: the lines after this one
+            return line
         if ours["f16"] >= source[smallest]:
             return line + (f"\nnote: the source's own {smallest} cache is this small without converting; compare "
                            f"(mla-convert eval SOURCE --cache-type {smallest}) before serving the conversion")
@@ -437,7 +467,11 @@ def make_geometry(source: Source, family: Family, options: ConvertOptions) -> Ge
     config = source.config
     layers, hidden, heads, groups, head_dim = _dims(config)
     check_options(options)  # each option on its own, and the rules between options (mla_convert.schema)
+    # --kv-bytes: the width and cache type chosen on the measured frontier, then planned as --kv-budget --cache-type
+    options, choice = cachebudget.resolve(options, layers, 2 * groups * head_dim, max_rank(config), lambda o: (
+        default_rope_dims(o, groups, head_dim) if o.rope_dims is None else o.rope_dims))
     d_r, rank = _rope_dims_and_rank(options, config)
+    _check_blocks(options.cache_type, rank, d_r)
     qk_norm = options.qk_norm if family.has_qk_norm(config) else None
     if qk_norm == "calibrated" and options.calib_data is None:
         raise UserError("--qk-norm calibrated takes each key's RMS from calibration text: pass --calib-data "
@@ -481,7 +515,19 @@ def make_geometry(source: Source, family: Family, options: ConvertOptions) -> Ge
                     attn_params_after=after, shapes=shapes, qkv_bias=bool(qkv_bias), qk_norm=qk_norm,
                     qk_norm_scope=scope, norm_unit_offset=family.gemma(config),
                     norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)), memory=memory,
-                    refine_scope=options.refine_scope)
+                    refine_scope=options.refine_scope, latent_cache_type=options.cache_type, cache_choice=choice)
+
+
+def _check_blocks(cache_type: str | None, rank: int, d_r: int) -> None:
+    """A block cache type stores rows of whole blocks: the latent and rope key together a multiple of 32 (padding
+    would cost bytes the budget does not count)."""
+    from mla_convert import kvquant
+
+    if cache_type and kvquant.latent_padding(rank, d_r, cache_type):
+        fit = max(kvquant.BLOCK, (rank + d_r) // kvquant.BLOCK * kvquant.BLOCK) - d_r
+        raise UserError(f"--cache-type {cache_type} stores each row in whole blocks of {kvquant.BLOCK} values, and "
+                        f"d_c {rank} + d_r {d_r} is not: use --rank {fit} (or a --kv-budget of a multiple of "
+                        f"{kvquant.BLOCK}), or give --kv-bytes and let the plan choose")
 
 
 def _source_element(source: Source, family: Family) -> int:
@@ -518,12 +564,19 @@ def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
     keeping at least a quarter of the uniform rank and none above the smallest latent width vLLM's MLA kernels take
     that holds the uniform rank (256 or 512): the allocation never moves a model to a larger served cache layout, nor
     out of the engines' reach (they pad every layer to one width)."""
+    from mla_convert import kvquant
     from mla_convert.serving.layout import VLLM_LAYOUTS
 
     total = sum(plan.kv_lora_rank)
     uniform = total // plan.layers
     served = sorted(c for c in {c for layouts in VLLM_LAYOUTS.values() for c, _ in layouts} if c >= uniform)
     cap = min(cap, served[0]) if served else cap
+    if plan.latent_cache_type and kvquant.cache_type(plan.latent_cache_type).levels:
+        # every layer's row whole blocks (a block cache type): units of a block, each rank as the uniform one is
+        # modulo a block (so d_c + d_r stays a multiple of it), the floor about a quarter of the uniform rank
+        block = kvquant.BLOCK
+        floor = uniform % block + max(0, (uniform // 4 - uniform % block) // block) * block or block
+        return lowrank.allocate_ranks(spectra, total, unit=block, floor=floor, cap=cap)
     # below 4 dims a layer there is nothing to share in kernel-friendly units: single dims, at least one a layer
     unit = next((u for u in (16, 8, 1) if uniform % u == 0 and uniform >= 4 * u), 1)
     floor = max(unit, uniform // 4 // unit * unit)

@@ -40,14 +40,25 @@ def parse_model(spec: str) -> dict:
             "engine": "llamacpp" if path.endswith(".gguf") else "transformers", "cache_type": cache or None}
 
 
-def measure(model: dict, args, out: Path, reference: Path | None) -> dict:
-    """One `eval --long-context` of `model`, timed; its result with the command, wall time and peak memory."""
+def kept_rows(path: Path) -> dict[str, dict]:
+    """The rows of an earlier run's results.json, by label ({} when there is none)."""
+    if not path.is_file():
+        return {}
+    return {row["label"]: row for row in json.loads(path.read_text())}
+
+
+def measure(model: dict, args, out: Path, reference: Path | None, earlier: dict | None = None) -> dict:
+    """One `eval --long-context` of `model`, timed; its result with the command, wall time and peak memory. With
+    `earlier` (the model's row of an earlier run), that row when its command is this one's and its JSON is there."""
     json_out = out / f"{model['label']}.json"
     cmd = harness.mla("eval", *([model["path"]] if model["path"] else []), "--data", args.data, "--long-context",
                       "--windows", args.windows, "--trials", args.trials, "--engine", model["engine"],
                       *(["--lengths", args.lengths] if args.lengths else []), "--depths", args.depths,
                       *(["--cache-type", model["cache_type"]] if model["cache_type"] else []),
                       *(["--reference", reference] if reference else []), "--json", json_out, "--overwrite", "-q")
+    if earlier and json_out.is_file() and earlier.get("command") == harness.shown(cmd):
+        print(f"{model['label']}: kept from {out / 'results.json'}", flush=True)
+        return {k: v for k, v in earlier.items() if k != "machine"}
     run = harness.timed(cmd, log=out / f"{model['label']}.log", env={**os.environ, **harness.OFFLINE},
                         echo=True)
     result = json.loads(json_out.read_text())
@@ -114,14 +125,20 @@ def main() -> None:
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--out", type=Path, default=harness.ROOT / "benchmarks" / "quality" / "longctx")
+    parser.add_argument("--keep", action="store_true",
+                        help="read a model's row from an earlier run's OUT/results.json where it was measured with "
+                             "the same command, instead of measuring it again")
     args = parser.parse_args()
     models = [parse_model(spec) for spec in args.models]
     if len({m["label"] for m in models}) != len(models):
         raise SystemExit("every model needs a label of its own")
     args.out.mkdir(parents=True, exist_ok=True)
+    earlier = kept_rows(args.out / "results.json") if args.keep else {}
     rows = []
     for model in models:
-        rows.append(measure(model, args, args.out, args.out / f"{models[0]['label']}.json" if rows else None))
+        row = measure(model, args, args.out, args.out / f"{models[0]['label']}.json" if rows else None,
+                      earlier.get(model["label"]))
+        rows.append(row)
     machine = harness.machine()
     (args.out / "results.json").write_text(json.dumps([{**r, "machine": machine} for r in rows], indent=2) + "\n")
     (args.out / "longctx.md").write_text(table(rows))
