@@ -126,3 +126,15 @@ def test_the_latent_basis_is_folded_in_exactly(sources, convert_tiny, tmp_path):
     assert torch.allclose(la, lb, rtol=0, atol=1e-4 * la.abs().max().item())
     wa, wb = a.model.layers[0].self_attn.kv_a_proj.weight, b.model.layers[0].self_attn.kv_a_proj.weight
     assert not torch.allclose(wa, wb, atol=1e-3)  # the latent is another basis of the same model
+
+
+def test_ranks_for_a_block_cache_are_allocated_a_block_at_a_time():
+    from mla_convert.conversion.plan import allocate
+
+    spectra = [torch.exp(-torch.arange(384.0) / (8 + 4 * i)) for i in range(30)]  # later layers decay slower
+    plan = SimpleNamespace(kv_lora_rank=[112] * 30, layers=30, latent_cache_type="q4_0")
+    ranks = allocate(plan, spectra, 384)
+    assert sum(ranks) == 30 * 112 and len(set(ranks)) > 1  # shared by the spectra, the total kept
+    assert all((r + 48) % kvquant.BLOCK == 0 and r >= 16 for r in ranks)  # d_r 48: every row whole blocks
+    plan16 = SimpleNamespace(kv_lora_rank=[112] * 30, layers=30, latent_cache_type=None)
+    assert all(r % 16 == 0 for r in allocate(plan16, spectra, 384))  # without a block type: units of 16, as before
