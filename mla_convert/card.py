@@ -225,6 +225,14 @@ def _kv_section(steps: list[dict], config: dict) -> list[str]:
     if ratio is not None and ratio > 0:
         lines += [f"Ratio after/before: {ratio:.4f} (this model's cache is {ratio:.1%} of the source's, "
                   f"{1 / ratio:.2f}x smaller).", ""]
+    kv = next((s["kv_cache"] for s in reversed(steps) if isinstance(s.get("kv_cache"), dict)
+               and s["kv_cache"].get("cache_type")), None)
+    if kv is not None:  # a conversion planned for a block cache type (--cache-type, --kv-bytes)
+        kind = kv["cache_type"]
+        lines += [f"Served with its latent in `{kind}`: {_cell(kv.get('bytes_per_token_in_cache_type'))} bytes per "
+                  f"token (llama.cpp's blocks; latent basis `{kv.get('latent_basis', 'native')}`). `mla-convert eval` "
+                  f"and `generate` read the cache so (the config's `latent_cache_type`); llama.cpp on the GGUF export: "
+                  f"`--cache-type-k {kind} --flash-attn`.", ""]
     return lines
 
 

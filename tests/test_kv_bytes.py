@@ -107,6 +107,7 @@ def test_a_conversion_to_a_byte_budget_serves_its_choice(sources, convert_tiny, 
     kv = record["kv_cache"]
     assert kv["cache_type"] == "q4_0" and kv["latent_basis"] == "balanced" and kv["budget_bytes"] == 40
     assert kv["bytes_per_token_in_cache_type"] == 36
+    assert "Served with its latent in `q4_0`: 36 bytes per token" in (out / "README.md").read_text()
     code, output = run("eval", out, "--data", calib_text, "--seq-len", 32, "--windows", 2)  # reads its q4_0 cache
     assert code == 0 and "q4_0" in output, output
 
