@@ -571,7 +571,8 @@ def allocate(plan: Plan, spectra: list[torch.Tensor], cap: int) -> list[int]:
     uniform = total // plan.layers
     served = sorted(c for c in {c for layouts in VLLM_LAYOUTS.values() for c, _ in layouts} if c >= uniform)
     cap = min(cap, served[0]) if served else cap
-    if plan.latent_cache_type and kvquant.cache_type(plan.latent_cache_type).levels:
+    kind = getattr(plan, "latent_cache_type", None)  # a Plan has it; a stand-in with ranks alone need not
+    if kind and kvquant.cache_type(kind).levels:
         # every layer's row whole blocks (a block cache type): units of a block, each rank as the uniform one is
         # modulo a block (so d_c + d_r stays a multiple of it), the floor about a quarter of the uniform rank
         block = kvquant.BLOCK
