@@ -294,10 +294,12 @@ def kv_cache_bytes_per_token(model, tokens: int = 8) -> int:
     return cache_bytes(cache) // tokens
 
 
-def served_cache_type(model, kind: str | None) -> str | None:
-    """`--cache-type` where given, else the cache type a converted model's config says its latent is served in
-    (`latent_cache_type`, written by a conversion with --cache-type or --kv-bytes), else None (the model's dtype)."""
-    return kind if kind is not None else getattr(model.config, "latent_cache_type", None)
+def read_cache_as_served(model, kind: str | None) -> tuple[str | None, float | None]:
+    """`use_cache_type` for `--cache-type` where given, else for the type a converted model's config says its latent
+    is served in (`latent_cache_type`, written by a conversion with --cache-type or --kv-bytes). -> (the type, its bytes
+    per token), (None, None) where neither names one (the model's own dtype)."""
+    kind = kind if kind is not None else getattr(model.config, "latent_cache_type", None)
+    return kind, (use_cache_type(model, kind) if kind is not None else None)
 
 
 def use_cache_type(model, kind: str) -> float:

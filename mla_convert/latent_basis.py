@@ -194,24 +194,30 @@ def apply_basis(model, basis: str, moments=None) -> None:
         fold_rope_scales(model, rope_scales(model, moments))
 
 
+def change_basis(model, basis: str, windows: torch.Tensor | None) -> float:
+    """Fold `basis` into `model` (the balanced one fitted on `windows`, token ids [W, T]) and measure what it changed:
+    the largest logit change over the largest logit on the first window (or 64 fixed ids without windows), in the
+    model's arithmetic, with its latent read unquantized."""
+    kind, model.config.latent_cache_type = getattr(model.config, "latent_cache_type", None), None
+    check = windows[:1] if windows is not None else torch.arange(64)[None] % model.config.vocab_size
+    with torch.no_grad():
+        before = model(input_ids=check, use_cache=False).logits
+        apply_basis(model, basis, latent_moments(model, windows) if basis == "balanced" else None)
+        error = ((model(input_ids=check, use_cache=False).logits - before).abs().max() / before.abs().max()).item()
+    model.config.latent_cache_type = kind
+    return error
+
+
 def rebase_in_place(folder: Path, windows: torch.Tensor | None) -> float:
     """Store the native checkpoint a conversion is writing in `folder` with its latent in the balanced basis fitted
-    on `windows` (token ids [W, T]; None: a seeded rotation, which needs no text), in place: its weight files are
-    rewritten, the config keeps its latent_cache_type. -> the largest logit change over the largest logit on the first
-    window in 32-bit arithmetic (rounding: the same model)."""
+    on `windows` (None: a seeded rotation, which needs no text), in place: its weight files are rewritten, the config
+    keeps its latent_cache_type. -> `change_basis`'s measure in 32-bit arithmetic."""
     from transformers import AutoModelForCausalLM
 
     import mla_convert  # noqa: F401  (registers the MLA model with the Auto classes)
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True).eval()
-    kind, model.config.latent_cache_type = getattr(model.config, "latent_cache_type", None), None
-    check = windows[:1] if windows is not None else torch.arange(64)[None] % model.config.vocab_size
-    with torch.no_grad():
-        before = model(input_ids=check, use_cache=False).logits
-        basis = "balanced" if windows is not None else "rotation"
-        apply_basis(model, basis, latent_moments(model, windows) if windows is not None else None)
-        error = ((model(input_ids=check, use_cache=False).logits - before).abs().max() / before.abs().max()).item()
-    model.config.latent_cache_type = kind
+    error = change_basis(model, "balanced" if windows is not None else "rotation", windows)
     dtype = json.loads((folder / "config.json").read_text()).get("dtype") or "float32"
     for old in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")]:
         old.unlink()  # this conversion's own shards, rewritten below

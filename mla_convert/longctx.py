@@ -315,8 +315,7 @@ def in_transformers(model: str | None, text: str, window: int | None, windows: i
     net, tokenizer, label = evaluate.load_model(model, dtype, device)
     context = getattr(net.config, "max_position_embeddings", None) or 0
     window, cases = cases_for(tokenizer, label, context)
-    cache_type = evaluate.served_cache_type(net, cache_type)
-    stored = evaluate.use_cache_type(net, cache_type) if cache_type is not None else None
+    cache_type, stored = evaluate.read_cache_as_served(net, cache_type)
     chunks = evaluate.eval_windows(evaluate.tokenize(tokenizer, text), window, windows).tolist()
     scores = transformers_scores(net, chunks, [c.ids for c in cases], NEW_TOKENS, progress)
     scores.update(engine="transformers", cache_type=cache_type, context=context, seq_len=window,

@@ -31,15 +31,11 @@ def rule_text(pair: tuple) -> str:
 
 
 # --kv-bytes (mla_convert.conversion.cachebudget): the measured frontier the plan chooses a latent width and cache type
-# on. The embedded default (SmolLM2-135M-Instruct), perplexity over the source's with its own 16-bit cache, geometric
-# mean over the three development domains (docs/decisions.md#a-cache-budget-in-bytes):
-# - a conversion in 16 bits, by the share of the source's cache elements it keeps (25%: the main job; 41.7%: closed
-#   form and one model-stage step, benchmarks/frontier/; 50%: the 50% default, benchmarks/quality/; full rank with
-#   every pair kept is exact). Between points log-log interpolated, below the first extrapolated along the first
-#   segment's slope;
+# on, perplexity over the source's (geometric mean over the development domains, the embedded default; what each
+# point is: docs/decisions.md#a-cache-budget-in-bytes). A 16-bit conversion by the share of the source's cache
+# elements it keeps (log-log interpolated; below the first point extrapolated along the first segment):
 CONVERTED_16BIT = ((0.25, 2.191), (0.417, 1.385), (0.5, 1.162), (1.0, 1.0))
-# - the cost of storing that conversion's latent and rope key in a block cache type (balanced basis, `mla-convert
-#   rebase`; q8_0 +0.1%, q4_0 +15.3% at 25% and +16.3% at 41.7%: benchmarks/frontier/);
+# its latent and rope key stored in a block cache type (balanced basis), as a factor on that:
 LATENT_CACHE_COST = {"f16": 1.0, "q8_0": 1.001, "q4_0": 1.158}
-# - the source's own cache in llama.cpp's cache types (its Hadamard rotation; no conversion at all).
+# the source's own cache in llama.cpp's cache types (no conversion at all):
 SOURCE_CACHE_COST = {"q8_0": 1.000, "q5_1": 1.010, "q5_0": 1.011, "q4_1": 1.038, "q4_0": 1.047}

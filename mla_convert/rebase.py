@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.latent_basis import BASES, apply_basis, cache_kept, latent_moments
+from mla_convert.latent_basis import BASES, cache_kept, change_basis
 
 
 def _calibration_windows(model, folder: Path, spec: str, samples: int, seq_len: int) -> torch.Tensor:
@@ -55,11 +55,7 @@ def rebase_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, basis: 
         raise UserError("this model normalizes each query head (qk_norm, e.g. Qwen3): a latent basis for it is not "
                         "built yet; serve it with a 16-bit or q8_0 cache")
     windows = _calibration_windows(model, folder, calib_data, calib_samples, calib_seq_len)
-    with torch.no_grad():
-        before = model(input_ids=windows[:1], use_cache=False).logits
-        moments = latent_moments(model, windows) if basis == "balanced" else None
-        apply_basis(model, basis, moments)
-        error = ((model(input_ids=windows[:1], use_cache=False).logits - before).abs().max() / before.abs().max()).item()
+    error = change_basis(model, basis, windows)
     dtype = config.get("dtype") or "float32"
     parent = provenance.load(folder)
     record = {"basis": basis, "calib_data": calib_data, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,

@@ -181,8 +181,7 @@ def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: 
 
         with torch.inference_mode():
             net, tokenizer, label = evaluate.load_model(model, dtype, device)
-            cache_type = evaluate.served_cache_type(net, cache_type)
-            stored = evaluate.use_cache_type(net, cache_type) if cache_type is not None else None
+            cache_type, stored = evaluate.read_cache_as_served(net, cache_type)
             result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
             result["kv_cache_bytes_per_token"] = stored or evaluate.kv_cache_bytes_per_token(net)
             result["cache_type"] = cache_type
@@ -269,8 +268,7 @@ def generate_command(
     evaluate.check_device(device)
     net, tokenizer, label = evaluate.load_model(model, dtype, device)
     evaluate.check_generation_config(net, label)
-    cache_type = evaluate.served_cache_type(net, cache_type)
-    stored = evaluate.use_cache_type(net, cache_type) if cache_type is not None else None
+    cache_type, stored = evaluate.read_cache_as_served(net, cache_type)
     ids = encode_prompt(tokenizer, prompt, label, chat, device)
     run = generate(net, tokenizer, ids, max_new_tokens, sample=sample, temperature=temperature, seed=seed, cache=cache)
     typer.echo(run.text)
