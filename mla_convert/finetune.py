@@ -39,7 +39,7 @@ from mla_convert.training.recipe import (  # noqa: F401
     resolve_accelerate_config, read_recipe, parse_overrides, load_config,
 )
 from mla_convert.training.data import (  # noqa: F401
-    DataOrder, self_training_tokens, prepare_data,
+    DataOrder, FreshSequences, self_training_tokens, fresh_self_text, prepare_data,
 )
 from mla_convert.training.models import (  # noqa: F401
     load_student, teacher_spec, load_teacher, select_trainable, lr_lambda,

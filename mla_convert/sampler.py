@@ -144,8 +144,11 @@ def sample(model, requests: Iterable[Request], width: int, temperature: float, e
 
     for i in range(width):
         start(i)
-    with torch.inference_mode():
-        while any(s is not None for s in slots):
+    while any(s is not None for s in slots):
+        # inference mode only around the arithmetic, never across a yield: a mode entered here would stay on in the
+        # caller between samples (and be set again there when the generator is closed), which a training loop that
+        # reads the samples as they come (selftext.Stream) cannot have
+        with torch.inference_mode():
             step = _forward(model, cache, tokens, windows, dtype, device, cache_arg)
             uniforms = torch.tensor([_uniform(s) for s in slots], dtype=torch.float64)
             if eos is not None and any(s is not None and s.request.suppress_eos for s in slots):
@@ -166,8 +169,9 @@ def sample(model, requests: Iterable[Request], width: int, temperature: float, e
                     start(i)
                 else:
                     tokens[i], cache.positions[i] = token, n
-            yield from pending.ready()
+            ready = list(pending.ready())
             slots, tokens = _shrink(slots, tokens, cache)
+        yield from ready
 
 
 class _Pending:

@@ -244,6 +244,23 @@ def test_two_processes_loss_falls_ranks_agree_and_resume_repeats_losses(tiny_run
     assert (resumed / "final" / "model.safetensors").is_file()
 
 
+def test_two_processes_read_fresh_self_text_the_main_one_samples(tiny_run, tmp_path, monkeypatch):
+    """data=self without a pool in two processes: the main process samples each step's text as it is needed and the
+    other reads it from the cache; every process trains on its own sequences and they end with the same weights."""
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "ddp-fresh"
+    run = _launch(tiny_run["recipe"], [f"output={out}", "data=self", "max_steps=3", "kd_weight=0.5", "eval_every=0",
+                                       "save_every=0"])  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    m = provenance.load(out / "final")["measurements"]["finetune"]
+    assert m["processes"] == 2 and m["tokens"] == 3 * 32 * 2 * 2 * 2
+    assert m["parameter_checksums_per_process"][0] == m["parameter_checksums_per_process"][1]
+    assert m["fresh_self_text"]["sampled_tokens"] >= m["tokens"]
+    rank_losses = [r["rank_losses"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                   if r["event"] == "train"]
+    assert len(rank_losses) == 3 and all(r[0] != r[1] for r in rank_losses)
+
+
 def test_resume_reads_no_pickle_and_repeats_losses(tiny_run):
     """trainer/ holds safetensors and JSON only; a resume from it repeats the uninterrupted losses; a trainer/ that
     holds pickle files (as accelerate's save_state writes them) is refused, never unpickled."""
@@ -275,27 +292,69 @@ def test_resume_reads_no_pickle_and_repeats_losses(tiny_run):
 
 
 def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
-    """data=self: the training text is sampled from the teacher (no data set): enough tokens for the budget plus the
-    held-out windows, a run on it writes a model, and a run that cannot say how much text it needs is refused."""
+    """data=self without a pool: the held-out windows are the teacher's first samples, the training sequences the
+    samples after them, sampled as the steps read them (in order, each once, never the held-out text); the run
+    writes a model with the sampler's and the trainer's rates; a run without a bound, or without a teacher, is
+    refused."""
     from mla_convert.conversion import selftext
+    from mla_convert.checkpoint import open_source
 
     monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
     cfg = finetune.load_config(tiny_run["recipe"], ["data=self", "max_tokens=256", f"output={tmp_path / 'run'}",
                                                     "max_steps=2", "kd_weight=0.5"])  # fmt: skip
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_run["student"])
     train, windows = finetune.prepare_data(cfg, tokenizer)
-    assert windows.shape == (4, 32) and train.shape[0] * 32 >= 2 * 32 * 2 * 2  # max_steps=2 of 128 tokens
-    from mla_convert.checkpoint import open_source
-
-    stream = selftext.self_tokens(open_source(str(tiny_run["teacher"])), 1, seed=0)  # the cache: the same text
-    assert torch.equal(train[0], stream[:32])
+    assert isinstance(train, finetune.FreshSequences) and windows.shape == (4, 32)
+    stream = train.stream
+    held = len(stream.tokens)  # only the held-out samples so far: nothing is sampled before a step asks
+    assert train.start == held >= 4 * 32 and held in stream.ends  # the first whole sample after the windows
+    assert all(end < 4 * 32 for end in stream.ends if end < held)
+    assert torch.equal(windows.reshape(-1), torch.tensor(stream.tokens[: 4 * 32]))
+    order = finetune.DataOrder(None, 2, 2, 1, 0)
+    assert [order.indices(1, m, 0) for m in range(2)] == [[4, 5], [6, 7]] and order.last(1) == 7
+    assert torch.equal(train[[0, 1]], torch.tensor([stream.tokens[held : held + 32], stream.tokens[held + 32 : held + 64]]))
+    assert len(stream.tokens) >= held + 64 and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     final = run_in_process(cfg)
-    assert provenance.load(final)["measurements"]["finetune"]["tokens"] == 2 * 32 * 2 * 2
-    with pytest.raises(UserError, match="max_tokens"):
+    m = provenance.load(final)["measurements"]["finetune"]
+    assert m["tokens"] == 2 * 32 * 2 * 2
+    fresh = m["fresh_self_text"]
+    assert fresh["sampled_tokens"] >= 2 * 32 * 2 * 2 and fresh["sampler_tokens_per_second"] > 0
+    assert fresh["trainer_tokens_per_second"] > 0
+    # what the run read is what the cache holds: the same text again, not sampled anew
+    again = selftext.Stream(open_source(str(tiny_run["teacher"])), 0)
+    assert len(again.tokens) >= held + 8 * 32 and again.tokens[: held + 8 * 32] == stream.tokens[: held + 8 * 32]
+    with pytest.raises(UserError, match="max_seconds"):
         finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self"]), tokenizer)
     with pytest.raises(UserError, match="set teacher"):
         finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self", "teacher=none",
                                                                         "max_tokens=256"]), tokenizer)
+
+
+def test_self_text_stream_read_in_pieces_is_the_text_sampled_at_once(tiny_run, tmp_path, monkeypatch):
+    """selftext.Stream: asked for a little at a time (the sampler's slots kept open between requests) it gives the
+    text it gives when asked for all at once, leaves no inference mode behind, and a reader of the cache after it
+    (a resumed run) reads that text and samples on where the cache ends."""
+    from mla_convert.conversion import selftext
+    from mla_convert.checkpoint import open_source
+
+    source = open_source(str(tiny_run["teacher"]))
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "pieces"))
+    pieces = selftext.Stream(source, 3, batch=4)
+    for n in (10, 150, 151, 400):
+        pieces.ensure(n)
+        assert len(pieces.tokens) >= n and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    pieces.close()  # the sampler closed mid-sample: still no inference mode left behind
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "whole"))
+    whole = selftext.Stream(source, 3, batch=4)
+    whole.ensure(400)
+    n = min(len(whole.tokens), len(pieces.tokens))
+    assert whole.tokens[:n] == pieces.tokens[:n] and pieces.ends[0] == whole.ends[0]
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "pieces"))
+    resumed = selftext.Stream(source, 3, batch=4)
+    assert resumed.tokens == pieces.tokens and resumed.sampled == 0
+    resumed.ensure(len(pieces.tokens) + 50)
+    assert resumed.tokens[: len(pieces.tokens)] == pieces.tokens and resumed.sampled >= 50
 
 
 def test_report_texts_scored_at_every_evaluation(tiny_run, tmp_path, monkeypatch):
@@ -377,8 +436,9 @@ def test_self_text_pool_smaller_than_the_budget_repeats(tiny_run, tmp_path, monk
     cfg = finetune.load_config(tiny_run["recipe"], ["data=self", "max_steps=20", "data_tokens=96"])
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_run["student"])
     train, _ = finetune.prepare_data(cfg, tokenizer)
-    full, _ = finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self", "max_steps=20"]), tokenizer)
-    assert 3 <= train.shape[0] < full.shape[0] and full.shape[0] * 32 >= 20 * 128  # 20 steps of 2 x 2 x 32 tokens
+    big, _ = finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self", "max_steps=20",
+                                                                          "data_tokens=4096"]), tokenizer)
+    assert 3 <= train.shape[0] < big.shape[0] and big.shape[0] * 32 >= 20 * 128  # 20 steps of 2 x 2 x 32 tokens
     order = finetune.DataOrder(train.shape[0], 2, 2, 1, 0)
     seen = {i for step in range(20) for micro in range(2) for i in order.indices(step, micro, 0)}
     assert seen == set(range(train.shape[0]))  # every pooled sequence is read, epoch after epoch

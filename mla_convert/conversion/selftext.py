@@ -302,6 +302,79 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
     return torch.tensor([t for b in batches for s in b["tokens"] for t in s], dtype=torch.long)
 
 
+class Stream:
+    """An endless self-text token stream, read as far as it is needed: the cached samples first, then new samples
+    (which are cached as they come) from sample `first` on, so that a reader that comes back for more (the
+    fine-tuning loop, `data=self` without a pool) is fed text nobody has read yet, and a resumed run reads back the
+    same text. The sampler's slots stay open between requests, so asking for a little at a time costs no more than
+    asking for everything at once. `tokens` is the stream as a list of ids; `ends` the end offset of each sample."""
+
+    def __init__(self, source, seed: int, temperature: float | None = None, sample_tokens: int | None = None,
+                 batch: int | None = None, style: str = "chat", device: str = "cpu"):
+        self.source, self.seed, self.style, self.device = source, seed, style, device
+        self.settings, self.path = _entry(source, seed, temperature, sample_tokens, batch, style, device)
+        self.batches: list[dict] = []
+        self.tokens: list[int] = []
+        self.ends: list[int] = []
+        self.sampled = 0  # tokens this process sampled (not read back from the cache)
+        self.seconds = 0.0  # time it spent sampling them (loading the model included)
+        self._group: list[list[int]] = []  # sampled, not yet written to the cache
+        self._samples = None  # the open sampler (a generator), once the cache runs out
+        self._tokenizer = None
+        self._written = time.monotonic()
+        self.reload()
+
+    def reload(self) -> None:
+        """Read the cache again (what another process sampled since); only while this process holds unwritten
+        samples of its own is it left as it is."""
+        if self._group or self._samples is not None:
+            return
+        self.batches = read_cache(self.path, self.settings)
+        self.tokens, self.ends = [], []
+        for b in self.batches:
+            for s in b["tokens"]:
+                self.tokens.extend(s)
+                self.ends.append(len(self.tokens))
+
+    def ensure(self, n_tokens: int) -> None:
+        """Sample until the stream holds at least `n_tokens` ids (the cache is written at most every WRITE_EVERY_S
+        while sampling; `flush` writes the rest)."""
+        if len(self.tokens) >= n_tokens:
+            return
+        t0 = time.perf_counter()
+        if self._samples is None:
+            if torch.device(self.device).type != "cuda":
+                check_memory(self.source)
+            s = self.settings
+            self._tokenizer = self.source.tokenizer()
+            model = causal_lm(self.source, self.device, sampling_dtype(self.source, self.device))
+            log.info("sampling %s text from the source on %s as it is read (temperature %g, from sample %d; cached "
+                     "in %s)", self.style, self.device, s["temperature"], len(self.ends), self.path)
+            self._samples = sample_stream(model, self._tokenizer, len(self.ends), self.seed, s["temperature"],
+                                          s["sample_tokens"], s["batch"], self.style)
+        while len(self.tokens) < n_tokens:
+            sample = next(self._samples)
+            self._group.append(sample)
+            self.tokens.extend(sample)
+            self.ends.append(len(self.tokens))
+            self.sampled += len(sample)
+        self.seconds += time.perf_counter() - t0
+        if time.monotonic() - self._written > WRITE_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the samples not yet cached."""
+        if self._group:
+            _keep(self.path, self.settings, self.batches, self._group, self._tokenizer)
+            self._group = []
+        self._written = time.monotonic()
+
+    def close(self) -> None:
+        """Write what is left and let the sampler (and its copy of the source) go."""
+        self.flush()
+        self._samples = None
+
+
 def _keep(path: Path, settings: dict, batches: list[dict], group: list[list[int]], tokenizer) -> None:
     """Add the samples `group` to the cached `batches` as one batch, and write the cache."""
     if group:

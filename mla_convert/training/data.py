@@ -1,4 +1,5 @@
-"""Fine-tuning data: train sequences and held-out windows (through mla_convert.data), and the data order."""
+"""Fine-tuning data: train sequences (a text packed, a self-text pool, or fresh self text sampled as the steps read it)
+and held-out windows (through mla_convert.data), and the data order."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ class DataOrder:
     """Which packed sequences a (step, micro-step, rank) reads: a pure function of the seed, so resume repeats it.
 
     Global position p = ((step * grad_accum + micro) * world + rank) * batch + i walks through a fresh seeded
-    permutation of all sequences per epoch (epoch = p // N).
+    permutation of all sequences per epoch (epoch = p // N); an endless stream (N None) is read in order: sequence p.
     """
 
-    def __init__(self, n_sequences: int, batch_size: int, grad_accum: int, world: int, seed: int):
+    def __init__(self, n_sequences: int | None, batch_size: int, grad_accum: int, world: int, seed: int):
+        """n_sequences None: an endless stream of fresh sequences (FreshSequences), read in order, each once."""
         self.n, self.batch, self.accum, self.world, self.seed = n_sequences, batch_size, grad_accum, world, seed
         self._perms: dict[int, torch.Tensor] = {}
+
+    def last(self, step: int) -> int:
+        """The highest sequence index any process reads at optimizer step `step`."""
+        return ((step * self.accum + self.accum - 1) * self.world + self.world - 1) * self.batch + self.batch - 1
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
@@ -31,29 +37,100 @@ class DataOrder:
 
     def indices(self, step: int, micro: int, rank: int) -> list[int]:
         start = ((step * self.accum + micro) * self.world + rank) * self.batch
+        if self.n is None:
+            return list(range(start, start + self.batch))
         return [int(self._perm(p // self.n)[p % self.n]) for p in range(start, start + self.batch)]
 
 
-def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -> torch.Tensor:
-    """data=self: a token stream sampled from the teacher (the source; mla_convert.conversion.selftext, cached) on `device`,
-    long enough for the run's token budget (or data_tokens, when fewer) plus the held-out windows when eval_data is
-    unset."""
+class FreshSequences:
+    """data=self without a pool (data_tokens unset): training sequence k is tokens [start + k * seq_len, start +
+    (k + 1) * seq_len) of the teacher's self-text stream (selftext.Stream), sampled when a step first needs it, so
+    that no text is read twice however long the run. The held-out windows are the stream's first samples, before
+    `start`. In a run of several processes the main one samples and writes the cache; the others read it back."""
+
+    def __init__(self, stream, start: int, seq_len: int, is_main: bool = True):
+        self.stream, self.start, self.seq_len, self.is_main = stream, start, seq_len, is_main
+
+    def prepare(self, last: int, barrier=None) -> None:
+        """Make sequences up to index `last` readable in every process (`barrier`: waits for all of them)."""
+        self.reach(self.start + (last + 1) * self.seq_len, barrier)
+
+    def reach(self, need: int, barrier=None) -> None:
+        """Make the stream's first `need` tokens readable in every process."""
+        if len(self.stream.tokens) >= need:
+            return
+        if self.is_main:
+            self.stream.ensure(need)
+            if barrier is not None:
+                self.stream.flush()  # the other processes read the text from the cache file
+        if barrier is not None:
+            barrier()
+            if not self.is_main:
+                self.stream.reload()
+        if len(self.stream.tokens) < need:
+            raise UserError(f"the self-text cache {self.stream.path} holds fewer tokens than the main process "
+                            "sampled: every process of a run must share one cache folder (MLA_CONVERT_CACHE)")
+
+    def __getitem__(self, index) -> torch.Tensor:
+        """Sequence `index` [seq_len], or sequences [len, seq_len] for a list or a slice with a stop."""
+        if isinstance(index, slice):
+            if index.stop is None:
+                raise TypeError("a fresh stream has no end: slice it with a stop")
+            index = list(range(*index.indices(index.stop)))
+        one = not isinstance(index, (list, tuple))
+        rows = [index] if one else list(index)
+        self.prepare(max(rows))
+        t, s = self.seq_len, self.start
+        out = torch.tensor([self.stream.tokens[s + k * t : s + (k + 1) * t] for k in rows], dtype=torch.long)
+        return out[0] if one else out
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def _teacher_source(cfg: FinetuneConfig):
+    """The source the teacher is, opened for sampling (data=self)."""
     from mla_convert.sources import open_source
-    from mla_convert.conversion.selftext import self_tokens
 
     spec = teacher_spec(cfg) if cfg.teacher is not None else None
     if spec is None:
         raise UserError("data=self samples the training text from the teacher: set teacher (auto, or the source)")
-    if cfg.max_tokens is None and cfg.max_steps is None:
-        raise UserError("data=self has no natural length: set max_tokens (or max_steps)")
-    per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
-    need = cfg.max_steps * per_step if cfg.max_steps is not None else cfg.max_tokens
-    if cfg.data_tokens is not None:  # a pool read again epoch after epoch (DataOrder)
-        need = min(need, cfg.data_tokens)
+    return open_source(None if spec == "embedded" else spec)
+
+
+def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -> torch.Tensor:
+    """data=self with a pool (data_tokens): a token stream sampled from the teacher (the source;
+    mla_convert.conversion.selftext, cached) on `device`: the pool of data_tokens (fewer when the run's step budget
+    needs fewer), then the held-out windows when eval_data is unset."""
+    from mla_convert.conversion.selftext import self_tokens
+
+    source = _teacher_source(cfg)
+    need = cfg.data_tokens
+    if cfg.max_steps is not None or cfg.max_tokens is not None:
+        per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
+        need = min(need, cfg.max_steps * per_step if cfg.max_steps is not None else cfg.max_tokens)
     need += 0 if cfg.eval_data is not None else cfg.eval_windows * cfg.eval_seq_len
-    stream = self_tokens(open_source(None if spec == "embedded" else spec), need + cfg.seq_len, cfg.seed,
-                         batch=cfg.sample_batch, device=device)
-    return stream if cfg.data_tokens is None else stream[: need + cfg.seq_len]  # the pool, then the held-out tail
+    stream = self_tokens(source, need + cfg.seq_len, cfg.seed, batch=cfg.sample_batch, device=device)
+    return stream[: need + cfg.seq_len]  # the pool, then the held-out tail
+
+
+def fresh_self_text(cfg: FinetuneConfig, device: str = "cpu", is_main: bool = True,
+                    barrier=None) -> tuple[FreshSequences, torch.Tensor | None]:
+    """data=self without a pool: (the training sequences, sampled as they are read, the held-out token ids or None
+    when eval_data is set). The held-out windows are the stream's first samples, sampled here (main process);
+    training starts at the next sample."""
+    from mla_convert.conversion.selftext import Stream
+
+    if cfg.max_tokens is None and cfg.max_steps is None and cfg.max_seconds is None:
+        raise UserError("data=self samples fresh text as long as the run lasts: bound it with max_seconds, max_tokens "
+                        "or max_steps (or sample a pool once: data_tokens)")
+    stream = Stream(_teacher_source(cfg), cfg.seed, batch=cfg.sample_batch, device=device)
+    held = 0 if cfg.eval_data is not None else cfg.eval_windows * cfg.eval_seq_len
+    train = FreshSequences(stream, 0, cfg.seq_len, is_main)
+    if held:
+        train.reach(held, barrier)
+        train.start = next(end for end in stream.ends if end >= held)  # training starts at the next whole sample
+    return train, torch.tensor(stream.tokens[:held], dtype=torch.long) if held else None
 
 
 def report_windows(cfg: FinetuneConfig, tokenizer) -> dict[str, torch.Tensor]:
@@ -77,21 +154,29 @@ def report_windows(cfg: FinetuneConfig, tokenizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(train sequences [N, seq_len], eval windows [W, eval_seq_len]); never sharing text with each other."""
+def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1, device: str = "cpu", is_main: bool = True,
+                 barrier=None) -> tuple[torch.Tensor | FreshSequences, torch.Tensor]:
+    """(train sequences [N, seq_len], or FreshSequences for data=self without a pool; eval windows [W, eval_seq_len]);
+    never sharing text with each other."""
     from mla_convert import data
 
     if not cfg.allow_test_split and data.looks_like_test_split(cfg.data):
         raise UserError(f"training text {cfg.data} looks like a test split: train on other text "
                         "(or set allow_test_split=true if it really is not evaluation text)")
-    if cfg.data == SELF:
+    fresh = None
+    if cfg.data == SELF and cfg.data_tokens is None:
+        fresh, ids = fresh_self_text(cfg, device, is_main, barrier)  # ids: the held-out head (None with eval_data)
+        text = ""
+    elif cfg.data == SELF:
         ids = self_training_tokens(cfg, world, device)
         text = tokenizer.decode(ids.tolist())
     else:
         text = data.load_text(cfg.data)
         ids = data.tokenize(tokenizer, text, data.TRAIN_CHUNK_LINES)  # [N]
     held = cfg.eval_windows * cfg.eval_seq_len
-    if cfg.eval_data is None:
+    if fresh is not None and cfg.eval_data is None:
+        train_ids, eval_ids = None, ids  # disjoint: the training sequences start after the held-out samples
+    elif cfg.eval_data is None:
         if ids.numel() < held + cfg.seq_len:
             raise UserError(f"{cfg.data} has {ids.numel()} tokens: too few to hold out {held} for evaluation and "
                             f"train on sequences of {cfg.seq_len}; lower eval_windows or pass eval_data")
@@ -100,8 +185,9 @@ def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1, device: str = "
         if Path(cfg.eval_data).expanduser().resolve() == Path(cfg.data).expanduser().resolve():
             raise UserError("eval_data is the training text: give held-out text, or leave eval_data unset")
         eval_text = data.load_text(cfg.eval_data)
-        data.check_disjoint(text, eval_text, cfg.data, cfg.eval_data)
+        if fresh is None:
+            data.check_disjoint(text, eval_text, cfg.data, cfg.eval_data)
         train_ids, eval_ids = ids, data.tokenize(tokenizer, eval_text, data.TRAIN_CHUNK_LINES)
-    train = data.pack(train_ids, cfg.seq_len)
+    train = fresh if fresh is not None else data.pack(train_ids, cfg.seq_len)
     windows = data.pack(eval_ids, cfg.eval_seq_len)[: cfg.eval_windows]
     return train, windows

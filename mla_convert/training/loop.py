@@ -20,7 +20,7 @@ from mla_convert.errors import UserError
 from mla_convert.training.recipe import (
     CRASH_ENV, DATA_ORDER_FIELDS, FINAL_DIR, FinetuneConfig, METRICS_FILE, PLOT_FILE, STATE_FILE, TRAINER_DIR,
 )
-from mla_convert.training.data import DataOrder, prepare_data, report_windows
+from mla_convert.training.data import DataOrder, FreshSequences, prepare_data, report_windows
 from mla_convert.training.models import (
     load_student, load_teacher, lr_lambda, select_trainable, teacher_spec, torch_dtype,
 )
@@ -34,6 +34,9 @@ from mla_convert.writes import room_for
 
 log = logging.getLogger(__name__)
 
+# The step count of a run bounded by max_seconds alone (fresh self text has no end): the schedule then follows time.
+UNBOUNDED_STEPS = 2**62
+
 
 class Trainer:
     """One fine-tuning run in every process of an accelerate launch: `setup`, then `train_step` per optimizer step
@@ -42,6 +45,7 @@ class Trainer:
     def __init__(self, cfg: FinetuneConfig):
         self.cfg = cfg
         self.elapsed = self.teacher_s = self.student_s = 0.0
+        self.fresh = False  # data=self without a pool: the training text is sampled as the steps read it
         self.before: dict | None = None
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -55,9 +59,11 @@ class Trainer:
         self._setup_optimizer()
         cfg = self.cfg
         self.metrics = Metrics(self.out / METRICS_FILE, self.is_main, self.resume_step)
-        log.info("training %s: %d/%d parameters (%s), %d steps of %d tokens, %d process(es), mixed precision %s",
+        steps = f"{self.total_steps} steps" if self.total_steps < UNBOUNDED_STEPS else f"{cfg.max_seconds:g} s of steps"
+        log.info("training %s: %d/%d parameters (%s), %s of %d tokens, %d process(es), mixed precision %s%s",
                  cfg.model, self.n_train, sum(p.numel() for p in self.accelerator.unwrap_model(self.model).parameters()),
-                 cfg.train, self.total_steps, self.tokens_per_step, self.world, self.mp)
+                 cfg.train, steps, self.tokens_per_step, self.world, self.mp,
+                 ", fresh self text sampled as it is read" if self.fresh else "")
 
     def _setup_accelerator(self) -> None:
         from accelerate import Accelerator
@@ -108,7 +114,10 @@ class Trainer:
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"cannot load the tokenizer of the student {cfg.model} ({type(e).__name__}): pass a model "
                             "folder with its tokenizer (e.g. the output of mla-convert llama)") from None
-        self.train_seqs, self.eval_windows = prepare_data(cfg, self.tokenizer, world, str(self.device))  # [N, T], [W, T_eval]
+        barrier = self.accelerator.wait_for_everyone if world > 1 else None
+        self.train_seqs, self.eval_windows = prepare_data(cfg, self.tokenizer, world, str(self.device), self.is_main,
+                                                          barrier)  # [N, T] or FreshSequences, [W, T_eval]
+        self.fresh = isinstance(self.train_seqs, FreshSequences)
         self.report = report_windows(cfg, self.tokenizer)  # {name: [W, T_report]}
         self.tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
         if cfg.max_steps is not None:
@@ -117,9 +126,12 @@ class Trainer:
             self.total_steps = cfg.max_tokens // self.tokens_per_step
             if self.total_steps < 1:
                 raise UserError(f"max_tokens={cfg.max_tokens} is less than one step of {self.tokens_per_step} tokens")
+        elif self.fresh:
+            self.total_steps = UNBOUNDED_STEPS  # max_seconds ends it
         else:
             self.total_steps = max(1, self.train_seqs.shape[0] // (cfg.batch_size * cfg.grad_accum * world))
-        self.order = DataOrder(self.train_seqs.shape[0], cfg.batch_size, cfg.grad_accum, world, cfg.seed)
+        self.order = DataOrder(None if self.fresh else self.train_seqs.shape[0], cfg.batch_size, cfg.grad_accum, world,
+                               cfg.seed)
 
     def _setup_models(self) -> None:
         """The student (from the resume checkpoint if any) with its trainable parameters, and the teacher if distilling."""
@@ -215,6 +227,8 @@ class Trainer:
         learning rate used, the gradient norm before clipping or None)."""
         cfg, device, accelerator = self.cfg, self.device, self.accelerator
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, ce, kl over micro-batches
+        if self.fresh:  # this step's text, sampled now if nobody has yet (the time counts toward max_seconds)
+            self.train_seqs.prepare(self.order.last(step), self.accelerator.wait_for_everyone if self.world > 1 else None)
         for micro in range(cfg.grad_accum):
             ids = self.train_seqs[self.order.indices(step, micro, self.rank)].to(device)  # [B, T]
             sync = micro == cfg.grad_accum - 1
@@ -371,14 +385,16 @@ class Trainer:
                            ce=mean[1].item(), kl=mean[2].item() if self.teacher is not None else None, lr=lr,
                            grad_norm=float(grad_norm) if grad_norm is not None else None,
                            elapsed_s=round(self.elapsed, 3), rank_losses=per_rank[:, 0].tolist())
-        log.info("step %d/%d  loss %.4f  ce %.4f  lr %.2e  %.1fs", done, self.total_steps, mean[0], mean[1], lr,
-                 self.elapsed)
+        total = self.total_steps if self.total_steps < UNBOUNDED_STEPS else "?"
+        log.info("step %d/%s  loss %.4f  ce %.4f  lr %.2e  %.1fs", done, total, mean[0], mean[1], lr, self.elapsed)
 
     # ----------------------------------------------------------------------------------------------- finish
 
     def finish(self) -> Path:
         """Final eval; OUT/final with metrics, plot, provenance and card (main process); frees the processes."""
         accelerator, device, out = self.accelerator, self.device, self.out
+        if self.fresh:
+            self.train_seqs.close()  # the last samples into the cache; the sampler's model freed
         after = self.evaluate()
         self.metrics.write(event="eval", step=self.total_steps, tokens=self.total_steps * self.tokens_per_step, **after)
         log.info("final held-out perplexity %.3f%s", after["perplexity"], _reported(after))
@@ -459,6 +475,15 @@ class Trainer:
                                   f"{cfg.eval_data or 'the held-out tail of ' + cfg.data}"),
             "parameter_checksums_per_process": checksums,
         }
+        if self.fresh:  # the loop as run: the sampler's rate against the trainer's (main process, which samples)
+            stream = self.train_seqs.stream
+            train_s = max(self.elapsed - stream.seconds, 1e-9)
+            measurement["fresh_self_text"] = {
+                "sampled_tokens": stream.sampled,
+                "sampling_seconds": round(stream.seconds, 1),
+                "sampler_tokens_per_second": round(stream.sampled / stream.seconds, 1) if stream.seconds else None,
+                "trainer_tokens_per_second": round(self.total_steps * self.tokens_per_step / train_s, 1),
+            }
         record = provenance.new(
             "finetune",
             source=(parent or {}).get("source") or {"model": cfg.model},

@@ -25,7 +25,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 # Fields whose change alters which batch a step sees; a resume refuses a checkpoint written with other values.
 DATA_ORDER_FIELDS = ("data", "eval_data", "seq_len", "batch_size", "grad_accum", "seed", "eval_windows", "eval_seq_len",
-                     "data_tokens")
+                     "data_tokens", "sample_batch")  # sample_batch: data=self's text is keyed by it
 # A number YAML 1.1 (PyYAML) reads as text: `3e-4` (no dot in the mantissa), `1e3`; typed() reads it as the number.
 _NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
@@ -70,7 +70,8 @@ class FinetuneConfig:
     overwrite: bool = False  # delete an existing run folder this trainer wrote (never one holding other files)
     allow_test_split: bool = False  # allow training text whose file name says "test" (a result on it is not one)
     threads: int | None = None  # torch threads per process on CPU; default: cores / local processes
-    data_tokens: int | None = None  # data=self: tokens sampled (default: the whole budget); a smaller pool repeats
+    data_tokens: int | None = None  # data=self: a pool of this many tokens sampled first and read again epoch after
+    # epoch; unset (default): fresh text sampled as the steps read it, never read twice (max_seconds alone bounds it)
     sample_batch: int | None = None  # data=self: sequences sampled at once (default 64 on CPU, 256 on CUDA)
     report_data: str | None = None  # comma-separated texts also scored at every evaluation (reported, never trained on)
     report_windows: int = 16  # windows of report_seq_len tokens scored per report text
