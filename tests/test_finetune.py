@@ -292,12 +292,13 @@ def test_resume_reads_no_pickle_and_repeats_losses(tiny_run):
 
 
 def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
-    """data=self without a pool: the held-out windows are the teacher's first samples, the training sequences the
-    samples after them, sampled as the steps read them (in order, each once, never the held-out text); the run
-    writes a model with the sampler's and the trainer's rates; a run without a bound, or without a teacher, is
-    refused."""
+    """data=self without a pool: the held-out windows are samples of a seed of their own, the training sequences the
+    run seed's samples from the first on (the conversion's calibration text, then new), sampled as the steps read
+    them (in order, each once); the run writes a model with the sampler's and the trainer's rates; a run without a
+    bound, or without a teacher, is refused."""
     from mla_convert.conversion import selftext
     from mla_convert.checkpoint import open_source
+    from mla_convert.training.data import HELD_OUT_SEED_OFFSET
 
     monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
     cfg = finetune.load_config(tiny_run["recipe"], ["data=self", "max_tokens=256", f"output={tmp_path / 'run'}",
@@ -306,14 +307,14 @@ def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
     train, windows = finetune.prepare_data(cfg, tokenizer)
     assert isinstance(train, finetune.FreshSequences) and windows.shape == (4, 32)
     stream = train.stream
-    held = len(stream.tokens)  # only the held-out samples so far: nothing is sampled before a step asks
-    assert train.start == held >= 4 * 32 and held in stream.ends  # the first whole sample after the windows
-    assert all(end < 4 * 32 for end in stream.ends if end < held)
-    assert torch.equal(windows.reshape(-1), torch.tensor(stream.tokens[: 4 * 32]))
+    assert stream.tokens == []  # nothing of the training text is sampled before a step asks for it
+    source = open_source(str(tiny_run["teacher"]))
+    held = selftext.Stream(source, HELD_OUT_SEED_OFFSET)  # the held-out stream, read back from the cache
+    assert torch.equal(windows.reshape(-1), torch.tensor(held.tokens[: 4 * 32]))
     order = finetune.DataOrder(None, 2, 2, 1, 0)
     assert [order.indices(1, m, 0) for m in range(2)] == [[4, 5], [6, 7]] and order.last(1) == 7
-    assert torch.equal(train[[0, 1]], torch.tensor([stream.tokens[held : held + 32], stream.tokens[held + 32 : held + 64]]))
-    assert len(stream.tokens) >= held + 64 and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    assert torch.equal(train[[0, 1]], torch.tensor([stream.tokens[:32], stream.tokens[32:64]]))
+    assert len(stream.tokens) >= 64 and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     final = run_in_process(cfg)
     m = provenance.load(final)["measurements"]["finetune"]
     assert m["tokens"] == 2 * 32 * 2 * 2
@@ -321,8 +322,9 @@ def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
     assert fresh["sampled_tokens"] >= 2 * 32 * 2 * 2 and fresh["sampler_tokens_per_second"] > 0
     assert fresh["trainer_tokens_per_second"] > 0
     # what the run read is what the cache holds: the same text again, not sampled anew
-    again = selftext.Stream(open_source(str(tiny_run["teacher"])), 0)
-    assert len(again.tokens) >= held + 8 * 32 and again.tokens[: held + 8 * 32] == stream.tokens[: held + 8 * 32]
+    again = selftext.Stream(source, 0)
+    n = min(len(stream.tokens), 8 * 32)
+    assert len(again.tokens) >= 8 * 32 and again.tokens[:n] == stream.tokens[:n]
     with pytest.raises(UserError, match="max_seconds"):
         finetune.prepare_data(finetune.load_config(tiny_run["recipe"], ["data=self"]), tokenizer)
     with pytest.raises(UserError, match="set teacher"):

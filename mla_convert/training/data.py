@@ -43,17 +43,16 @@ class DataOrder:
 
 
 class FreshSequences:
-    """data=self without a pool (data_tokens unset): training sequence k is tokens [start + k * seq_len, start +
-    (k + 1) * seq_len) of the teacher's self-text stream (selftext.Stream), sampled when a step first needs it, so
-    that no text is read twice however long the run. The held-out windows are the stream's first samples, before
-    `start`. In a run of several processes the main one samples and writes the cache; the others read it back."""
+    """data=self without a pool (data_tokens unset): training sequence k is tokens [k * seq_len, (k + 1) * seq_len)
+    of the teacher's self-text stream (selftext.Stream), sampled when a step first needs it, so
+    that no text is read twice however long the run. In a run of several processes the main one samples and writes the cache; the others read it back."""
 
-    def __init__(self, stream, start: int, seq_len: int, is_main: bool = True):
-        self.stream, self.start, self.seq_len, self.is_main = stream, start, seq_len, is_main
+    def __init__(self, stream, seq_len: int, is_main: bool = True):
+        self.stream, self.seq_len, self.is_main = stream, seq_len, is_main
 
     def prepare(self, last: int, barrier=None) -> None:
         """Make sequences up to index `last` readable in every process (`barrier`: waits for all of them)."""
-        self.reach(self.start + (last + 1) * self.seq_len, barrier)
+        self.reach((last + 1) * self.seq_len, barrier)
 
     def reach(self, need: int, barrier=None) -> None:
         """Make the stream's first `need` tokens readable in every process."""
@@ -80,8 +79,8 @@ class FreshSequences:
         one = not isinstance(index, (list, tuple))
         rows = [index] if one else list(index)
         self.prepare(max(rows))
-        t, s = self.seq_len, self.start
-        out = torch.tensor([self.stream.tokens[s + k * t : s + (k + 1) * t] for k in rows], dtype=torch.long)
+        t = self.seq_len
+        out = torch.tensor([self.stream.tokens[k * t : (k + 1) * t] for k in rows], dtype=torch.long)
         return out[0] if one else out
 
     def close(self) -> None:
@@ -114,23 +113,29 @@ def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -
     return stream[: need + cfg.seq_len]  # the pool, then the held-out tail
 
 
+# The held-out windows of fresh self text come from their own seeded stream (seed + this): text neither the run nor
+# the conversion (whose calibration text is the first samples of the run's own seed) ever trained on.
+HELD_OUT_SEED_OFFSET = 1_000_000_007
+
+
 def fresh_self_text(cfg: FinetuneConfig, device: str = "cpu", is_main: bool = True,
                     barrier=None) -> tuple[FreshSequences, torch.Tensor | None]:
-    """data=self without a pool: (the training sequences, sampled as they are read, the held-out token ids or None
-    when eval_data is set). The held-out windows are the stream's first samples, sampled here (main process);
-    training starts at the next sample."""
+    """data=self without a pool: (the training sequences, sampled as they are read; the held-out token ids, sampled
+    here from a stream of their own seed, or None when eval_data is set)."""
     from mla_convert.conversion.selftext import Stream
 
     if cfg.max_tokens is None and cfg.max_steps is None and cfg.max_seconds is None:
         raise UserError("data=self samples fresh text as long as the run lasts: bound it with max_seconds, max_tokens "
                         "or max_steps (or sample a pool once: data_tokens)")
-    stream = Stream(_teacher_source(cfg), cfg.seed, batch=cfg.sample_batch, device=device)
-    held = 0 if cfg.eval_data is not None else cfg.eval_windows * cfg.eval_seq_len
-    train = FreshSequences(stream, 0, cfg.seq_len, is_main)
-    if held:
-        train.reach(held, barrier)
-        train.start = next(end for end in stream.ends if end >= held)  # training starts at the next whole sample
-    return train, torch.tensor(stream.tokens[:held], dtype=torch.long) if held else None
+    source = _teacher_source(cfg)
+    train = FreshSequences(Stream(source, cfg.seed, batch=cfg.sample_batch, device=device), cfg.seq_len, is_main)
+    if cfg.eval_data is not None:
+        return train, None
+    held = cfg.eval_windows * cfg.eval_seq_len
+    stream = Stream(source, cfg.seed + HELD_OUT_SEED_OFFSET, batch=cfg.sample_batch, device=device)
+    FreshSequences(stream, cfg.seq_len, is_main).reach(held, barrier)
+    stream.close()  # its sampler's copy of the source is not kept for the run
+    return train, torch.tensor(stream.tokens[:held], dtype=torch.long)
 
 
 def report_windows(cfg: FinetuneConfig, tokenizer) -> dict[str, torch.Tensor]:
@@ -175,7 +180,7 @@ def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1, device: str = "
         ids = data.tokenize(tokenizer, text, data.TRAIN_CHUNK_LINES)  # [N]
     held = cfg.eval_windows * cfg.eval_seq_len
     if fresh is not None and cfg.eval_data is None:
-        train_ids, eval_ids = None, ids  # disjoint: the training sequences start after the held-out samples
+        train_ids, eval_ids = None, ids  # disjoint: the held-out samples are of a seed of their own
     elif cfg.eval_data is None:
         if ids.numel() < held + cfg.seq_len:
             raise UserError(f"{cfg.data} has {ids.numel()} tokens: too few to hold out {held} for evaluation and "

@@ -273,6 +273,8 @@ class Trainer:
         """OUT/step_N: the loadable model, trainer/ state, and trainer_state.json last (marks it complete)."""
         cfg, accelerator, is_main = self.cfg, self.accelerator, self.is_main
         folder = self.out / f"step_{step}"
+        if self.fresh and is_main:
+            self.train_seqs.stream.flush()  # a resume from this checkpoint reads back the text sampled so far
         stage = staging_dir(folder)  # written under a hidden name, renamed into place once complete
         if is_main and stage.exists():
             shutil.rmtree(stage)  # an incomplete leftover of a killed run
@@ -331,7 +333,8 @@ class Trainer:
                                 "written; lower lr (or use dtype=float32) and run again")
             out_of_time = self._spend_time()
             if out_of_time:
-                log.info("max_seconds=%g spent after %d of %d steps: finishing", cfg.max_seconds, done, self.total_steps)
+                of = f" of {self.total_steps}" if self.total_steps < UNBOUNDED_STEPS else ""
+                log.info("max_seconds=%g spent after %d%s steps: finishing", cfg.max_seconds, done, of)
                 self.stopped_for_time, self.total_steps = True, done
             if done % cfg.log_every == 0 or done == self.total_steps:
                 self._log_step(done, per_rank, lr, grad_norm)
