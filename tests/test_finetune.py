@@ -332,6 +332,18 @@ def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
                                                                         "max_tokens=256"]), tokenizer)
 
 
+def test_fresh_self_text_bounded_by_time_alone(tiny_run, tmp_path, monkeypatch):
+    """data=self without a pool needs no step or token budget: max_seconds alone ends the run (the sampling counted
+    in it), and final/ records the steps it took."""
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
+    cfg = finetune.load_config(tiny_run["recipe"], ["data=self", f"output={tmp_path / 'run'}", "max_seconds=1e-9",
+                                                    "kd_weight=0.5", "save_every=0"])  # fmt: skip
+    assert cfg.max_steps is None and cfg.max_tokens is None
+    m = provenance.load(run_in_process(cfg))["measurements"]["finetune"]
+    assert m["steps"] == 1 and m["stopped_for_time"] is True and m["tokens"] == 32 * 2 * 2
+    assert m["fresh_self_text"]["sampled_tokens"] >= 32 * 2 * 2 and m["fresh_self_text"]["sampling_seconds"] > 0
+
+
 def test_self_text_stream_read_in_pieces_is_the_text_sampled_at_once(tiny_run, tmp_path, monkeypatch):
     """selftext.Stream: asked for a little at a time (the sampler's slots kept open between requests) it gives the
     text it gives when asked for all at once, leaves no inference mode behind, and a reader of the cache after it

@@ -59,10 +59,11 @@ class Trainer:
         self._setup_optimizer()
         cfg = self.cfg
         self.metrics = Metrics(self.out / METRICS_FILE, self.is_main, self.resume_step)
-        steps = f"{self.total_steps} steps" if self.total_steps < UNBOUNDED_STEPS else f"{cfg.max_seconds:g} s of steps"
-        log.info("training %s: %d/%d parameters (%s), %s of %d tokens, %d process(es), mixed precision %s%s",
+        steps = (f"{self.total_steps} steps of {self.tokens_per_step} tokens" if self.total_steps < UNBOUNDED_STEPS
+                 else f"steps of {self.tokens_per_step} tokens for {cfg.max_seconds:g} s")
+        log.info("training %s: %d/%d parameters (%s), %s, %d process(es), mixed precision %s%s",
                  cfg.model, self.n_train, sum(p.numel() for p in self.accelerator.unwrap_model(self.model).parameters()),
-                 cfg.train, steps, self.tokens_per_step, self.world, self.mp,
+                 cfg.train, steps, self.world, self.mp,
                  ", fresh self text sampled as it is read" if self.fresh else "")
 
     def _setup_accelerator(self) -> None:
