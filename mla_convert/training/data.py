@@ -44,8 +44,9 @@ class DataOrder:
 
 class FreshSequences:
     """data=self without a pool (data_tokens unset): training sequence k is tokens [k * seq_len, (k + 1) * seq_len)
-    of the teacher's self-text stream (selftext.Stream), sampled when a step first needs it, so
-    that no text is read twice however long the run. In a run of several processes the main one samples and writes the cache; the others read it back."""
+    of the teacher's self-text stream (selftext.Stream), sampled when a step first needs it, so that no text is read
+    twice however long the run. In a run of several processes the main one samples and writes the cache; the others
+    read it back."""
 
     def __init__(self, stream, seq_len: int, is_main: bool = True):
         self.stream, self.seq_len, self.is_main = stream, seq_len, is_main
@@ -55,16 +56,15 @@ class FreshSequences:
         self.reach((last + 1) * self.seq_len, barrier)
 
     def reach(self, need: int, barrier=None) -> None:
-        """Make the stream's first `need` tokens readable in every process."""
-        if len(self.stream.tokens) >= need:
-            return
-        if self.is_main:
+        """Make the stream's first `need` tokens readable in every process. With `barrier` every process calls it
+        whatever it holds (what the others hold is not known here), so that all of them meet there."""
+        if self.is_main and len(self.stream.tokens) < need:
             self.stream.ensure(need)
             if barrier is not None:
                 self.stream.flush()  # the other processes read the text from the cache file
         if barrier is not None:
             barrier()
-            if not self.is_main:
+            if not self.is_main and len(self.stream.tokens) < need:
                 self.stream.reload()
         if len(self.stream.tokens) < need:
             raise UserError(f"the self-text cache {self.stream.path} holds fewer tokens than the main process "

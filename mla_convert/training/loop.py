@@ -229,7 +229,8 @@ class Trainer:
         cfg, device, accelerator = self.cfg, self.device, self.accelerator
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, ce, kl over micro-batches
         if self.fresh:  # this step's text, sampled now if nobody has yet (the time counts toward max_seconds)
-            self.train_seqs.prepare(self.order.last(step), self.accelerator.wait_for_everyone if self.world > 1 else None)
+            barrier = self.accelerator.wait_for_everyone if self.world > 1 else None
+            self.train_seqs.prepare(self.order.last(step), barrier)
         for micro in range(cfg.grad_accum):
             ids = self.train_seqs[self.order.indices(step, micro, self.rank)].to(device)  # [B, T]
             sync = micro == cfg.grad_accum - 1
