@@ -275,16 +275,12 @@ def self_tokens(source, n_tokens: int, seed: int, temperature: float | None = No
     (default SAMPLE_TOKENS) a sample. In the document style every `sample_tokens` ids are one document. The source
     samples in `sampling_dtype`: on a CUDA `device`, and on a CPU with bfloat16 arithmetic, in bfloat16, whose
     rounding gives other text, cached under its own key."""
-    on_cuda = torch.device(device).type == "cuda"
     settings, path = _entry(source, seed, temperature, sample_tokens, batch, style, device)
     temperature, sample_tokens, batch = settings["temperature"], settings["sample_tokens"], settings["batch"]
     batches = read_cache(path, settings)
     have = sum(len(s) for b in batches for s in b["tokens"])
     if have < n_tokens:
-        if not on_cuda:
-            check_memory(source)
-        tokenizer = source.tokenizer()
-        model = causal_lm(source, device, sampling_dtype(source, device))
+        model, tokenizer = _sampling_model(source, device)
         log.info("sampling %d tokens of %s text from the source on %s (temperature %g, cached in %s)",
                  n_tokens - have, style, device, temperature, path)
         written, group = time.monotonic(), []
@@ -343,11 +339,8 @@ class Stream:
             return
         t0 = time.perf_counter()
         if self._samples is None:
-            if torch.device(self.device).type != "cuda":
-                check_memory(self.source)
             s = self.settings
-            self._tokenizer = self.source.tokenizer()
-            model = causal_lm(self.source, self.device, sampling_dtype(self.source, self.device))
+            model, self._tokenizer = _sampling_model(self.source, self.device)
             log.info("sampling %s text from the source on %s as it is read (temperature %g, from sample %d; cached "
                      "in %s)", self.style, self.device, s["temperature"], len(self.ends), self.path)
             self._samples = sample_stream(model, self._tokenizer, len(self.ends), self.seed, s["temperature"],
@@ -373,6 +366,14 @@ class Stream:
         """Write what is left and let the sampler (and its copy of the source) go."""
         self.flush()
         self._samples = None
+
+
+def _sampling_model(source, device: str):
+    """(the source as a causal LM in `sampling_dtype` on `device`, its tokenizer), refused first where it does not
+    fit in a CPU's memory."""
+    if torch.device(device).type != "cuda":
+        check_memory(source)
+    return causal_lm(source, device, sampling_dtype(source, device)), source.tokenizer()
 
 
 def _keep(path: Path, settings: dict, batches: list[dict], group: list[list[int]], tokenizer) -> None:

@@ -53,29 +53,10 @@ class FreshSequences:
 
     def prepare(self, last: int, barrier=None) -> None:
         """Make sequences up to index `last` readable in every process (`barrier`: waits for all of them)."""
-        self.reach((last + 1) * self.seq_len, barrier)
-
-    def reach(self, need: int, barrier=None) -> None:
-        """Make the stream's first `need` tokens readable in every process. With `barrier` every process calls it
-        whatever it holds (what the others hold is not known here), so that all of them meet there."""
-        if self.is_main and len(self.stream.tokens) < need:
-            self.stream.ensure(need)
-            if barrier is not None:
-                self.stream.flush()  # the other processes read the text from the cache file
-        if barrier is not None:
-            barrier()
-            if not self.is_main and len(self.stream.tokens) < need:
-                self.stream.reload()
-        if len(self.stream.tokens) < need:
-            raise UserError(f"the self-text cache {self.stream.path} holds fewer tokens than the main process "
-                            "sampled: every process of a run must share one cache folder (MLA_CONVERT_CACHE)")
+        reach(self.stream, (last + 1) * self.seq_len, self.is_main, barrier)
 
     def __getitem__(self, index) -> torch.Tensor:
-        """Sequence `index` [seq_len], or sequences [len, seq_len] for a list or a slice with a stop."""
-        if isinstance(index, slice):
-            if index.stop is None:
-                raise TypeError("a fresh stream has no end: slice it with a stop")
-            index = list(range(*index.indices(index.stop)))
+        """Sequence `index` [seq_len], or sequences [len, seq_len] for a list of indices."""
         one = not isinstance(index, (list, tuple))
         rows = [index] if one else list(index)
         self.prepare(max(rows))
@@ -85,6 +66,23 @@ class FreshSequences:
 
     def close(self) -> None:
         self.stream.close()
+
+
+def reach(stream, need: int, is_main: bool = True, barrier=None) -> None:
+    """Make the first `need` tokens of a self-text stream readable in every process: the main one samples (and writes
+    the cache), the others read it back. With `barrier` every process calls it whatever it holds (what the others hold
+    is not known here), so that all of them meet there."""
+    if is_main and len(stream.tokens) < need:
+        stream.ensure(need)
+        if barrier is not None:
+            stream.flush()  # the other processes read the text from the cache file
+    if barrier is not None:
+        barrier()
+        if not is_main and len(stream.tokens) < need:
+            stream.reload()
+    if len(stream.tokens) < need:
+        raise UserError(f"the self-text cache {stream.path} holds fewer tokens than the main process sampled: every "
+                        "process of a run must share one cache folder (MLA_CONVERT_CACHE)")
 
 
 def _teacher_source(cfg: FinetuneConfig):
@@ -133,7 +131,7 @@ def fresh_self_text(cfg: FinetuneConfig, device: str = "cpu", is_main: bool = Tr
         return train, None
     held = cfg.eval_windows * cfg.eval_seq_len
     stream = Stream(source, cfg.seed + HELD_OUT_SEED_OFFSET, batch=cfg.sample_batch, device=device)
-    FreshSequences(stream, cfg.seq_len, is_main).reach(held, barrier)
+    reach(stream, held, is_main, barrier)
     stream.close()  # its sampler's copy of the source is not kept for the run
     return train, torch.tensor(stream.tokens[:held], dtype=torch.long)
 

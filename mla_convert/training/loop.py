@@ -115,9 +115,9 @@ class Trainer:
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"cannot load the tokenizer of the student {cfg.model} ({type(e).__name__}): pass a model "
                             "folder with its tokenizer (e.g. the output of mla-convert llama)") from None
-        barrier = self.accelerator.wait_for_everyone if world > 1 else None
+        self.barrier = self.accelerator.wait_for_everyone if world > 1 else None  # fresh self text's, between processes
         self.train_seqs, self.eval_windows = prepare_data(cfg, self.tokenizer, world, str(self.device), self.is_main,
-                                                          barrier)  # [N, T] or FreshSequences, [W, T_eval]
+                                                          self.barrier)  # [N, T] or FreshSequences, [W, T_eval]
         self.fresh = isinstance(self.train_seqs, FreshSequences)
         self.report = report_windows(cfg, self.tokenizer)  # {name: [W, T_report]}
         self.tokens_per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
@@ -229,8 +229,7 @@ class Trainer:
         cfg, device, accelerator = self.cfg, self.device, self.accelerator
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, ce, kl over micro-batches
         if self.fresh:  # this step's text, sampled now if nobody has yet (the time counts toward max_seconds)
-            barrier = self.accelerator.wait_for_everyone if self.world > 1 else None
-            self.train_seqs.prepare(self.order.last(step), barrier)
+            self.train_seqs.prepare(self.order.last(step), self.barrier)
         for micro in range(cfg.grad_accum):
             ids = self.train_seqs[self.order.indices(step, micro, self.rank)].to(device)  # [B, T]
             sync = micro == cfg.grad_accum - 1
