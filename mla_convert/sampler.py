@@ -12,11 +12,17 @@ top-k or top-p), drawn by inverting its cumulative sum at a uniform number. Each
 uniforms of its answer come from a generator seeded with it alone, so a sequence's text does not depend on the other
 sequences of its batch, nor on the device (the uniforms are drawn on the CPU), beyond the rounding of the arithmetic.
 Temperature 0 takes the most likely token (greedy).
+
+Attention runs through `decode_attention` (registered with transformers as `DECODE_ATTENTION` for the sampler's
+steps): one query a sequence, each kv head's query group as the rows of two batched products, where torch's CPU
+scaled-dot-product kernel with a mask costs several times more at these shapes (benchmarks/convert/README.md#the-self-
+texts-sampler).
 """
 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -45,7 +51,9 @@ class _Slot:
 class SlotCache:
     """Keys and values of each slot's sequence at its own positions, [slots, kv heads, length, head dim] a layer,
     allocated at the first write (the heads and dims are the attention's own). `positions` [slots] is where this
-    step's keys go; attention reads the first `span` positions (the mask hides the rest)."""
+    step's keys go; attention reads the first `span` positions (the mask hides the rest): the whole buffer once the
+    furthest slot is past its middle, as a part of it would be copied to be multiplied (in bfloat16, at 6x the cost
+    of the product), which costs more than the masked positions."""
 
     def __init__(self, layers: int, slots: int, length: int):
         self.keys: list[torch.Tensor | None] = [None] * layers
@@ -77,6 +85,58 @@ class SlotCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.span
+
+
+DECODE_ATTENTION = "mla_convert_decode"
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                     softcap: float | None = None, **kwargs):
+    """transformers' attention function contract (query [B, H, Q, D], keys and values [B, KV, S, D] with H a multiple
+    of KV, an additive mask [B, 1, Q, S]) -> ([B, Q, H, Dv], None), as eager attention computes it (scores scaled,
+    soft-capped, masked, softmax in float32) with each kv head's H / KV query heads as the rows of one product instead
+    of copies of its keys. Anything else a layer passes (attention sinks, a position bias) goes to the model's own
+    implementation."""
+    if any(kwargs.get(k) is not None for k in ("s_aux", "sinks", "position_bias")):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        own = ALL_ATTENTION_FUNCTIONS[getattr(module, "_mla_convert_attention", "sdpa")]
+        return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
+                   **kwargs)
+    b, h, q, _ = query.shape
+    kv, span = key.shape[1], key.shape[2]
+    scores = torch.matmul(query.reshape(b, kv, h // kv * q, -1), key.transpose(-1, -2)).float()
+    scores = scores.mul_(query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    scores = scores.view(b, h, q, span)
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., :span]
+    probs = scores.softmax(-1).to(value.dtype).view(b, kv, h // kv * q, span)
+    return torch.matmul(probs, value).view(b, h, q, -1).transpose(1, 2), None
+
+
+@contextmanager
+def _decoding(model):
+    """`model` attending through `decode_attention` while in the block (with eager attention's additive masks where
+    the model makes its own, and its own implementation kept for what `decode_attention` does not compute), set back
+    after."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, decode_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, eager_mask)
+    own = model.config._attn_implementation
+    if own == DECODE_ATTENTION or not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    for module in model.modules():
+        module._mla_convert_attention = own
+    model.set_attn_implementation(DECODE_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
 
 
 def choose(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> torch.Tensor:
@@ -144,34 +204,39 @@ def sample(model, requests: Iterable[Request], width: int, temperature: float, e
 
     for i in range(width):
         start(i)
-    while any(s is not None for s in slots):
-        # inference mode only around the arithmetic, never across a yield: a mode entered here would stay on in the
-        # caller between samples (and be set again there when the generator is closed), which a training loop that
-        # reads the samples as they come (selftext.Stream) cannot have
-        with torch.inference_mode():
-            step = _forward(model, cache, tokens, windows, dtype, device, cache_arg)
-            uniforms = torch.tensor([_uniform(s) for s in slots], dtype=torch.float64)
-            if eos is not None and any(s is not None and s.request.suppress_eos for s in slots):
-                suppress = torch.tensor([s is not None and s.request.suppress_eos for s in slots], device=step.device)
-                step[suppress, eos] = torch.finfo(step.dtype).min
-            picked = choose(step, temperature, uniforms).tolist()
-            for i, slot in enumerate(slots):
-                if slot is None:
-                    continue
-                n = len(slot.tokens)
-                forced = n < len(slot.request.prompt)
-                token = slot.request.prompt[n] if forced else picked[i]
-                slot.tokens.append(token)
-                answered = len(slot.tokens) - len(slot.request.prompt)
-                if not forced and (answered >= slot.request.new_tokens or (
-                        token == eos and not slot.request.suppress_eos)):
-                    pending.add(slot.order, slot.tokens)
-                    start(i)
-                else:
-                    tokens[i], cache.positions[i] = token, n
-            ready = list(pending.ready())
-            slots, tokens = _shrink(slots, tokens, cache)
-        yield from ready
+    def advance(picked: list[int]) -> None:
+        """Each running slot takes its next token (its prompt's, else the picked one); a finished one the next
+        request."""
+        for i, slot in enumerate(slots):
+            if slot is None:
+                continue
+            n = len(slot.tokens)
+            forced = n < len(slot.request.prompt)
+            token = slot.request.prompt[n] if forced else picked[i]
+            slot.tokens.append(token)
+            answered = len(slot.tokens) - len(slot.request.prompt)
+            if not forced and (answered >= slot.request.new_tokens or (
+                    token == eos and not slot.request.suppress_eos)):
+                pending.add(slot.order, slot.tokens)
+                start(i)
+            else:
+                tokens[i], cache.positions[i] = token, n
+
+    with _decoding(model):  # the caller's model attends as before once its samples end or are dropped
+        while any(s is not None for s in slots):
+            # inference mode only around the arithmetic, never across a yield: a mode entered here would stay on in
+            # the caller between samples (and be set again there when the generator is closed), which a training
+            # loop that reads the samples as they come (selftext.Stream) cannot have
+            with torch.inference_mode():
+                step = _forward(model, cache, tokens, windows, dtype, device, cache_arg)
+                uniforms = torch.tensor([_uniform(s) for s in slots], dtype=torch.float64)
+                if eos is not None and any(s is not None and s.request.suppress_eos for s in slots):
+                    suppress = torch.tensor([s is not None and s.request.suppress_eos for s in slots])
+                    step[suppress.to(step.device), eos] = torch.finfo(step.dtype).min
+                advance(choose(step, temperature, uniforms).tolist())
+                ready = list(pending.ready())
+                slots, tokens = _shrink(slots, tokens, cache)
+            yield from ready
 
 
 class _Pending:
@@ -207,7 +272,8 @@ def _uniform(slot: _Slot | None) -> float:
 def _forward(model, cache: SlotCache, tokens, windows, dtype, device, cache_arg) -> torch.Tensor:
     """One step: each slot's token at its position -> the next-token logits [B, V] (float32)."""
     positions = cache.positions
-    cache.span, cache.index = int(positions.max()) + 1, None
+    furthest = int(positions.max()) + 1
+    cache.span, cache.index = (furthest if 2 * furthest <= cache.length else cache.length), None
     if isinstance(windows, dict):
         mask = {kind: _mask(positions, cache.span, w, dtype, device) for kind, w in windows.items()}
     else:

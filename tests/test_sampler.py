@@ -73,6 +73,33 @@ def test_seeded_ordered_and_independent_of_the_width(models):
     assert run(model, 5) == a and run(model, 1) == a  # float32 on a tiny model: the same rounding
 
 
+def test_decode_attention_is_eager_attention(models):
+    """`decode_attention` (each kv head's query group as the rows of one product) computes what transformers' eager
+    attention does, grouped heads, soft-capping and masks included, at one query and at several; the sampler's model
+    attends through it while it samples, and as before once its samples end or are dropped."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    for q_len, softcap in ((1, None), (1, 20.0), (5, None)):
+        query, key, value = (torch.randn(3, h, n, 16, generator=gen) for h, n in ((6, q_len), (2, 9), (2, 9)))
+        mask = torch.zeros(3, 1, q_len, 9).masked_fill_(torch.rand(3, 1, q_len, 9, generator=gen) < 0.3, -1e30)
+        mask[..., 0] = 0  # every query sees a key
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.head_dim, module.training = 3, 16, False
+        want, _ = eager_attention_forward(module, query, key, value, mask, scaling=0.3, softcap=softcap)
+        got, _ = sampler.decode_attention(module, query, key, value, mask, scaling=0.3, softcap=softcap)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    model = models["llama-gqa"]
+    own = model.config._attn_implementation
+    samples = sampler.sample(model, [sampler.Request([1, 5], 4, 0)] * 3, 2, 1.0, None, 16)
+    next(samples)
+    assert model.config._attn_implementation == sampler.DECODE_ATTENTION != own
+    samples.close()
+    assert model.config._attn_implementation == own
+    assert len(run(model, 2)) == len(PROMPTS) and model.config._attn_implementation == own
+
+
 def test_eos_ends_a_sequence_and_a_document_suppresses_it(models):
     """A sampled EOS ends its sequence (kept), the slot takes the next request: each sequence is the one sampled
     without an EOS, cut after its first; a document request never samples EOS and has exactly its new tokens."""

@@ -2,7 +2,8 @@
 """The self text's sampler (`--calib-data self`, `finetune --data self`) against transformers' `generate`, in one
 process on this machine: tokens a second, the text's statistics and `--dry-run`'s estimate of the sampling.
 
-    python benchmarks/convert/selftext.py [MODEL] [--tokens 8192] [--widths 64] [--tiny] [--json FILE]
+    python benchmarks/convert/selftext.py [MODEL] [--tokens 8192] [--widths 64] [--tiny] [--generate-dtype float32]
+        [--cache-dir DIR] [--json FILE]
 
 For the source (default: the embedded SmolLM2-135M; `--tiny`: also a random 3-layer, 192-wide model with its
 tokenizer and vocabulary) both samplers sample the first `--tokens` tokens of the chat text a conversion samples
@@ -10,7 +11,8 @@ tokenizer and vocabulary) both samplers sample the first `--tokens` tokens of th
 samples in here), uncached:
 
 - `generate`: the previous sampler, batches of `selftext.BATCH` requests through `model.generate` (each batch runs
-  until its last answer ends; the tokens after an answer's EOS are dropped);
+  until its last answer ends; the tokens after an answer's EOS are dropped), in `--generate-dtype` (default: the
+  slots' precision; float32 is how conversions sampled before bfloat16 sampling);
 - `slots`: `mla_convert.sampler` at each width of `--widths` (a finished answer's slot takes the next request).
 
 Each row: tokens kept (prompt and answer, as the calibration stream reads them) per second of wall time; the text's
@@ -18,6 +20,10 @@ statistics (answers' mean length, the share ending at EOS, distinct tokens per a
 mean negative log-likelihood at temperature 1 of the answer tokens, with its standard error: the same distribution
 gives the same figures within their errors); and for the slots, `--dry-run`'s estimate of that sampling
 (`estimates.sample_seconds`) over the measured time.
+
+With `--cache-dir DIR` each sampler's text is also written where a conversion reads its self text (`DIR/SAMPLER`,
+as `MLA_CONVERT_CACHE`, under the key of `--calib-data self` at seed 0 and `--temperature`), so that the same
+conversion can be run on either sampler's text (benchmarks/convert/README.md#the-self-texts-sampler).
 """
 
 from __future__ import annotations
@@ -116,7 +122,9 @@ def measure(source, label: str, args, out: Path | None) -> None:
     model = selftext.causal_lm(source, "cpu", dtype)
     runs = [("generate", selftext.BATCH)] if not args.no_generate else []
     runs += [("slots", w) for w in args.widths]
+    generate_dtype = getattr(torch, args.generate_dtype) if args.generate_dtype else dtype
     for sampler, width in runs:
+        model = model.to(generate_dtype if sampler == "generate" else dtype)
         load = [round(x, 2) for x in __import__("os").getloadavg()]
         start = time.perf_counter()
         if sampler == "generate":
@@ -125,17 +133,38 @@ def measure(source, label: str, args, out: Path | None) -> None:
             samples = slot_samples(model, tokenizer, args.tokens, args.temperature, width)
         seconds = time.perf_counter() - start
         tokens = sum(len(p) + len(a) for p, a in samples)
-        row = {"model": label, "sampler": sampler, "width": width, "dtype": str(dtype).removeprefix("torch."),
+        row = {"model": label, "sampler": sampler, "width": width, "dtype": str(model.dtype).removeprefix("torch."),
                "temperature": args.temperature, "tokens": tokens, "seconds": round(seconds, 2),
                "tokens_per_s": round(tokens / seconds, 1), "load_at_start": load}
         if sampler == "slots":
             estimate = estimates.sample_seconds(source.config, tokens, width, dtype == torch.bfloat16)
             row["estimate_s"], row["estimate_over_measured"] = round(estimate, 1), round(estimate / seconds, 3)
+        model = model.to(dtype)  # every row's statistics in the one precision
         row.update(statistics(model, samples, tokenizer.eos_token_id))
         row["machine"] = harness.machine()
         print(json.dumps(row), flush=True)
         if out:
             harness.append_jsonl(out, row)
+        if args.cache_dir:
+            as_cached(source, [p + a for p, a in samples], args.cache_dir / sampler, args.temperature)
+
+
+def as_cached(source, samples: list[list[int]], root: Path, temperature: float) -> None:
+    """`samples` written as the self-text cache of seed 0 at `temperature` under `root` (as MLA_CONVERT_CACHE)."""
+    import os
+
+    from mla_convert.conversion import selftext
+
+    before = os.environ.get("MLA_CONVERT_CACHE")
+    os.environ["MLA_CONVERT_CACHE"] = str(root)
+    try:
+        settings, path = selftext._entry(source, 0, temperature, None, None, "chat", "cpu")
+        selftext._keep(path, settings, [], samples, source.tokenizer())
+    finally:
+        if before is None:
+            del os.environ["MLA_CONVERT_CACHE"]
+        else:
+            os.environ["MLA_CONVERT_CACHE"] = before
 
 
 def check_estimate(source, args, tmp: str) -> None:
@@ -171,7 +200,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="also a random 3-layer, 192-wide model")
     parser.add_argument("--tiny-only", action="store_true", help="only the random 3-layer, 192-wide model")
     parser.add_argument("--no-generate", action="store_true", help="the slots sampler alone")
+    parser.add_argument("--generate-dtype", choices=["float32", "bfloat16"], default=None,
+                        help="the precision `generate` samples in (default: the slots')")
     parser.add_argument("--json", type=Path, default=None, help="append one record per run to this file")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="also write each sampler's text as a conversion's self-text cache under DIR/SAMPLER")
     parser.add_argument("--self-tokens", type=int, default=0, metavar="N",
                         help="instead: time `selftext.self_tokens` (N tokens, empty cache, as a conversion samples "
                              "them) against `--dry-run`'s estimate of it")
