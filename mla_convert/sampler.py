@@ -93,22 +93,18 @@ DECODE_ATTENTION = "mla_convert_decode"
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                      softcap: float | None = None, **kwargs):
     """transformers' attention function contract (query [B, H, Q, D], keys and values [B, KV, S, D] with H a multiple
-    of KV, an additive mask [B, 1, Q, S]) -> ([B, Q, H, Dv], None), as eager attention computes it (scores scaled,
-    soft-capped, masked, softmax in float32) with each kv head's H / KV query heads as the rows of one product instead
-    of copies of its keys. Anything else a layer passes (attention sinks, a position bias) goes to the model's own
-    implementation."""
+    of KV, an additive mask [B, 1, Q, S]) -> ([B, Q, H, Dv], None): eager attention's arithmetic (scores scaled,
+    soft-capped, masked, softmax) with each kv head's H / KV query heads as the rows of one product instead of copies
+    of its keys, and the scores in float32 from the products on (eager attention scales and caps them in the model's
+    dtype). Attention sinks and position biases, which no family `_decoding` switches has, are refused."""
     if any(kwargs.get(k) is not None for k in ("s_aux", "sinks", "position_bias")):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        own = ALL_ATTENTION_FUNCTIONS[getattr(module, "_mla_convert_attention", "sdpa")]
-        return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
-                   **kwargs)
+        raise NotImplementedError("decode_attention has no attention sinks or position bias")
     b, h, q, _ = query.shape
     kv, span = key.shape[1], key.shape[2]
     scores = torch.matmul(query.reshape(b, kv, h // kv * q, -1), key.transpose(-1, -2)).float()
-    scores = scores.mul_(query.shape[-1] ** -0.5 if scaling is None else scaling)
+    scores = scores * (query.shape[-1] ** -0.5 if scaling is None else scaling)
     if softcap is not None:
-        scores = scores.div_(softcap).tanh_().mul_(softcap)
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, h, q, span)
     if attention_mask is not None:
         scores = scores + attention_mask[..., :span]
@@ -119,19 +115,19 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
 @contextmanager
 def _decoding(model):
     """`model` attending through `decode_attention` while in the block (with eager attention's additive masks where
-    the model makes its own, and its own implementation kept for what `decode_attention` does not compute), set back
-    after."""
+    the model makes its own), set back after; a model of a type the converter does not read (`families`) keeps its
+    own attention."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    ALL_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, decode_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, eager_mask)
+    from mla_convert.families import SUPPORTED_TYPES
+
     own = model.config._attn_implementation
-    if own == DECODE_ATTENTION or not hasattr(model, "set_attn_implementation"):
+    if own == DECODE_ATTENTION or getattr(model.config, "model_type", None) not in SUPPORTED_TYPES:
         yield
         return
-    for module in model.modules():
-        module._mla_convert_attention = own
+    ALL_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, decode_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, eager_mask)
     model.set_attn_implementation(DECODE_ATTENTION)
     try:
         yield

@@ -89,6 +89,12 @@ def test_decode_attention_is_eager_attention(models):
         want, _ = eager_attention_forward(module, query, key, value, mask, scaling=0.3, softcap=softcap)
         got, _ = sampler.decode_attention(module, query, key, value, mask, scaling=0.3, softcap=softcap)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # in bfloat16 (scores in float32 from the products on): float32 attention within bfloat16 rounding
+        low, _ = sampler.decode_attention(module, query.bfloat16(), key.bfloat16(), value.bfloat16(), mask,
+                                          scaling=0.3, softcap=softcap)
+        torch.testing.assert_close(low.float(), want, rtol=0.05, atol=0.02)
+    with pytest.raises(NotImplementedError):
+        sampler.decode_attention(module, query, key, value, mask, s_aux=torch.zeros(6))
 
     model = models["llama-gqa"]
     own = model.config._attn_implementation
