@@ -101,6 +101,8 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
         raise NotImplementedError("decode_attention has no attention sinks or position bias")
     b, h, q, _ = query.shape
     kv, span = key.shape[1], key.shape[2]
+    if key.dtype != torch.float32 and not key.is_contiguous():
+        key = key.contiguous()  # a bfloat16 product on a slice of the cache costs twice the copy and the product
     scores = torch.matmul(query.reshape(b, kv, h // kv * q, -1), key.transpose(-1, -2)).float()
     scores = scores * (query.shape[-1] ** -0.5 if scaling is None else scaling)
     if softcap is not None:
