@@ -142,7 +142,7 @@ def test_self_text_cache_key_names_the_sampler(sources, tmp_path, monkeypatch):
 def test_dry_run_prices_a_tiny_models_sampling():
     """The estimate of sampling is not a flop count alone: a 3-layer, 192-wide model with a 49,152-token vocabulary
     still takes time a token (its head, its sampling over the vocabulary, each step's fixed cost), less in wider
-    steps."""
+    steps, more in longer sequences."""
     from transformers import LlamaConfig
 
     from mla_convert.conversion import estimates
@@ -152,3 +152,8 @@ def test_dry_run_prices_a_tiny_models_sampling():
     seconds = estimates.sample_seconds(tiny, 65536, 64)
     assert seconds > 30 and estimates.sample_seconds(tiny, 65536, 8) > seconds
     assert estimates.sample_seconds(tiny, 2 * 65536, 64) == pytest.approx(2 * seconds)
+    # attention reads the cached positions: long documents cost more a token than short ones, and than chat answers
+    # of the same length (those read the whole buffer from the start, documents their own positions until its middle)
+    long_doc, short_doc = (estimates.sample_seconds(tiny, 65536, 8, length=n, document=True) for n in (8192, 2048))
+    assert long_doc > short_doc > estimates.sample_seconds(tiny, 65536, 8, length=256, document=True)
+    assert estimates.sample_seconds(tiny, 65536, 8, length=2048) > short_doc

@@ -243,17 +243,22 @@ ADVANCE_FORWARDS = 1.8
 # Sampling the self text (`mla_convert.sampler`: `width` sequences a step, each in its own slot of a preallocated
 # cache): a sampled token costs 2 x the parameters its step reads (every layer and the head) at SAMPLE_FLOPS (in
 # bfloat16, where the CPU has its arithmetic and `selftext.sampling_dtype` samples in it: SAMPLE_BF16_FLOPS), the
-# softmax and cumulative sum over the vocabulary (SAMPLE_VOCAB_S a token and vocabulary entry), and its share of the
-# step's fixed cost (the Python of each layer's call: SAMPLE_LAYER_S a layer, SAMPLE_STEP_S a step). SAMPLE_FLOPS and
-# SAMPLE_VOCAB_S fitted on the embedded default and a 3-layer, 192-wide model sampled on busy cores (1 thread, load
-# 11-14 on 2 cores: benchmarks/convert/README.md#the-self-texts-sampler); bfloat16 at the ratio measured for the
-# previous sampler (6.8 / 3.0). Checked on 2 quiet cores with AVX512-BF16 after the attention change (the same
-# README): 1.03 of the main job's bfloat16 sampling, 1.20 of a tiny model's float32 sampling.
+# softmax and cumulative sum over the vocabulary (SAMPLE_VOCAB_S a token and vocabulary entry), the cached keys and
+# values its attention reads (SAMPLE_CACHE_BYTES_S), and its share of the step's fixed cost (the Python of each
+# layer's call: SAMPLE_LAYER_S a layer, SAMPLE_STEP_S a step). SAMPLE_FLOPS fitted on busy cores (1 thread, load
+# 11-14 on 2 cores); the rest on 2 quiet cores with AVX512-BF16: the main job's 32,768 tokens, a 3-layer 192-wide
+# model's 65,536 and 8-slot documents of 8,192 tokens (benchmarks/convert/README.md#the-self-texts-sampler).
 SAMPLE_FLOPS = 4.4e10
-SAMPLE_BF16_FLOPS = 1.0e11
-SAMPLE_VOCAB_S = 3.7e-9
+SAMPLE_BF16_FLOPS = 1.26e11
+SAMPLE_VOCAB_S = 1.6e-9
+SAMPLE_CACHE_BYTES_S = 1.05e10
 SAMPLE_LAYER_S = 4e-4
 SAMPLE_STEP_S = 3e-3
+# The positions a step's attention reads, over a sequence's length: chat slots are refilled at different times, so
+# the furthest is past the buffer's middle and the whole buffer is read (`sampler._forward`); documents run in step,
+# reading their own positions for the first half and the whole buffer after (1/4 and 1 of it: 5/8 on average).
+DOCUMENT_SPAN = 5 / 8
+
 
 def layer_forward_flops(plan) -> float:
     """Flops of one source layer's forward over all the calibration windows: the projections (2 x tokens x the
@@ -288,12 +293,23 @@ def sampled_parameters(config) -> int:
     return layers * (attention + mlp) + config.vocab_size * hidden
 
 
-def sample_seconds(config, tokens: int, width: int, bf16: bool = False) -> float:
-    """Sampling `tokens` of self text from a source of `config`, `width` sequences a step (in bfloat16 with
-    `bf16`)."""
-    per_token = (2 * sampled_parameters(config) / (SAMPLE_BF16_FLOPS if bf16 else SAMPLE_FLOPS) + config.vocab_size * SAMPLE_VOCAB_S
+def sample_seconds(config, tokens: int, width: int, bf16: bool = False, length: int = 0,
+                   document: bool = False) -> float:
+    """Sampling `tokens` of self text from a source of `config`, `width` sequences a step (in bfloat16 with `bf16`),
+    sequences of `length` positions (documents with `document`: `DOCUMENT_SPAN`)."""
+    per_token = (2 * sampled_parameters(config) / (SAMPLE_BF16_FLOPS if bf16 else SAMPLE_FLOPS)
+                 + config.vocab_size * SAMPLE_VOCAB_S
+                 + cache_bytes(config, bf16) * length * (DOCUMENT_SPAN if document else 1) / SAMPLE_CACHE_BYTES_S
                  + (config.num_hidden_layers * SAMPLE_LAYER_S + SAMPLE_STEP_S) / max(1, width))
     return tokens * per_token / cpu_speed()
+
+
+def cache_bytes(config, bf16: bool) -> int:
+    """Bytes of the keys and values the source caches a position, all layers (in bfloat16 with `bf16`)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers * groups * 2 * head_dim * (2 if bf16 else 4)
 
 def total_seconds(plan) -> float:
     """Every phase the plan estimates."""

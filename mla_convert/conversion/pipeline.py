@@ -177,8 +177,10 @@ def _sample_seconds(source: Source, geometry: Geometry, options: ConvertOptions,
                                       options.seed, temperature=temperature, sample_tokens=options.calib_sample_tokens,
                                       device=device)
     bf16 = selftext.sampling_dtype(source, device) == torch.bfloat16
-    width = selftext.default_batch(device, options.calib_data == selftext.SELF_DOC)
-    return estimates.sample_seconds(source.config, to_sample, width, bf16)
+    document = options.calib_data == selftext.SELF_DOC
+    width = selftext.default_batch(device, document)
+    length = options.calib_seq_len if document else options.calib_sample_tokens
+    return estimates.sample_seconds(source.config, to_sample, width, bf16, length, document)
 
 
 @dataclass
