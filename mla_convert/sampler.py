@@ -52,8 +52,7 @@ class SlotCache:
     """Keys and values of each slot's sequence at its own positions, [slots, kv heads, length, head dim] a layer,
     allocated at the first write (the heads and dims are the attention's own). `positions` [slots] is where this
     step's keys go; attention reads the first `span` positions (the mask hides the rest): the whole buffer once the
-    furthest slot is past its middle, as a part of it would be copied to be multiplied (in bfloat16, at 6x the cost
-    of the product), which costs more than the masked positions."""
+    furthest slot is past its middle, where copying a part of it to multiply costs more than the masked positions."""
 
     def __init__(self, layers: int, slots: int, length: int):
         self.keys: list[torch.Tensor | None] = [None] * layers
@@ -102,7 +101,7 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
     b, h, q, _ = query.shape
     kv, span = key.shape[1], key.shape[2]
     if key.dtype != torch.float32 and not key.is_contiguous():
-        key = key.contiguous()  # a bfloat16 product on a slice of the cache costs twice the copy and the product
+        key = key.contiguous()  # a low-precision product on a strided slice is slower than a copy and a product
     scores = torch.matmul(query.reshape(b, kv, h // kv * q, -1), key.transpose(-1, -2)).float()
     scores = scores * (query.shape[-1] ** -0.5 if scaling is None else scaling)
     if softcap is not None:

@@ -152,20 +152,10 @@ def measure(source, label: str, args, out: Path | None) -> None:
 
 def as_cached(source, samples: list[list[int]], root: Path, temperature: float) -> None:
     """`samples` written as the self-text cache of seed 0 at `temperature` under `root` (as MLA_CONVERT_CACHE)."""
-    import os
-
     from mla_convert.conversion import selftext
 
-    before = os.environ.get("MLA_CONVERT_CACHE")
-    os.environ["MLA_CONVERT_CACHE"] = str(root)
-    try:
-        settings, path = selftext._entry(source, 0, temperature, None, None, "chat", "cpu")
-        selftext._keep(path, settings, [], samples, source.tokenizer())
-    finally:
-        if before is None:
-            del os.environ["MLA_CONVERT_CACHE"]
-        else:
-            os.environ["MLA_CONVERT_CACHE"] = before
+    settings, path = selftext._entry(source, 0, temperature, None, None, "chat", "cpu")
+    selftext._keep(root / path.parent.name / path.name, settings, [], samples, source.tokenizer())
 
 
 def check_estimate(source, args, tmp: str) -> None:

@@ -245,9 +245,8 @@ ADVANCE_FORWARDS = 1.8
 # bfloat16, where the CPU has its arithmetic and `selftext.sampling_dtype` samples in it: SAMPLE_BF16_FLOPS), the
 # softmax and cumulative sum over the vocabulary (SAMPLE_VOCAB_S a token and vocabulary entry), the cached keys and
 # values its attention reads (SAMPLE_CACHE_BYTES_S), and its share of the step's fixed cost (the Python of each
-# layer's call: SAMPLE_LAYER_S a layer, SAMPLE_STEP_S a step). SAMPLE_FLOPS fitted on busy cores (1 thread, load
-# 11-14 on 2 cores); the rest on 2 quiet cores with AVX512-BF16: the main job's 32,768 tokens, a 3-layer 192-wide
-# model's 65,536 and 8-slot documents of 8,192 tokens (benchmarks/convert/README.md#the-self-texts-sampler).
+# layer's call: SAMPLE_LAYER_S a layer, SAMPLE_STEP_S a step). Fitted and checked by benchmarks/convert/selftext.py
+# (benchmarks/convert/README.md#the-self-texts-sampler).
 SAMPLE_FLOPS = 4.4e10
 SAMPLE_BF16_FLOPS = 1.26e11
 SAMPLE_VOCAB_S = 1.6e-9
@@ -285,9 +284,7 @@ def calibration_seconds(plan, statistics_pass: bool) -> float:
 def sampled_parameters(config) -> int:
     """The parameters a sampled token's step reads: every layer's attention and gated MLP, and the head."""
     hidden, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    groups = getattr(config, "num_key_value_heads", None) or heads
+    heads, head_dim, groups = _heads(config)
     attention = (2 * heads + 2 * groups) * head_dim * hidden
     mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
     return layers * (attention + mlp) + config.vocab_size * hidden
@@ -306,10 +303,16 @@ def sample_seconds(config, tokens: int, width: int, bf16: bool = False, length: 
 
 def cache_bytes(config, bf16: bool) -> int:
     """Bytes of the keys and values the source caches a position, all layers (in bfloat16 with `bf16`)."""
+    _, head_dim, groups = _heads(config)
+    return config.num_hidden_layers * groups * 2 * head_dim * (2 if bf16 else 4)
+
+
+def _heads(config) -> tuple[int, int, int]:
+    """(query heads, head dim, kv heads) of a source config."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    groups = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers * groups * 2 * head_dim * (2 if bf16 else 4)
+    return heads, head_dim, getattr(config, "num_key_value_heads", None) or heads
+
 
 def total_seconds(plan) -> float:
     """Every phase the plan estimates."""
