@@ -4,7 +4,7 @@ A cached row (one token's key or value of one layer in the source; the latent an
 is cut into blocks of 32 values; each block keeps a float16 scale (and a float16 minimum for the `_1` types) and one
 small integer per value. `round_trip(x, kind)` gives exactly what an engine reads back after writing `x`: ggml's
 reference rounding (`quantize_row_*_ref` in ggml-quants.c; tests/test_kvquant.py checks it against gguf-py's bit-exact
-port), float16 scales rounded to nearest even, arithmetic in float32.
+port, and iq4_nl against llama.cpp's own library), float16 scales rounded to nearest even, arithmetic in float32.
 
 Where the values sit along the row decides which ones share a block, and so the error (not the bytes):
 llama.cpp stores a Llama key with each RoPE pair's two dims side by side (the GGUF's permuted q/k rows), so a block
@@ -39,7 +39,9 @@ CACHE_TYPES = {
     "q5_0": CacheType("q5_0", 22, 32, False),
     "q4_1": CacheType("q4_1", 20, 16, True),
     "q4_0": CacheType("q4_0", 18, 16, False),
+    "iq4_nl": CacheType("iq4_nl", 18, 16, False),  # 16 fixed non-uniform levels (IQ4_NL_VALUES) times a scale
 }
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 
 
 def cache_type(name: str) -> CacheType:
@@ -95,6 +97,22 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return _roundf(blocks * _inverse(d)) * _fp16(d)
 
 
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    """iq4_nl as a cache stores it (ggml's from_float for the type: quantize_row_iq4_nl_ref, no scale search): each
+    value to the nearest of IQ4_NL_VALUES at the scale that sends the block's largest magnitude to -127 (ties to the
+    upper level), then the block's float16 scale refitted by least squares weighted by each value's square."""
+    values = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
+    index = blocks.abs().argmax(dim=-1, keepdim=True)
+    largest = blocks.gather(-1, index)
+    scaled = blocks * _inverse(largest / values[0])
+    level = values[torch.bucketize(scaled, (values[1:] + values[:-1]) / 2, right=True)]
+    weight = blocks * blocks
+    sum_qx, sum_q2 = (weight * level * blocks).sum(-1, keepdim=True), (weight * level * level).sum(-1, keepdim=True)
+    d = torch.where(sum_q2 > 0, sum_qx / torch.where(sum_q2 > 0, sum_q2, torch.ones_like(sum_q2)), 0.0)
+    empty = largest.abs() < 1e-15  # ggml's GROUP_MAX_EPS: a zero scale
+    return torch.where(empty, 0.0, level * _fp16(d))
+
+
 def round_trip(x: torch.Tensor, kind: str) -> torch.Tensor:
     """What a cache of type `kind` gives back for rows `x` [..., n] (blocks along the last dim), in x's dtype."""
     spec = cache_type(kind)
@@ -106,6 +124,8 @@ def round_trip(x: torch.Tensor, kind: str) -> torch.Tensor:
     blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
     if kind == "q8_0":
         out = _q8_0(blocks)
+    elif kind == "iq4_nl":
+        out = _iq4_nl(blocks)
     elif spec.offset:
         out = _affine(blocks, spec.levels)
     else:

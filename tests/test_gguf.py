@@ -231,9 +231,9 @@ def mean_nll(result: dict) -> float:
 
 @needs_llamacpp
 def test_quantized_cache_types_in_llamacpp_match_the_simulation(tmp_path):
-    """llama.cpp's q8_0 / q4_0 caches (flash attention) on a GGUF whose latent and rope key are whole blocks of 32
-    read the cached row [latent, rope key] as `latent_cache_type` simulates in transformers: the perplexity of each
-    within 1% of the simulation, and the simulation explains most of what the cache type changes. llama.cpp logs
+    """llama.cpp's q8_0 / q4_0 / iq4_nl caches (flash attention) and its bfloat16 cache on a GGUF whose latent and rope
+    key are whole blocks of 32 read the cached row [latent, rope key] as `latent_cache_type` simulates in
+    transformers: the perplexity of each within 1% of the simulation, and the simulation explains most of what the cache type changes. llama.cpp logs
     attn_rot_k = 1 for this row of 64 values, yet its MLA path stores the row unrotated: LLAMA_ATTN_ROT_DISABLE=1
     gives the same scores bit for bit. The same for the folder re-based for quantized caches (`rebase`)."""
     from tiny import tiny_text
@@ -264,9 +264,10 @@ def check_quantized_cache_parity(native: Path, gguf: Path) -> None:
             return {"logprobs": logp.gather(-1, ids[:, 1:, None])[..., 0].tolist()}
 
     exact = mean_nll(simulated(None))
-    for kind in ("q8_0", "q4_0"):
+    for kind in ("q8_0", "q4_0", "iq4_nl", "bf16"):
         got = run_llamacpp(gguf, windows, n_ctx=256, cache_type=kind)
-        assert got["kv_cache"]["k_type"] == kind and re.search(r"flash_attn += enabled", got["log"])
+        flash = kind != "bf16"  # a float cache keeps llama-cpp-python's default (off)
+        assert got["kv_cache"]["k_type"] == kind and bool(re.search(r"flash_attn += enabled", got["log"])) == flash
         engine, sim = mean_nll(got), mean_nll(simulated(kind))
         assert abs(engine - sim) < 0.01, (kind, engine, sim)  # perplexity within 1%
         if kind == "q4_0":

@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 DEV = ROOT / "out" / "dev"
 TEXTS = {"wiki-dev": DEV / "wiki.valid.second-half.tokens", "devref-dev": DEV / "devref.txt",
          "fortunes-dev": DEV / "fortunes.txt"}  # fmt: skip
-SOURCE_TYPES = "f16,q8_0,q5_0,q4_1,q4_0"
-LATENT_TYPES = "f16,q8_0,q5_0,q4_0"
+SOURCE_TYPES = "f16,q8_0,q5_0,q4_1,q4_0,iq4_nl"
+LATENT_TYPES = "f16,q8_0,q5_0,q4_0,iq4_nl"
 
 
 def perplexities(model, ids: dict, args) -> dict:

@@ -58,9 +58,9 @@ def eval_command(
     ),
     cache_type: Optional[str] = typer.Option(
         None, "--cache-type", help="Score with the KV cache stored in a llama.cpp cache type (f16, q8_0, q5_1, q5_0, "
-        "q4_1, q4_0; ggml's blocks, bit for bit): a converted model's cached latent and rope key, or a source's keys "
-        "and values as llama.cpp stores them (its Hadamard rotation included). With --engine llamacpp: llama.cpp's "
-        "own --cache-type-k/-v (iq4_nl too; flash attention on for quantized types)."
+        "q4_1, q4_0, iq4_nl; ggml's blocks, bit for bit): a converted model's cached latent and rope key, or a "
+        "source's keys and values as llama.cpp stores them (its Hadamard rotation included). With --engine llamacpp: "
+        "llama.cpp's own --cache-type-k/-v (flash attention on for quantized types)."
     ),
     long_context: bool = LongContextOpt,
     lengths: Optional[str] = LengthsOpt,

@@ -56,6 +56,14 @@ def set_default_params(which: str, **fields) -> None:
     setattr(api, name, params)
 
 
+GGML_TYPE_BF16 = 30  # ggml.h's enum value: llama-cpp-python names no BF16 constant
+
+
+def ggml_type(llama_cpp, kind: str) -> int:
+    """ggml's type id for a cache type name (llama.cpp's --cache-type-k spelling)."""
+    return GGML_TYPE_BF16 if kind == "bf16" else getattr(llama_cpp, f"GGML_TYPE_{kind.upper()}")
+
+
 def no_extra_buffers(llama_cpp) -> None:
     """Load weights without llama.cpp's extra CPU buffer types (weight repacking; llama-cli --no-repack): its AMX
     path, compiled in where the CPU reports AMX, can crash on Q8_0 weights (docs/serving.md#route-3-llamacpp-gguf).
@@ -77,8 +85,7 @@ def main(request_path: str, result_path: str) -> None:
     kwargs = dict(model_path=req["model"], n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
                   logits_all=bool(windows), verbose=True)  # fmt: skip
     kind = req.get("cache_type") or "f16"
-    ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kind.upper()}")
-    kwargs.update(type_k=ggml_type, type_v=ggml_type)
+    kwargs.update(type_k=ggml_type(llama_cpp, kind), type_v=ggml_type(llama_cpp, kind))
     flash = req.get("flash_attn")
     if flash is None and kind not in ("f32", "f16", "bf16"):
         flash = True
