@@ -5,7 +5,8 @@ REQUEST is JSON: models ({label: gguf path}, loaded in that order, each with its
 threads, contexts (increasing), tokens (single-token steps per timing), rounds (timings per model per context),
 ids (token ids the sequences are filled with, repeated), optionally max_context ({label: n}: that model stops
 after context n, where growing every model to the longest context would not fit the time at hand), flash_attn
-(llama.cpp's flash attention, as llama-cli's and llama-server's default `-fa auto` picks on CPU), optionally
+(llama.cpp's flash attention, as llama-cli's and llama-server's default `-fa auto` picks on CPU), optionally settings
+({label: {"cache_type": "bf16", "flash_attn": true}}: that model's KV cache type and flash attention), optionally
 fill_threads (llama.cpp's batch threads, which grow the sequences; the timed single-token steps use `threads`). Every model's sequence is grown to each context length in
 turn (the fill is timed too), then the models are timed in rounds, the order reversed every other round, so a load
 that comes and goes on a shared machine falls on all of them alike; the 1-minute load average is read before and
@@ -26,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mla_convert" / "serving"))
 
-from llamacpp_score import no_extra_buffers  # noqa: E402  (numpy and llama_cpp only)
+from llamacpp_score import ggml_type, no_extra_buffers  # noqa: E402  (numpy and llama_cpp only)
 
 
 def main(request_path: str, result_path: str) -> None:
@@ -38,9 +39,15 @@ def main(request_path: str, result_path: str) -> None:
     no_extra_buffers(llama_cpp)
     models = {}
     for label, path in req["models"].items():
+        own = (req.get("settings") or {}).get(label, {})
+        kinds = {}
+        if own.get("cache_type"):
+            kind = ggml_type(llama_cpp, own["cache_type"])
+            kinds = {"type_k": kind, "type_v": kind}
         models[label] = llama_cpp.Llama(model_path=path, n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
                                         n_threads=threads, n_threads_batch=fill_threads, verbose=True,
-                                        flash_attn=bool(req.get("flash_attn")))  # fmt: skip
+                                        flash_attn=bool(own.get("flash_attn", req.get("flash_attn"))),
+                                        **kinds)  # fmt: skip
         print(f"loaded {label}", file=sys.stderr, flush=True)
     out = {"order": list(models), "steps": [], "fills": []}
     limit = req.get("max_context") or {}

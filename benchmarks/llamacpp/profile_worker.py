@@ -2,7 +2,8 @@
 benchmarks/llamacpp/run.py --stages profile with .venv-llamacpp's Python; imports nothing from mla_convert).
 
 REQUEST is JSON: models ({label: gguf path}), n_ctx, threads (1: the times below are this thread's CPU time),
-contexts (each sequence is grown to each in turn), tokens (decode steps measured), ids, flash_attn. Times are the
+contexts (each sequence is grown to each in turn), tokens (decode steps measured), ids, flash_attn, optionally
+settings ({label: {"cache_type", "flash_attn"}}: that model's own). Times are the
 calling thread's CPU time (CLOCK_THREAD_CPUTIME_ID; with one thread llama.cpp computes on it), so other processes on
 a shared machine do not enter them. The fill runs the graph whole. Then `tokens` plain decode steps (CPU seconds per
 step), then `tokens` profiled ones: llama.cpp's scheduler callback (cb_eval, as llama.cpp's eval-callback example
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mla_convert" / "serving"))
 
-from llamacpp_score import no_extra_buffers, set_default_params  # noqa: E402  (numpy and llama_cpp only)
+from llamacpp_score import ggml_type, no_extra_buffers, set_default_params  # noqa: E402  (numpy and llama_cpp only)
 
 
 def main(request_path: str, result_path: str) -> None:
@@ -55,9 +56,14 @@ def main(request_path: str, result_path: str) -> None:
     no_extra_buffers(llama_cpp)
     ids, steps, out = list(req["ids"]), int(req["tokens"]), {}
     for label, path in req["models"].items():
+        own = (req.get("settings") or {}).get(label, {})
+        kinds = {}
+        if own.get("cache_type"):
+            kind = ggml_type(llama_cpp, own["cache_type"])
+            kinds = {"type_k": kind, "type_v": kind}
         llm = llama_cpp.Llama(model_path=path, n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
                               n_threads=int(req["threads"]), n_threads_batch=int(req["threads"]), verbose=True,
-                              flash_attn=bool(req.get("flash_attn")))  # fmt: skip
+                              flash_attn=bool(own.get("flash_attn", req.get("flash_attn"))), **kinds)  # fmt: skip
         out[label] = {}
         for n in sorted(req["contexts"]):
             llm.eval((ids * (n // len(ids) + 1))[llm.n_tokens : n])

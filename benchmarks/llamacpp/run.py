@@ -69,7 +69,8 @@ def load_results(args) -> dict:
     """results.json as far as it was measured (a stage run alone keeps the other stage's numbers)."""
     path = OUT / "results.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    here = old.get("machine") if args.stages == ["readme"] and old.get("machine") else harness.machine()
+    # the machine of the engine-parity runs; a decode or profile run records its own (`run_machine`)
+    here = old.get("machine") if "quality" not in args.stages and old.get("machine") else harness.machine()
     results = {"machine": here,
                "windows": args.windows, "seq_len": args.seq_len, "convert_args": args.convert_args,
                "budgets": [], "source": {}, "decode": {}}  # fmt: skip
@@ -171,12 +172,28 @@ def decode_models(args, src: Path, text: str) -> tuple[list[int], dict[str, str]
     return ids, models
 
 
+def add_extra(args, models: dict[str, str]) -> dict[str, dict]:
+    """Add --decode-extra's models (LABEL=PATH[@CACHE_TYPE][+fa|-fa]; PATH may be the label of a model already named)
+    to `models`; their own settings (cache type, flash attention) by label."""
+    settings = {}
+    for spec in args.decode_extra:
+        name, path = spec.split("=", 1)
+        own = {}
+        for flag, value in (("+fa", True), ("-fa", False)):
+            if path.endswith(flag):
+                path, own["flash_attn"] = path[: -len(flag)], value
+        if "@" in path:
+            path, own["cache_type"] = path.rsplit("@", 1)
+        models[name] = models[path] if path in models else str(Path(path).resolve())
+        if own:
+            settings[name] = own
+    return settings
+
+
 def decode(args, results: dict, src: Path, text: str) -> None:
     """Decode tokens/s, every model in one llama.cpp process (benchmarks/llamacpp/decode_worker.py), timings interleaved."""
     ids, models = decode_models(args, src, text)
-    for spec in args.decode_extra:  # LABEL=PATH
-        name, path = spec.split("=", 1)
-        models[name] = str(Path(path).resolve())
+    settings = add_extra(args, models)
     limit = {}
     for spec in args.max_context:  # LABEL=N
         name, n = spec.rsplit("=", 1)
@@ -184,7 +201,8 @@ def decode(args, results: dict, src: Path, text: str) -> None:
     n_ctx = max(args.contexts) + len(args.contexts) * args.rounds * args.decode_tokens + 256
     request = {"models": models, "n_ctx": n_ctx, "threads": args.threads, "contexts": args.contexts,
                "tokens": args.decode_tokens, "rounds": args.rounds, "ids": ids, "max_context": limit,
-               "flash_attn": args.flash_attn, "fill_threads": args.fill_threads or args.threads}  # fmt: skip
+               "flash_attn": args.flash_attn, "fill_threads": args.fill_threads or args.threads,
+               "settings": settings}  # fmt: skip
     tag = args.decode_tag
     req, res, log = (args.work / f"decode-{tag}-{x}" for x in ("request.json", "result.json", "log.txt"))
     req.write_text(json.dumps(request))
@@ -217,26 +235,33 @@ def decode(args, results: dict, src: Path, text: str) -> None:
                            "cpu_seconds_per_token": [s["cpu_seconds"] / s["tokens"] for s in steps if "cpu_seconds" in s],
                            "load": [[s["load_before"], s["load_after"]] for s in steps],
                            "fill_seconds": fill[0]["seconds"] if fill else None}  # fmt: skip
-        summary[name] = {"kv_log": kv.get(name), "contexts": per, "gguf_mib": Path(models[name]).stat().st_size / 2**20,
+        summary[name] = {"kv_log": kv.get(name), "contexts": per, **settings.get(name, {}), "gguf_mib": Path(models[name]).stat().st_size / 2**20,
                          "weights_read_mib": weights_read_mib(models[name])}  # fmt: skip
     fresh = json.loads((OUT / "results.json").read_text()).get("decode", {}) if (OUT / "results.json").exists() else {}
     results["decode"] = {**fresh, tag: {
         "command": results["commands"][-1], "threads": args.threads, "fill_threads": args.fill_threads or args.threads,
         "tokens": args.decode_tokens,
         "rounds": args.rounds, "n_ctx": n_ctx, "contexts": args.contexts, "flash_attn": args.flash_attn,
-        "max_context": limit, "models": summary, "load_average_start": load_start,
+        "max_context": limit, "models": summary, "load_average_start": load_start, "machine": harness.machine(),
         "load_average_end": os.getloadavg(), "exit": proc.returncode}}  # fmt: skip
     print(json.dumps({k: {c: v["best_tokens_per_s"] for c, v in m["contexts"].items()} for k, m in summary.items()}),
           flush=True)
     save(results, "decode")
 
 
+def top_nodes(models: dict, keep: int = 24) -> dict:
+    """The profile worker's result with each step's `keep` costliest node groups (the rest summed in their totals)."""
+    return {name: {c: {**x, "nodes": x["nodes"][:keep]} for c, x in per.items()} for name, per in models.items()}
+
+
 def profile(args, results: dict, src: Path, text: str) -> None:
     """CPU time per decode step and per graph node (benchmarks/llamacpp/profile_worker.py), load-independent."""
     ids, models = decode_models(args, src, text)
+    settings = add_extra(args, models)
     tag = args.decode_tag
     request = {"models": models, "n_ctx": max(args.contexts) + 4 * args.decode_tokens + 256, "threads": 1,
-               "contexts": args.contexts, "tokens": args.decode_tokens, "ids": ids, "flash_attn": args.flash_attn}
+               "contexts": args.contexts, "tokens": args.decode_tokens, "ids": ids, "flash_attn": args.flash_attn,
+               "settings": settings}
     req, res, log = (args.work / f"profile-{tag}-{x}" for x in ("request.json", "result.json", "log.txt"))
     req.write_text(json.dumps(request))
     res.unlink(missing_ok=True)
@@ -250,7 +275,8 @@ def profile(args, results: dict, src: Path, text: str) -> None:
     path = OUT / "results.json"
     fresh = json.loads(path.read_text()).get("profile", {}) if path.exists() else {}
     results["profile"] = {**fresh, tag: {"command": results["commands"][-1], "flash_attn": args.flash_attn,
-                                         "tokens": args.decode_tokens, "models": json.loads(res.read_text())}}
+                                         "tokens": args.decode_tokens, "models": top_nodes(json.loads(res.read_text())),
+                                         "settings": settings, "machine": harness.machine()}}
     save(results, "profile")
 
 
@@ -265,8 +291,10 @@ def main() -> None:
     p.add_argument("--decode-budgets", type=float, nargs="+", help="budgets timed in decode (default: --budgets)")
     p.add_argument("--max-context", nargs="*", default=[], metavar="LABEL=N",
                    help="a model timed only up to context N (e.g. 50%%=8192), where the longest fill takes too long")
-    p.add_argument("--decode-extra", nargs="*", default=[], metavar="LABEL=PATH",
-                   help="more GGUF files timed in the decode run (e.g. 25%%-pad64=out/smol-250-pad.gguf)")
+    p.add_argument("--decode-extra", nargs="*", default=[], metavar="LABEL=PATH[@TYPE][+fa|-fa]",
+                   help="more GGUF files timed in the decode run (e.g. 25%%-pad64=out/smol-250-pad.gguf), or a model "
+                   "already named with its own cache type and flash attention (e.g. 25%%-bf16=25%%@bf16-fa, "
+                   "source-q8=source@q8_0+fa)")
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--decode-tag", default="main", help="name of this decode run in results.json (runs side by side)")
     p.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention in the decode run")
@@ -345,12 +373,14 @@ def decode_section(tag: str, d: dict) -> list[str]:
         "", f"### Run `{tag}`", "", f"`{d.get('command', '')}`" + (f" ({limited} only)" if limited else "")
         + (f" ({d['note']})" if d.get("note") else "")
         + (", llama.cpp flash attention on" if d.get("flash_attn") else ", llama.cpp flash attention off "
-           "(llama-cpp-python's default)") + ".", "",
+           "(llama-cpp-python's default)") + (f"; {harness.describe(d['machine'])}" if d.get("machine") else "")
+        + ".", "",
         f"{d['tokens']} steps x {d['rounds']} rounds per model and context, KV cache {d['n_ctx']:,} cells. Best "
         "round in tokens/s (wall clock), in brackets the ratio to the source GGUF at that context:",
         "",
-        "| model | GGUF MiB | KV bytes/token | " + " | ".join(f"{c:,} ctx" for c in contexts) + " |",
-        "| --- | --- | --- | " + " | ".join("---" for _ in contexts) + " |",
+        "| model | cache, flash attention | GGUF MiB | KV bytes/token | " + " | ".join(f"{c:,} ctx" for c in contexts)
+        + " |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in contexts) + " |",
     ]
     src = models.get("source", {}).get("contexts", {})
     for name, m in models.items():
@@ -363,7 +393,9 @@ def decode_section(tag: str, d: dict) -> list[str]:
             ref = src.get(str(c))
             ratio = f" ({x['best_tokens_per_s'] / ref['best_tokens_per_s']:.2f}x)" if ref and name != "source" else ""
             cells.append(f"{x['best_tokens_per_s']:.2f}{ratio}")
-        lines.append(f"| {name} | {m['gguf_mib']:.0f} | {(m['kv_log'] or {}).get('bytes_per_token', float('nan')):,.0f} | "
+        mode = f"{m.get('cache_type', 'f16')}, {'on' if m.get('flash_attn', d.get('flash_attn')) else 'off'}"
+        lines.append(f"| {name} | {mode} | {m['gguf_mib']:.0f} | "
+                     f"{(m['kv_log'] or {}).get('bytes_per_token', float('nan')):,.0f} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Every round (tokens/s, 1-minute load average before -> after):", ""]
     for name, m in models.items():
@@ -396,7 +428,8 @@ def profile_section(tag: str, p: dict) -> list[str]:
     contexts = sorted({int(c) for m in models.values() for c in m})
     lo, hi = contexts[0], contexts[-1]
     lines = ["", f"## CPU time per decode step, flash attention {'on' if p['flash_attn'] else 'off'} (run `{tag}`)", "", f"`{p['command']}`, llama.cpp flash attention "
-             f"{'on' if p['flash_attn'] else 'off'}, 1 thread. `benchmarks/llamacpp/profile_worker.py`: the CPU time of the "
+             f"{'on' if p['flash_attn'] else 'off'}, 1 thread" + (f", {harness.describe(p['machine'])}" if p.get("machine")
+                                                                 else "") + ". `benchmarks/llamacpp/profile_worker.py`: the CPU time of the "
              "thread llama.cpp computes on (CLOCK_THREAD_CPUTIME_ID, so other processes on the machine do not enter "
              f"it), per decode step ({p['tokens']} steps after growing the sequence to each context), and per graph "
              "node (llama.cpp's scheduler callback computing the nodes one at a time, the least of the steps per "
@@ -406,7 +439,15 @@ def profile_section(tag: str, p: dict) -> list[str]:
              "| model | " + " | ".join(f"CPU ms/step at {c:,}" for c in contexts)
              + " | a (ms) | b (us per cached token) | b vs source | a + b x 8,192 (tok/s) | a + b x 16,384 (tok/s) |",
              "| --- | " + " | ".join("---" for _ in contexts) + " | --- | --- | --- | --- | --- |"]
-    slopes = {}
+    slopes, settings = {}, p.get("settings") or {}
+
+    def shown(name: str) -> str:  # a model with its own cache type or flash attention says which
+        own = settings.get(name)
+        if not own:
+            return name
+        fa = own.get("flash_attn", p["flash_attn"])
+        return f"{name} ({own.get('cache_type', 'f16')} cache, flash attention {'on' if fa else 'off'})"
+
     for name, m in models.items():
         t_lo, t_hi = m[str(lo)]["cpu_step_seconds"], m[str(hi)]["cpu_step_seconds"]
         b = (t_hi - t_lo) / (hi - lo)
@@ -414,13 +455,13 @@ def profile_section(tag: str, p: dict) -> list[str]:
         slopes[name] = b
         rel = b / slopes["source"] if "source" in slopes and slopes["source"] > 0 else float("nan")
         proj = [(a + b * c) for c in (8192, 16384)]
-        lines.append(f"| {name} | " + " | ".join(f"{1e3 * m[str(c)]['cpu_step_seconds']:.1f}" for c in contexts)
+        lines.append(f"| {shown(name)} | " + " | ".join(f"{1e3 * m[str(c)]['cpu_step_seconds']:.1f}" for c in contexts)
                      + f" | {1e3 * a:.1f} | {1e6 * b:.2f} | {rel:.2f} | "
                      + " | ".join(f"{1e3 * t:.0f} ms ({1 / t:.1f})" for t in proj) + " |")
     lines += ["", f"Graph nodes at {hi:,} (CPU ms per step, grouped by operation and name; the largest first):", ""]
     for name, m in models.items():
         top = m[str(hi)]["nodes"][:7]
-        lines.append(f"- {name}: " + ", ".join(f"{x['op']}{' ' + x['name'] if x['name'] else ''} x{x['count_per_step']}"
+        lines.append(f"- {shown(name)}: " + ", ".join(f"{x['op']}{' ' + x['name'] if x['name'] else ''} x{x['count_per_step']}"
                                               f" {x['ms_per_step']:.1f}" for x in top))
     return lines
 
