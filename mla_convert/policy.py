@@ -34,8 +34,10 @@ def rule_text(pair: tuple) -> str:
 # on, perplexity over the source's (geometric mean over the development domains, the embedded default; what each
 # point is: docs/decisions.md#a-cache-budget-in-bytes). A 16-bit conversion by the share of the source's cache
 # elements it keeps (log-log interpolated; below the first point extrapolated along the first segment):
-CONVERTED_16BIT = ((0.25, 2.191), (0.417, 1.385), (0.5, 1.162), (1.0, 1.0))
-# its latent and rope key stored in a block cache type (balanced basis), as a factor on that:
-LATENT_CACHE_COST = {"f16": 1.0, "q8_0": 1.001, "q4_0": 1.158}
-# the source's own cache in llama.cpp's cache types (no conversion at all):
-SOURCE_CACHE_COST = {"q8_0": 1.000, "q5_1": 1.010, "q5_0": 1.011, "q4_1": 1.038, "q4_0": 1.047}
+CONVERTED_16BIT = ((0.25, 2.191), (0.417, 1.385), (0.5, 1.162), (0.667, 1.080), (1.0, 1.0))
+# its latent and rope key stored in a block cache type (balanced basis), as a factor on that (q5_1, q5_0, q4_1, iq4_nl
+# measured on the 66.7% conversion, q4_0 on the 25% and 41.7% ones):
+LATENT_CACHE_COST = {"f16": 1.0, "q8_0": 1.001, "q5_1": 1.021, "q5_0": 1.034, "q4_1": 1.100, "q4_0": 1.158,
+                     "iq4_nl": 1.104}
+# the source's own cache in llama.cpp's cache types (no conversion at all; iq4_nl measured in llama.cpp itself):
+SOURCE_CACHE_COST = {"q8_0": 1.000, "q5_1": 1.010, "q5_0": 1.011, "q4_1": 1.038, "q4_0": 1.047, "iq4_nl": 1.044}

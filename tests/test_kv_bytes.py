@@ -52,14 +52,17 @@ def test_predicted_ratio_follows_the_measured_frontier():
 def test_an_eighth_of_the_bytes_takes_a_wide_latent_in_four_bits():
     choice = choose(0.125)
     assert choice.budget == 2880 and choice.source_bytes == 23040
-    assert (choice.chosen.cache_type, choice.chosen.elements) == ("q4_0", 160)  # the 41.7% point of the frontier
-    assert choice.chosen.predicted == pytest.approx(1.385 * 1.158, rel=1e-3)
+    # the 41.7% point of the frontier, in iq4_nl: q4_0's bytes at a smaller measured cost
+    assert (choice.chosen.cache_type, choice.chosen.elements) == ("iq4_nl", 160)
+    assert choice.chosen.predicted == pytest.approx(1.385 * policy.LATENT_CACHE_COST["iq4_nl"], rel=1e-3)
+    assert choice.chosen.predicted < next(c.predicted for c in choice.candidates if c.cache_type == "q4_0")
     for c in choice.candidates:  # each type's widest row within the budget: whole blocks, the next one too big
         assert c.bytes == LAYERS * kvquant.row_bytes(c.elements, c.cache_type) <= choice.budget
         step = kvquant.BLOCK if kvquant.cache_type(c.cache_type).levels else 2
         assert c.elements % step == 0
         assert LAYERS * kvquant.row_bytes(c.elements + step, c.cache_type) > choice.budget
-    assert {c.cache_type: c.elements for c in choice.candidates} == {"f16": 48, "q8_0": 64, "q4_0": 160}
+    assert {c.cache_type: c.elements for c in choice.candidates} == {"f16": 48, "q8_0": 64, "q5_1": 128, "q5_0": 128,
+                                                                      "q4_1": 128, "q4_0": 160, "iq4_nl": 160}
     assert choice.source_types == ()  # the source's smallest cache, q4_0, takes 6,480 bytes
     assert "only a conversion goes here" in "\n".join(choice.describe())
 
@@ -72,6 +75,12 @@ def test_where_the_sources_own_cache_fits_and_does_better_the_plan_says_so():
     assert choose(11520).chosen == choice.chosen  # bytes or the same fraction: one budget
 
 
+def test_a_quarter_of_the_bytes_takes_the_measured_five_bit_point():
+    choice = choose(0.25)
+    assert (choice.chosen.cache_type, choice.chosen.elements, choice.chosen.bytes) == ("q5_1", 256, 5760)
+    assert choice.chosen.predicted == pytest.approx(1.080 * policy.LATENT_CACHE_COST["q5_1"], rel=1e-3)
+
+
 def test_a_named_cache_type_is_the_only_one_considered():
     choice = choose(0.125, "q8_0")
     assert [c.cache_type for c in choice.candidates] == ["q8_0"] and choice.chosen.elements == 64
@@ -82,8 +91,8 @@ def test_kv_bytes_dry_run_and_its_errors(sources, tmp_path, calib_text):
     calib = ["--calib-data", calib_text, "--calib-samples", 2, "--calib-seq-len", 16]
     code, output = run("llama", src, "--kv-bytes", 40, "-o", out, "--dry-run", *calib)
     assert code == 0, output
-    assert "cache budget 40 bytes per token (0.156 of the source's 16-bit 256): the latent in q4_0, 32 values" in output
-    assert "served with its latent in q4_0: 36 bytes per token" in output and "balanced basis" in output
+    assert "cache budget 40 bytes per token (0.156 of the source's 16-bit 256): the latent in q4_1, 32 values" in output
+    assert "served with its latent in q4_1: 40 bytes per token" in output and "balanced basis" in output
     assert not out.exists()
     code, output = run("llama", src, "--kv-bytes", 40, "--rank", 8, "-o", out, *calib)
     assert_user_error(code, output, "give one of --rank", "--kv-bytes")
@@ -99,17 +108,17 @@ def test_kv_bytes_dry_run_and_its_errors(sources, tmp_path, calib_text):
 def test_a_conversion_to_a_byte_budget_serves_its_choice(sources, convert_tiny, calib_text):
     out = convert_tiny(sources["llama-gqa"], kv_bytes=40)
     config = json.loads((out / "config.json").read_text())
-    assert config["latent_cache_type"] == "q4_0"
+    assert config["latent_cache_type"] == "q4_1"
     assert all((r + config["qk_rope_head_dim"]) % kvquant.BLOCK == 0 for r in layer_ranks(config))
     record = json.loads((out / "provenance.json").read_text())
     assert record["options"]["kv_bytes"] is None and record["options"]["kv_budget"] == 32.0
-    assert record["options"]["cache_type"] == "q4_0"
+    assert record["options"]["cache_type"] == "q4_1"
     kv = record["kv_cache"]
-    assert kv["cache_type"] == "q4_0" and kv["latent_basis"] == "balanced" and kv["budget_bytes"] == 40
-    assert kv["bytes_per_token_in_cache_type"] == 36
-    assert "Served with its latent in `q4_0`: 36 bytes per token" in (out / "README.md").read_text()
-    code, output = run("eval", out, "--data", calib_text, "--seq-len", 32, "--windows", 2)  # reads its q4_0 cache
-    assert code == 0 and "q4_0" in output, output
+    assert kv["cache_type"] == "q4_1" and kv["latent_basis"] == "balanced" and kv["budget_bytes"] == 40
+    assert kv["bytes_per_token_in_cache_type"] == 40
+    assert "Served with its latent in `q4_1`: 40 bytes per token" in (out / "README.md").read_text()
+    code, output = run("eval", out, "--data", calib_text, "--seq-len", 32, "--windows", 2)  # reads its q4_1 cache
+    assert code == 0 and "q4_1" in output, output
 
 
 def test_the_latent_basis_is_folded_in_exactly(sources, convert_tiny, tmp_path):

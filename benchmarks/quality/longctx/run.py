@@ -58,7 +58,7 @@ def measure(model: dict, args, out: Path, reference: Path | None, earlier: dict 
                       *(["--reference", reference] if reference else []), "--json", json_out, "--overwrite", "-q")
     if earlier and json_out.is_file() and earlier.get("command") == harness.shown(cmd):
         print(f"{model['label']}: kept from {out / 'results.json'}", flush=True)
-        return {k: v for k, v in earlier.items() if k != "machine"}
+        return earlier  # with the machine it was measured on
     run = harness.timed(cmd, log=out / f"{model['label']}.log", env={**os.environ, **harness.OFFLINE},
                         echo=True)
     result = json.loads(json_out.read_text())
@@ -140,7 +140,7 @@ def main() -> None:
                       earlier.get(model["label"]))
         rows.append(row)
     machine = harness.machine()
-    (args.out / "results.json").write_text(json.dumps([{**r, "machine": machine} for r in rows], indent=2) + "\n")
+    (args.out / "results.json").write_text(json.dumps([{"machine": machine, **r} for r in rows], indent=2) + "\n")
     (args.out / "longctx.md").write_text(table(rows))
     if len(rows) > 1:
         plot(rows, args.out / "longctx.png")
