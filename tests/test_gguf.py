@@ -290,6 +290,10 @@ def test_quantized_cache_refused_for_rows_not_in_blocks(tmp_path):
     result = CliRunner().invoke(app, ["export", str(native), "--format", "gguf", "-o", str(tmp_path / "m.gguf")])
     assert result.exit_code == 0, result.output
     assert "f16 (default), f32, bf16 only" in result.output and "--rope-dims 32" in result.output
+    assert f"serve it: llama-server -m {tmp_path / 'm.gguf'} -fa on (exact" in result.output
+    assert "--cache-type-k q8_0" not in result.output  # the row is not whole blocks: no quantized cache offered
+    from mla_convert.serving.llamacpp import llamacpp_serve_line
+    assert "-fa on (exact, the f16 cache); add --cache-type-k q8_0 --cache-type-v q8_0" in llamacpp_serve_line("m.gguf", 64, 32)
     text = tmp_path / "eval.txt"
     text.write_text(tiny_text(seed=9))
     result = CliRunner().invoke(app, ["eval", str(tmp_path / "m.gguf"), "--data", str(text), "--seq-len", "64",

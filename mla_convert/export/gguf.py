@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.serving.llamacpp import llamacpp_cache_types
+from mla_convert.serving.llamacpp import llamacpp_cache_types, llamacpp_serve_line
 from mla_convert.writes import room_for, short_write_cause
 
 log = logging.getLogger(__name__)
@@ -451,3 +451,4 @@ def report_gguf(record: dict, output: Path, say) -> None:
         "per token (f16 cache: x2 bytes)")
     say(llamacpp_cache_types(record["kv_lora_rank"], record["qk_rope_head_dim"]))
     say(f"run it: mla-convert eval {output} --engine llamacpp --data TEXT (llama.cpp from scripts/install-llamacpp.sh)")
+    say(llamacpp_serve_line(output, record["kv_lora_rank"], record["qk_rope_head_dim"]))
