@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mla_convert" / "serving"))
 
-from llamacpp_score import ggml_type, no_extra_buffers  # noqa: E402  (numpy and llama_cpp only)
+from llamacpp_score import model_settings, no_extra_buffers  # noqa: E402  (numpy and llama_cpp only)
 
 
 def main(request_path: str, result_path: str) -> None:
@@ -39,15 +39,9 @@ def main(request_path: str, result_path: str) -> None:
     no_extra_buffers(llama_cpp)
     models = {}
     for label, path in req["models"].items():
-        own = (req.get("settings") or {}).get(label, {})
-        kinds = {}
-        if own.get("cache_type"):
-            kind = ggml_type(llama_cpp, own["cache_type"])
-            kinds = {"type_k": kind, "type_v": kind}
         models[label] = llama_cpp.Llama(model_path=path, n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
                                         n_threads=threads, n_threads_batch=fill_threads, verbose=True,
-                                        flash_attn=bool(own.get("flash_attn", req.get("flash_attn"))),
-                                        **kinds)  # fmt: skip
+                                        **model_settings(llama_cpp, req, label))  # fmt: skip
         print(f"loaded {label}", file=sys.stderr, flush=True)
     out = {"order": list(models), "steps": [], "fills": []}
     limit = req.get("max_context") or {}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "mla_convert" / "serving"))
 
-from llamacpp_score import ggml_type, no_extra_buffers, set_default_params  # noqa: E402  (numpy and llama_cpp only)
+from llamacpp_score import model_settings, no_extra_buffers, set_default_params  # noqa: E402  (numpy and llama_cpp only)
 
 
 def main(request_path: str, result_path: str) -> None:
@@ -56,14 +56,9 @@ def main(request_path: str, result_path: str) -> None:
     no_extra_buffers(llama_cpp)
     ids, steps, out = list(req["ids"]), int(req["tokens"]), {}
     for label, path in req["models"].items():
-        own = (req.get("settings") or {}).get(label, {})
-        kinds = {}
-        if own.get("cache_type"):
-            kind = ggml_type(llama_cpp, own["cache_type"])
-            kinds = {"type_k": kind, "type_v": kind}
         llm = llama_cpp.Llama(model_path=path, n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
                               n_threads=int(req["threads"]), n_threads_batch=int(req["threads"]), verbose=True,
-                              flash_attn=bool(own.get("flash_attn", req.get("flash_attn"))), **kinds)  # fmt: skip
+                              **model_settings(llama_cpp, req, label))  # fmt: skip
         out[label] = {}
         for n in sorted(req["contexts"]):
             llm.eval((ids * (n // len(ids) + 1))[llm.n_tokens : n])

@@ -64,6 +64,16 @@ def ggml_type(llama_cpp, kind: str) -> int:
     return GGML_TYPE_BF16 if kind == "bf16" else getattr(llama_cpp, f"GGML_TYPE_{kind.upper()}")
 
 
+def model_settings(llama_cpp, req: dict, label: str) -> dict:
+    """The Llama(...) keywords for one model of a benchmark request: its own cache type and flash attention
+    (req["settings"][label]), else the request's flash_attn and llama.cpp's f16 cache."""
+    own = (req.get("settings") or {}).get(label, {})
+    kinds = {}
+    if own.get("cache_type"):
+        kinds = {"type_k": ggml_type(llama_cpp, own["cache_type"]), "type_v": ggml_type(llama_cpp, own["cache_type"])}
+    return {"flash_attn": bool(own.get("flash_attn", req.get("flash_attn"))), **kinds}
+
+
 def no_extra_buffers(llama_cpp) -> None:
     """Load weights without llama.cpp's extra CPU buffer types (weight repacking; llama-cli --no-repack): its AMX
     path, compiled in where the CPU reports AMX, can crash on Q8_0 weights (docs/serving.md#route-3-llamacpp-gguf).
