@@ -253,6 +253,7 @@ np.save(sys.argv[2], out)
 def test_iq4_nl_is_llamacpps_cache_rounding(tmp_path):
     """iq4_nl as llama.cpp's cache writes it (its from_float, quantize_row_iq4_nl_ref) and reads it back, from
     llama.cpp's own library: gguf-py has no iq4_nl quantizer to compare with."""
+    import os
     import subprocess
 
     from mla_convert.serving.llamacpp import llamacpp_python
@@ -261,7 +262,9 @@ def test_iq4_nl_is_llamacpps_cache_rounding(tmp_path):
         pytest.skip("needs scripts/install-llamacpp.sh (.venv-llamacpp)")
     x = torch.cat((rows(), rows(1) * 1e-3))
     np.save(tmp_path / "x.npy", x.numpy())
-    subprocess.run([str(llamacpp_python()), "-c", IQ4_NL_BY_GGML, tmp_path / "x.npy", tmp_path / "y.npy"], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # llama.cpp's own venv
+    subprocess.run([str(llamacpp_python()), "-c", IQ4_NL_BY_GGML, tmp_path / "x.npy", tmp_path / "y.npy"], check=True,
+                   env=env)
     reference = np.load(tmp_path / "y.npy").reshape(x.shape)
     ours = kvquant.round_trip(x, "iq4_nl").numpy()
     np.testing.assert_array_equal(ours, reference)
