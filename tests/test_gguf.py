@@ -233,9 +233,9 @@ def mean_nll(result: dict) -> float:
 def test_quantized_cache_types_in_llamacpp_match_the_simulation(tmp_path):
     """llama.cpp's q8_0 / q4_0 / iq4_nl caches (flash attention) and its bfloat16 cache on a GGUF whose latent and rope
     key are whole blocks of 32 read the cached row [latent, rope key] as `latent_cache_type` simulates in
-    transformers: the perplexity of each within 1% of the simulation, and the simulation explains most of what the cache type changes. llama.cpp logs
-    attn_rot_k = 1 for this row of 64 values, yet its MLA path stores the row unrotated: LLAMA_ATTN_ROT_DISABLE=1
-    gives the same scores bit for bit. The same for the folder re-based for quantized caches (`rebase`)."""
+    transformers: the perplexity of each within 1% of the simulation, and the simulation explains most of what the
+    cache type changes. llama.cpp logs attn_rot_k = 1 for this row of 64 values, yet its MLA path stores the row
+    unrotated: LLAMA_ATTN_ROT_DISABLE=1 gives the same scores bit for bit. The same for the folder re-based for quantized caches (`rebase`)."""
     from tiny import tiny_text
 
     from mla_convert.rebase import rebase_checkpoint
@@ -293,7 +293,8 @@ def test_quantized_cache_refused_for_rows_not_in_blocks(tmp_path):
     assert f"serve it: llama-server -m {tmp_path / 'm.gguf'} -fa on (exact" in result.output
     assert "--cache-type-k q8_0" not in result.output  # the row is not whole blocks: no quantized cache offered
     from mla_convert.serving.llamacpp import llamacpp_serve_line
-    assert "-fa on (exact, the f16 cache); add --cache-type-k q8_0 --cache-type-v q8_0" in llamacpp_serve_line("m.gguf", 64, 32)
+    whole_blocks = llamacpp_serve_line("m.gguf", 64, 32)
+    assert "-fa on (exact, the f16 cache); add --cache-type-k q8_0 --cache-type-v q8_0" in whole_blocks
     text = tmp_path / "eval.txt"
     text.write_text(tiny_text(seed=9))
     result = CliRunner().invoke(app, ["eval", str(tmp_path / "m.gguf"), "--data", str(text), "--seq-len", "64",

@@ -234,38 +234,32 @@ def test_generate_cache_type(sources, convert_tiny):
 
 
 IQ4_NL_BY_GGML = """
-import ctypes, sys
+import ctypes, json, sys
 from pathlib import Path
 import numpy as np
 import llama_cpp
 lib = ctypes.CDLL(str(next(Path(llama_cpp.__file__).parent.glob("lib/libggml-base.so*"))))
-x = np.ascontiguousarray(np.load(sys.argv[1]), dtype=np.float32).reshape(-1)
+x = np.ascontiguousarray(json.loads(Path(sys.argv[1]).read_text())["rows"], dtype=np.float32).reshape(-1)
 blocks = np.zeros(x.size // 32 * 18, dtype=np.uint8)
 out = np.zeros_like(x)
 lib.quantize_row_iq4_nl_ref(x.ctypes.data_as(ctypes.c_void_p), blocks.ctypes.data_as(ctypes.c_void_p),
                             ctypes.c_int64(x.size))
 lib.dequantize_row_iq4_nl(blocks.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
                           ctypes.c_int64(x.size))
-np.save(sys.argv[2], out)
+Path(sys.argv[2]).write_text(json.dumps({"rows": out.tolist()}))
 """
 
 
-def test_iq4_nl_is_llamacpps_cache_rounding(tmp_path):
+def test_iq4_nl_is_llamacpps_cache_rounding():
     """iq4_nl as llama.cpp's cache writes it (its from_float, quantize_row_iq4_nl_ref) and reads it back, from
     llama.cpp's own library: gguf-py has no iq4_nl quantizer to compare with."""
-    import os
-    import subprocess
-
+    from mla_convert.serving.engine import run_worker
     from mla_convert.serving.llamacpp import llamacpp_python
 
     if llamacpp_python() is None:
         pytest.skip("needs scripts/install-llamacpp.sh (.venv-llamacpp)")
     x = torch.cat((rows(), rows(1) * 1e-3))
-    np.save(tmp_path / "x.npy", x.numpy())
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}  # llama.cpp's own venv
-    subprocess.run([str(llamacpp_python()), "-c", IQ4_NL_BY_GGML, tmp_path / "x.npy", tmp_path / "y.npy"], check=True,
-                   env=env)
-    reference = np.load(tmp_path / "y.npy").reshape(x.shape)
-    ours = kvquant.round_trip(x, "iq4_nl").numpy()
-    np.testing.assert_array_equal(ours, reference)
+    got = run_worker([str(llamacpp_python()), "-c", IQ4_NL_BY_GGML], {"rows": x.tolist()}, "llama.cpp's iq4_nl", 120)
+    reference = np.asarray(got["rows"], dtype=np.float32).reshape(x.shape)
+    np.testing.assert_array_equal(kvquant.round_trip(x, "iq4_nl").numpy(), reference)
     assert kvquant.row_bytes(64, "iq4_nl") == 36

@@ -69,7 +69,7 @@ def load_results(args) -> dict:
     """results.json as far as it was measured (a stage run alone keeps the other stage's numbers)."""
     path = OUT / "results.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    # the machine of the engine-parity runs; a decode or profile run records its own (`run_machine`)
+    # the machine of the engine-parity runs; each decode or profile run records its own
     here = old.get("machine") if "quality" not in args.stages and old.get("machine") else harness.machine()
     results = {"machine": here,
                "windows": args.windows, "seq_len": args.seq_len, "convert_args": args.convert_args,
@@ -235,7 +235,8 @@ def decode(args, results: dict, src: Path, text: str) -> None:
                            "cpu_seconds_per_token": [s["cpu_seconds"] / s["tokens"] for s in steps if "cpu_seconds" in s],
                            "load": [[s["load_before"], s["load_after"]] for s in steps],
                            "fill_seconds": fill[0]["seconds"] if fill else None}  # fmt: skip
-        summary[name] = {"kv_log": kv.get(name), "contexts": per, **settings.get(name, {}), "gguf_mib": Path(models[name]).stat().st_size / 2**20,
+        summary[name] = {"kv_log": kv.get(name), "contexts": per, **settings.get(name, {}),
+                         "gguf_mib": Path(models[name]).stat().st_size / 2**20,
                          "weights_read_mib": weights_read_mib(models[name])}  # fmt: skip
     fresh = json.loads((OUT / "results.json").read_text()).get("decode", {}) if (OUT / "results.json").exists() else {}
     results["decode"] = {**fresh, tag: {
@@ -428,8 +429,9 @@ def profile_section(tag: str, p: dict) -> list[str]:
     contexts = sorted({int(c) for m in models.values() for c in m})
     lo, hi = contexts[0], contexts[-1]
     lines = ["", f"## CPU time per decode step, flash attention {'on' if p['flash_attn'] else 'off'} (run `{tag}`)", "", f"`{p['command']}`, llama.cpp flash attention "
-             f"{'on' if p['flash_attn'] else 'off'}, 1 thread" + (f", {harness.describe(p['machine'])}" if p.get("machine")
-                                                                 else "") + ". `benchmarks/llamacpp/profile_worker.py`: the CPU time of the "
+             f"{'on' if p['flash_attn'] else 'off'}, 1 thread"
+             + (f", {harness.describe(p['machine'])}" if p.get("machine") else "")
+             + ". `benchmarks/llamacpp/profile_worker.py`: the CPU time of the "
              "thread llama.cpp computes on (CLOCK_THREAD_CPUTIME_ID, so other processes on the machine do not enter "
              f"it), per decode step ({p['tokens']} steps after growing the sequence to each context), and per graph "
              "node (llama.cpp's scheduler callback computing the nodes one at a time, the least of the steps per "

@@ -68,10 +68,10 @@ def model_settings(llama_cpp, req: dict, label: str) -> dict:
     """The Llama(...) keywords for one model of a benchmark request: its own cache type and flash attention
     (req["settings"][label]), else the request's flash_attn and llama.cpp's f16 cache."""
     own = (req.get("settings") or {}).get(label, {})
-    kinds = {}
+    out = {"flash_attn": bool(own.get("flash_attn", req.get("flash_attn")))}
     if own.get("cache_type"):
-        kinds = {"type_k": ggml_type(llama_cpp, own["cache_type"]), "type_v": ggml_type(llama_cpp, own["cache_type"])}
-    return {"flash_attn": bool(own.get("flash_attn", req.get("flash_attn"))), **kinds}
+        out["type_k"] = out["type_v"] = ggml_type(llama_cpp, own["cache_type"])
+    return out
 
 
 def no_extra_buffers(llama_cpp) -> None:
@@ -95,7 +95,7 @@ def main(request_path: str, result_path: str) -> None:
     kwargs = dict(model_path=req["model"], n_ctx=int(req["n_ctx"]), n_batch=512, n_ubatch=512, seed=0,
                   logits_all=bool(windows), verbose=True)  # fmt: skip
     kind = req.get("cache_type") or "f16"
-    kwargs.update(type_k=ggml_type(llama_cpp, kind), type_v=ggml_type(llama_cpp, kind))
+    kwargs["type_k"] = kwargs["type_v"] = ggml_type(llama_cpp, kind)
     flash = req.get("flash_attn")
     if flash is None and kind not in ("f32", "f16", "bf16"):
         flash = True
