@@ -3,7 +3,10 @@
 
 `width` slots each hold one sequence at its own position in a preallocated key/value cache (`SlotCache`). Every step
 feeds one token per slot: the next token of its prompt while the prompt lasts (the prompt is read a token a step, so
-that every slot steps alike), else the token sampled at the last step. A slot whose sequence ends (its EOS, or its
+that every slot steps alike), else the token sampled at the last step. A prompt's keys and values, once a slot has
+read them, are kept (`_PromptStore`): a later request copies into its slot those of the longest prefix it shares with
+a kept prompt and reads only the rest (a chat self text's prompts share their template's system turn, and each
+prompt comes back). A slot whose sequence ends (its EOS, or its
 `new_tokens`) takes the next request at once, so that no step computes for a finished sequence; only when no request
 is left (or a token budget is spent) does the batch shrink to the slots still running.
 
@@ -74,6 +77,16 @@ class SlotCache:
         values[rows, :, positions] = value_states[:, :, 0]
         return keys[:, :, : self.span], values[:, :, : self.span]
 
+    def read(self, slot: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of slot `slot`'s keys and values at positions 0..n-1, [kv heads, n, head dim] a layer."""
+        return [(k[slot, :, :n].clone(), v[slot, :, :n].clone()) for k, v in zip(self.keys, self.values)]
+
+    def write(self, slot: int, kept: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+        """Slot `slot` holds the first `n` positions of `kept` (as `read` gives them)."""
+        for layer, (key, value) in enumerate(kept):
+            self.keys[layer][slot, :, :n] = key[:, :n]
+            self.values[layer][slot, :, :n] = value[:, :n]
+
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only the slots `rows` (in that order)."""
         for store in (self.keys, self.values):
@@ -84,6 +97,34 @@ class SlotCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.span
+
+
+class _PromptStore:
+    """The keys and values of prompts the slots have read (each but its last token, which a slot feeds at its first
+    sampling step), the oldest dropped once they hold more than `limit` bytes."""
+
+    def __init__(self, limit: int = 256 << 20):
+        self.kept: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.limit, self.bytes = limit, 0
+
+    def match(self, prompt: list[int]) -> tuple[int, list | None]:
+        """(n, kept): the longest prefix of `prompt` but its last token a kept prompt starts with, and that prompt's
+        keys and values ((0, None) when none shares its first token)."""
+        best, found = 0, None
+        for ids, kv in self.kept.items():
+            n, top = 0, min(len(ids), len(prompt) - 1)
+            while n < top and ids[n] == prompt[n]:
+                n += 1
+            if n > best:
+                best, found = n, kv
+        return best, found
+
+    def add(self, ids: tuple[int, ...], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.kept[ids] = kv
+        self.bytes += sum(k.nbytes + v.nbytes for k, v in kv)
+        while self.bytes > self.limit and len(self.kept) > 1:
+            old = self.kept.pop(next(iter(self.kept)))
+            self.bytes -= sum(k.nbytes + v.nbytes for k, v in old)
 
 
 DECODE_ATTENTION = "mla_convert_decode"
@@ -182,6 +223,7 @@ def sample(model, requests: Iterable[Request], width: int, temperature: float, e
     pending = _Pending()
     cache = SlotCache(config.num_hidden_layers, width, length)
     tokens = torch.full((width,), pad, dtype=torch.long)
+    store = _PromptStore()
     order = 0
 
     def start(i: int) -> None:
@@ -194,10 +236,13 @@ def sample(model, requests: Iterable[Request], width: int, temperature: float, e
             raise ValueError(f"a request of {len(request.prompt)} + {request.new_tokens} tokens does not fit "
                              f"{length} positions, or has no prompt")
         gen = torch.Generator().manual_seed(request.seed)
+        copied, kept = store.match(request.prompt)
+        if copied:
+            cache.write(i, kept, copied)
         slots[i] = _Slot(request, torch.rand(request.new_tokens, generator=gen, dtype=torch.float64), order,
-                         list(request.prompt[:1]))
+                         list(request.prompt[: copied + 1]))
         order += 1
-        tokens[i], cache.positions[i] = request.prompt[0], 0
+        tokens[i], cache.positions[i] = request.prompt[copied], copied
 
     for i in range(width):
         start(i)
@@ -209,6 +254,8 @@ def sample(model, requests: Iterable[Request], width: int, temperature: float, e
                 continue
             n = len(slot.tokens)
             forced = n < len(slot.request.prompt)
+            if forced and n == len(slot.request.prompt) - 1 and tuple(slot.tokens) not in store.kept:
+                store.add(tuple(slot.tokens), cache.read(i, n))  # the prompt but its last token, read
             token = slot.request.prompt[n] if forced else picked[i]
             slot.tokens.append(token)
             answered = len(slot.tokens) - len(slot.request.prompt)

@@ -73,6 +73,25 @@ def test_seeded_ordered_and_independent_of_the_width(models):
     assert run(model, 5) == a and run(model, 1) == a  # float32 on a tiny model: the same rounding
 
 
+def test_a_read_prompt_is_copied_not_read_again(models, monkeypatch):
+    """Six requests cycling two prompts, then one sharing four tokens with the second: the later requests copy the
+    keys and values a prompt's first reading left (each but its last token) and step from there, and sample what
+    they would with their prompts read anew (the store off), in one slot and in two."""
+    model = models["llama-gqa"]
+    prompts = [PROMPTS[0], PROMPTS[2]] * 3 + [PROMPTS[2][:4] + [50, 51]]
+    steps, real_step = [], sampler._forward
+    monkeypatch.setattr(sampler, "_forward", lambda *a: steps.append(1) or real_step(*a))
+    got = run(model, 1, prompts=prompts)
+    # in one slot a step is one token: 24 answer tokens a request, each fed its prompt's last token or its own
+    # previous one; before them the prompt tokens read: 3 by the first, 5 by the second (its BOS is the first's), none
+    # by the repeats, 1 by the last
+    assert len(steps) == 7 * 24 + 3 + 5 + 1 and run(model, 2, prompts=prompts) == got
+    monkeypatch.setattr(sampler._PromptStore, "match", lambda self, prompt: (0, None))
+    steps.clear()
+    assert run(model, 1, prompts=prompts) == got and len(steps) == 7 * 24 + 3 * 3 + 3 * 6 + 5
+    assert run(model, 2, prompts=prompts) == got
+
+
 def test_decode_attention_is_eager_attention(models):
     """`decode_attention` (each kv head's query group as the rows of one product) computes what transformers' eager
     attention does, grouped heads, soft-capping and masks included, at one query and at several; the sampler's model
@@ -157,3 +176,6 @@ def test_dry_run_prices_a_tiny_models_sampling():
     long_doc, short_doc = (estimates.sample_seconds(tiny, 65536, 8, length=n, document=True) for n in (8192, 2048))
     assert long_doc > short_doc > estimates.sample_seconds(tiny, 65536, 8, length=256, document=True)
     assert estimates.sample_seconds(tiny, 65536, 8, length=2048) > short_doc
+    # the prefix every chat prompt shares (its template's system turn) is read once: those tokens take no step
+    less = estimates.sample_seconds(tiny, 65536, 64, length=256, prompt=44, shared=30)
+    assert less == pytest.approx(estimates.sample_seconds(tiny, 65536, 64, length=256) * (300 - 30) / 300)

@@ -138,7 +138,7 @@ def measure(source, label: str, args, out: Path | None) -> None:
                "tokens_per_s": round(tokens / seconds, 1), "load_at_start": load}
         if sampler == "slots":
             estimate = estimates.sample_seconds(source.config, tokens, width, dtype == torch.bfloat16,
-                                                selftext.SAMPLE_TOKENS)
+                                                selftext.SAMPLE_TOKENS, *selftext.prompt_tokens(tokenizer))
             row["estimate_s"], row["estimate_over_measured"] = round(estimate, 1), round(estimate / seconds, 3)
         model = model.to(dtype)  # every row's statistics in the one precision
         row.update(statistics(model, samples, tokenizer.eos_token_id))
@@ -171,7 +171,8 @@ def check_estimate(source, args, tmp: str) -> None:
     tokens = selftext.self_tokens(source, args.self_tokens, 0, temperature=args.temperature).numel()
     seconds = time.perf_counter() - start
     bf16 = selftext.sampling_dtype(source) == torch.bfloat16
-    estimate = estimates.sample_seconds(source.config, args.self_tokens, selftext.BATCH, bf16, selftext.SAMPLE_TOKENS)
+    estimate = estimates.sample_seconds(source.config, args.self_tokens, selftext.BATCH, bf16, selftext.SAMPLE_TOKENS,
+                                        *selftext.prompt_tokens(source.tokenizer()))
     row = {"model": args.model or ("random llama, 3 layers, 192 wide" if args.tiny_only else "embedded"),
            "sampler": "self_tokens", "width": selftext.BATCH, "temperature": args.temperature,
            "asked": args.self_tokens, "tokens": tokens, "seconds": round(seconds, 2),

@@ -291,14 +291,17 @@ def sampled_parameters(config) -> int:
 
 
 def sample_seconds(config, tokens: int, width: int, bf16: bool = False, length: int = 0,
-                   document: bool = False) -> float:
+                   document: bool = False, prompt: float = 0.0, shared: float = 0.0) -> float:
     """Sampling `tokens` of self text from a source of `config`, `width` sequences a step (in bfloat16 with `bf16`),
-    sequences of `length` positions (documents with `document`: `DOCUMENT_SPAN`)."""
+    sequences of `length` positions (documents with `document`: `DOCUMENT_SPAN`) after prompts of `prompt` tokens on
+    average whose first `shared` are every prompt's: those take no step (`mla_convert.sampler` copies their keys and
+    values from a prompt read before)."""
+    sampled = tokens * (1 - shared / (length + prompt) if length and shared else 1.0)
     per_token = (2 * sampled_parameters(config) / (SAMPLE_BF16_FLOPS if bf16 else SAMPLE_FLOPS)
                  + config.vocab_size * SAMPLE_VOCAB_S
                  + cache_bytes(config, bf16) * length * (DOCUMENT_SPAN if document else 1) / SAMPLE_CACHE_BYTES_S
                  + (config.num_hidden_layers * SAMPLE_LAYER_S + SAMPLE_STEP_S) / max(1, width))
-    return tokens * per_token / cpu_speed()
+    return sampled * per_token / cpu_speed()
 
 
 def cache_bytes(config, bf16: bool) -> int:

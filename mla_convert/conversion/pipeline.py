@@ -180,7 +180,8 @@ def _sample_seconds(source: Source, geometry: Geometry, options: ConvertOptions,
     document = options.calib_data == selftext.SELF_DOC
     width = selftext.default_batch(device, document)
     length = options.calib_seq_len if document else options.calib_sample_tokens
-    return estimates.sample_seconds(source.config, to_sample, width, bf16, length, document)
+    prompt, shared = selftext.prompt_tokens(source.tokenizer()) if to_sample and not document else (0.0, 0)
+    return estimates.sample_seconds(source.config, to_sample, width, bf16, length, document, prompt, shared)
 
 
 @dataclass

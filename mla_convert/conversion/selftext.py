@@ -56,7 +56,7 @@ CUDA_BATCH = 256
 CUDA_DOC_BATCH = 64
 WRITE_EVERY_S = 30.0  # the cache file is rewritten whole: at most this often while sampling, and at the end
 # Bump when the sampling procedure changes: old cache files are then not read. 1: transformers' `generate` in batches
-# seeded per batch; 2: `mla_convert.sampler`, seeded per sample.
+# seeded per batch; 2: `mla_convert.sampler`, seeded per sample (its prompt store changed no sampled token).
 CACHE_VERSION = 2
 # The hash of the 24-request list the first cache files were sampled with (the first 24 of PROMPTS): their key omits
 # it. Any other list (PROMPTS since, or one set for an experiment) is added to the key, so it never reads their text.
@@ -228,6 +228,16 @@ def prompts(tokenizer, first: int, count: int, style: str = "chat") -> list[list
         raise UserError("the source's tokenizer has neither a chat template nor a BOS/EOS token to start sampling "
                         "from: pass --calib-data FILE")
     return [[start]] * count
+
+
+def prompt_tokens(tokenizer, style: str = "chat") -> tuple[float, int]:
+    """(the mean length of the sampler's prompts, the length of the prefix they all share) (chat: the templated
+    PROMPTS; a document: its BOS alone, nothing shared)."""
+    table = prompts(tokenizer, 0, len(PROMPTS) if style == "chat" else 1, style)
+    shared = 0
+    while len(table) > 1 and all(len(p) > shared + 1 and p[shared] == table[0][shared] for p in table):
+        shared += 1
+    return sum(map(len, table)) / len(table), shared
 
 
 def requests(tokenizer, first: int, seed: int, sample_tokens: int, style: str, limit: int | None):
