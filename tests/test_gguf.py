@@ -235,7 +235,8 @@ def test_quantized_cache_types_in_llamacpp_match_the_simulation(tmp_path):
     key are whole blocks of 32 read the cached row [latent, rope key] as `latent_cache_type` simulates in
     transformers: the perplexity of each within 1% of the simulation, and the simulation explains most of what the
     cache type changes. llama.cpp logs attn_rot_k = 1 for this row of 64 values, yet its MLA path stores the row
-    unrotated: LLAMA_ATTN_ROT_DISABLE=1 gives the same scores bit for bit. The same for the folder re-based for quantized caches (`rebase`)."""
+    unrotated: LLAMA_ATTN_ROT_DISABLE=1 gives the same scores bit for bit. The same for the folder re-based for
+    quantized caches (`rebase`)."""
     from tiny import tiny_text
 
     from mla_convert.rebase import rebase_checkpoint

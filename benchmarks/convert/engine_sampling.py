@@ -59,19 +59,8 @@ json.dump({"tokens": width * (steps - 1), "seconds": seconds}, open(sys.argv[2],
 '''
 
 
-def retype(llamacpp_python: Path, src: Path, out: Path, ftype: str) -> Path:
-    """`src` re-typed to llama.cpp's LLAMA_FTYPE_`ftype` by its quantizer (once)."""
-    import subprocess
-
-    if not out.exists():
-        code = ("import sys, llama_cpp as l; p = l.llama_model_quantize_default_params(); "
-                f"p.ftype = l.LLAMA_FTYPE_{ftype}; p.allow_requantize = True; "
-                "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
-        subprocess.run([str(llamacpp_python), "-c", code, str(src), str(out)], check=True, capture_output=True)
-    return out
-
-
 def llamacpp_rate(llamacpp_python: Path, gguf: Path, args) -> dict:
+    """llama.cpp's batched decode of `width` sequences (WORKER) in its own environment."""
     from mla_convert.serving import engine
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,32 +71,21 @@ def llamacpp_rate(llamacpp_python: Path, gguf: Path, args) -> dict:
     return {"tokens": out["tokens"], "seconds": round(out["seconds"], 2)}
 
 
-def slots_rate(args) -> dict:
+def slots_rate(model, args) -> dict:
     from mla_convert import sampler
-    from mla_convert.checkpoint import open_source
-    from mla_convert.conversion import selftext
 
-    source = open_source(None)
-    dtype = selftext.sampling_dtype(source)
-    model = selftext.causal_lm(source, "cpu", dtype)
     requests = [sampler.Request([100 + i], args.steps, i, suppress_eos=True) for i in range(args.width)]
     samples = sampler.sample(model, requests, args.width, 1.0, None, args.steps + 8)
     start = time.perf_counter()
     tokens = sum(len(s) - 1 for s in samples)
-    return {"tokens": tokens, "seconds": round(time.perf_counter() - start, 2), "dtype": str(dtype).split(".")[-1]}
+    return {"tokens": tokens, "seconds": round(time.perf_counter() - start, 2), "dtype": str(model.dtype)[6:]}
 
 
-def products_bound(args) -> dict:
-    """A step's matrix products alone: every linear layer of the embedded default (its head included) on `width`
-    rows in the sampling precision, back to back, best of 5 passes; the rate no sampler in that arithmetic passes."""
-    from mla_convert.checkpoint import open_source
-    from mla_convert.conversion import selftext
-
-    source = open_source(None)
-    dtype = selftext.sampling_dtype(source)
-    model = selftext.causal_lm(source, "cpu", dtype)
+def products_bound(model, args) -> dict:
+    """A step's matrix products alone: every linear layer of `model` (its head included) on `width` rows in its
+    precision, back to back, best of 6 passes; the rate no sampler in that arithmetic passes."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {w.shape[1]: torch.randn(args.width, w.shape[1], dtype=dtype) for w in weights}
+    inputs = {w.shape[1]: torch.randn(args.width, w.shape[1], dtype=model.dtype) for w in weights}
     best = float("inf")
     with torch.inference_mode():
         for _ in range(6):
@@ -115,7 +93,7 @@ def products_bound(args) -> dict:
             for w in weights:
                 inputs[w.shape[1]] @ w.t()
             best = min(best, time.perf_counter() - start)
-    return {"tokens": args.width, "seconds": round(best, 4), "dtype": str(dtype).split(".")[-1]}
+    return {"tokens": args.width, "seconds": round(best, 4), "dtype": str(model.dtype)[6:]}
 
 
 def main() -> None:
@@ -125,7 +103,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None, help="append one record to this file")
     args = parser.parse_args()
-    from mla_convert.checkpoint import default_model_path
+    from benchmarks.llamacpp.run import retype
+    from mla_convert.checkpoint import default_model_path, open_source
+    from mla_convert.conversion import selftext
     from mla_convert.serving.llamacpp import llamacpp_python
 
     torch.set_num_threads(args.threads)
@@ -136,9 +116,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     embedded = Path(default_model_path())
     routes = {"llama.cpp, the embedded Q4_1 GGUF": embedded,
-              "llama.cpp, bf16": retype(python, embedded, work / "source-bf16.gguf", "MOSTLY_BF16"),
-              "llama.cpp, q8_0": retype(python, embedded, work / "source-q8_0.gguf", "MOSTLY_Q8_0")}
-    rows = {"a step's matrix products alone": products_bound(args), "mla_convert.sampler (slots)": slots_rate(args)}
+              "llama.cpp, bf16": retype(embedded, work / "source-bf16.gguf", "MOSTLY_BF16"),
+              "llama.cpp, q8_0": retype(embedded, work / "source-q8_0.gguf", "MOSTLY_Q8_0")}
+    source = open_source(None)
+    model = selftext.causal_lm(source, "cpu", selftext.sampling_dtype(source))
+    rows = {"a step's matrix products alone": products_bound(model, args),
+            "mla_convert.sampler (slots)": slots_rate(model, args)}
+    del model
     for label, gguf in routes.items():
         rows[label] = llamacpp_rate(python, gguf, args)
     for label, row in rows.items():

@@ -52,17 +52,21 @@ def sh(cmd: list, env: dict | None = None) -> float:
     return harness.timed(cmd, env=env, echo=True, tee=True).wall_s
 
 
-def source_gguf(work: Path) -> Path:
-    """The embedded SmolLM2 GGUF re-typed to f32 by llama.cpp's quantizer (llama_model_quantize, ALL_F32)."""
-    from mla_convert.checkpoint import default_model_path
-
-    out = work / "source-f32.gguf"
+def retype(src: Path, out: Path, ftype: str) -> Path:
+    """`src` re-typed to LLAMA_FTYPE_`ftype` by llama.cpp's quantizer (llama_model_quantize), once."""
     if not out.exists():
         code = ("import sys, llama_cpp as l; p = l.llama_model_quantize_default_params(); "
-                "p.ftype = l.LLAMA_FTYPE_ALL_F32; p.allow_requantize = True; "
+                f"p.ftype = l.LLAMA_FTYPE_{ftype}; p.allow_requantize = True; "
                 "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
-        sh([llamacpp.llamacpp_python(), "-c", code, default_model_path(), out])
+        sh([llamacpp.llamacpp_python(), "-c", code, src, out])
     return out
+
+
+def source_gguf(work: Path) -> Path:
+    """The embedded SmolLM2 GGUF re-typed to f32."""
+    from mla_convert.checkpoint import default_model_path
+
+    return retype(Path(default_model_path()), work / "source-f32.gguf", "ALL_F32")
 
 
 def load_results(args) -> dict:
