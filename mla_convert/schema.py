@@ -151,6 +151,10 @@ def _calib_seq_len(opt: Option, v) -> str | None:
     return None if v >= 2 else "--calib-seq-len must be at least 2 (a window's attention needs a key before its query)"
 
 
+def _calib_echo(opt: Option, v) -> str | None:
+    return None if 0 <= v <= 0.5 else f"--calib-echo must be from 0 to 0.5 (a share of each window), got {v}"
+
+
 def _refine_seq_len(opt: Option, v) -> str | None:
     return None if v >= 16 else f"--refine-seq-len must be at least 16 tokens, got {v}"
 
@@ -286,6 +290,11 @@ class ConvertOptions:
     calib_seq_len: int = option(2048, "--calib-seq-len", check=_calib_seq_len, why="calibration-windows", help=(
         "Tokens per calibration window (the attention profiles see distances up to this; match the contexts you "
         "serve)."))
+    # 0: the windows as the text gives them (docs/decisions.md#calibration-windows: the probe that chose it)
+    calib_echo: float = option(0.0, "--calib-echo", check=_calib_echo, why="calibration-windows", help=(
+        "Share of each calibration window whose last tokens repeat a span from earlier in the same window (0 to 0.5), "
+        "so that the statistics and the refinement see the source copy text from far back, as it does when a long "
+        "prompt is asked about. Default: 0."))
     # None: selftext.calib_temperature of the share of the cache kept, resolved by conversion.pipeline.make_plan
     # (docs/decisions.md#self-text-temperature-length-and-batch)
     calib_temperature: float | None = option(None, "--calib-temperature", check=_positive_finite, show_default=False,

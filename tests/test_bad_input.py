@@ -136,6 +136,8 @@ CASES = {
                                        "self:2:3"], "self:WEIGHT"),
     "convert none in a mixture": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data", "none,self"],
                                   "pass none alone"),
+    "convert --calib-echo above a half": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", *CALIB,
+                                          "--calib-echo", "0.6"], "from 0 to 0.5"),
     "convert --calib-seq-len 1": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",
                                    "{ws}/calib.txt", "--calib-seq-len", "1"], "at least 2"),
     "convert a mixture with an empty file": (["llama", "{ws}/src", "--rank", "8", "-o", "{ws}/out", "--calib-data",

@@ -118,3 +118,19 @@ def test_advance_a_window_at_a_time_is_the_batched_advance_bit_for_bit():
             runner.advance(layer)
         assert all(torch.equal(streams[0].hidden, runner.hidden) for runner in streams[1:])
     assert streams[0].hidden.shape == (10, 48, 64)
+
+
+def test_echo_windows_repeat_an_earlier_span_of_their_own_window_at_the_end():
+    from mla_convert.conversion.calibration import echo_windows
+
+    windows = torch.arange(4 * 64).view(4, 64)  # every token distinct: a repeated token can only be a copy
+    echoed = echo_windows(windows, 0.25, seed=3)
+    assert torch.equal(echo_windows(windows, 0.0, seed=3), windows)
+    assert torch.equal(echoed, echo_windows(windows, 0.25, seed=3))  # seeded
+    assert torch.equal(echoed[:, :48], windows[:, :48])  # the first 3/4 as they were
+    starts = set()
+    for row, tail in zip(windows, echoed[:, 48:]):
+        start = int(tail[0] - row[0])
+        assert 0 <= start <= 64 - 2 * 16 and torch.equal(tail, row[start:start + 16])  # 16 to 48 tokens back
+        starts.add(start)
+    assert len(starts) > 1  # each window draws its own span

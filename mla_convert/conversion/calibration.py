@@ -75,11 +75,12 @@ def window_counts(weights: list[float], n_samples: int) -> list[int]:
 
 def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: int,
                        temperature: float = CALIB_TEMPERATURE, sample_tokens: int = SAMPLE_TOKENS,
-                       device: str = "cpu") -> torch.Tensor:
+                       device: str = "cpu", echo: float = 0.0) -> torch.Tensor:
     """The calibration windows [N, T] of a spec (see `parse_mixture`): random windows of each text, consecutive
     windows of text sampled from the source for `self` (chat answers of `sample_tokens` new tokens at most, joined)
     and `self-doc` (one document a window), sampled at `temperature`, in the weights' proportions, in the order
-    given. Text is sampled on `device` (see `self_tokens`)."""
+    given, their last `echo` of tokens repeating an earlier span (`echo_windows`). Text is sampled on `device` (see
+    `self_tokens`)."""
     out = []
     for name, count, length in _parts(spec, n_samples, seq_len, sample_tokens):
         if length is not None:
@@ -87,7 +88,23 @@ def calibration_tokens(source, spec: str, n_samples: int, seq_len: int, seed: in
             out.append(ids[: count * seq_len].view(count, seq_len))
         else:
             out.append(token_windows(source.tokenizer(), load_text(name), count, seq_len, seed, label=name))
-    return torch.cat(out)
+    return echo_windows(torch.cat(out), echo, seed)
+
+
+def echo_windows(windows: torch.Tensor, share: float, seed: int) -> torch.Tensor:
+    """Windows [N, T] whose last round(share * T) tokens (L) repeat the L tokens from a seeded start in [0, T - 2L]
+    of the same window, so that the span lies L to T - L tokens back: the source's layers then copy from that far
+    (induction), and a conversion calibrated and refined on them must keep doing so. share 0: the windows unchanged."""
+    n, t = windows.shape
+    length = round(share * t)
+    if length == 0:
+        return windows
+    gen = torch.Generator().manual_seed(seed + 1)  # not the windows' own draws (token_windows seeds with `seed`)
+    starts = torch.randint(0, t - 2 * length + 1, (n,), generator=gen)
+    out = windows.clone()
+    for i, start in enumerate(starts.tolist()):
+        out[i, t - length:] = windows[i, start:start + length]
+    return out
 
 
 def _parts(spec: str, n_samples: int, seq_len: int, sample_tokens: int):

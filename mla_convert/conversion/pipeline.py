@@ -522,7 +522,7 @@ class Conversion:
         if self.plan.latent_basis() == "balanced":
             windows = calibration_tokens(self.source, options.calib_data, min(REBASE_WINDOWS, self.plan.memory["samples"]),
                                          options.calib_seq_len, options.seed, temperature=options.calib_temperature,
-                                         sample_tokens=options.calib_sample_tokens)
+                                         sample_tokens=options.calib_sample_tokens, echo=options.calib_echo)
         error = rebase_in_place(stage, windows)
         log.info("latent basis %s for the %s cache (largest logit change %.2e of the largest logit)",
                  self.plan.latent_basis(), self.plan.latent_cache_type, error)
@@ -535,7 +535,7 @@ def calibration_runner(source: Source, options: ConvertOptions):
     device = resolve_device(options.device)
     tokens = calibration_tokens(source, options.calib_data, options.calib_samples, options.calib_seq_len, options.seed,
                                 temperature=options.calib_temperature, sample_tokens=options.calib_sample_tokens,
-                                device=device)
+                                device=device, echo=options.calib_echo)
     embed = source.get_raw("model.embed_tokens.weight")  # rows are looked up, then made float32: no float32 table
     family = family_for(source.config)
     embed_scale = gemma_fields(source.config, None)["embed_scale"] if family.gemma(source.config) else None
