@@ -290,7 +290,7 @@ class ConvertOptions:
     calib_seq_len: int = option(2048, "--calib-seq-len", check=_calib_seq_len, why="calibration-windows", help=(
         "Tokens per calibration window (the attention profiles see distances up to this; match the contexts you "
         "serve)."))
-    # 0: the windows as the text gives them (docs/decisions.md#calibration-windows: the probe that chose it)
+    # 0: the windows as the text gives them (why: docs/decisions.md#calibration-windows)
     calib_echo: float = option(0.0, "--calib-echo", check=_calib_echo, why="calibration-windows", help=(
         "Share of each calibration window whose last tokens repeat a span from earlier in the same window (0 to 0.5), "
         "so that the statistics and the refinement see the source copy text from far back, as it does when a long "
