@@ -463,6 +463,8 @@ RULES: tuple[tuple[Callable[[Any], bool], str], ...] = (
      "--factorization joint (or drop it)"),
     (lambda o: o.refine_steps and o.calib_data is None,
      "--refine-steps trains each layer on calibration text: pass --calib-data (or --refine-steps 0)"),
+    (lambda o: o.calib_echo and o.calib_data is None,
+     "--calib-echo repeats spans of the calibration windows: pass --calib-data (or drop --calib-echo)"),
     (lambda o: o.refine_model_steps and o.calib_data is None,
      "--refine-model-steps trains on calibration text: pass --calib-data (or --refine-model-steps 0)"),
     (lambda o: (o.refine_workers or 1) > 1 and not o.device.startswith("cpu"),

@@ -134,3 +134,5 @@ def test_echo_windows_repeat_an_earlier_span_of_their_own_window_at_the_end():
         assert 0 <= start <= 64 - 2 * 16 and torch.equal(tail, row[start:start + 16])  # 16 to 48 tokens back
         starts.add(start)
     assert len(starts) > 1  # each window draws its own span
+    odd = echo_windows(torch.arange(3).view(1, 3), 0.5, seed=0)  # half of 3 rounds to 2: one token fits
+    assert odd[0, :2].tolist() == [0, 1] and odd[0, 2].item() in (0, 1)

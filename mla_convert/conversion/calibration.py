@@ -96,7 +96,7 @@ def echo_windows(windows: torch.Tensor, share: float, seed: int) -> torch.Tensor
     of the same window, so that the span lies L to T - L tokens back: the source's layers then copy from that far
     (induction), and a conversion calibrated and refined on them must keep doing so. share 0: the windows unchanged."""
     n, t = windows.shape
-    length = round(share * t)
+    length = min(round(share * t), t // 2)  # an odd window's half rounds up: the span and its copy still fit
     if length == 0:
         return windows
     gen = torch.Generator().manual_seed(seed + 1)  # not the windows' own draws (token_windows seeds with `seed`)
