@@ -304,6 +304,13 @@ def read_cache_as_served(model, kind: str | None) -> tuple[str | None, float | N
     return kind, (use_cache_type(model, kind) if kind is not None else None)
 
 
+def holds_cache_type(model) -> bool:
+    """Whether `model`'s dynamic cache really holds its rows in the cache type it reads them as: a converted model's
+    latent cache type does (`TypedLatentLayer`: ggml's block bytes); a source's quantized cache is simulated (the
+    values it reads back, in the model's dtype)."""
+    return model.config.model_type == "mla" and getattr(model.config, "latent_cache_type", None) not in (None, "f32")
+
+
 def use_cache_type(model, kind: str) -> float:
     """Make `model` read its KV cache as llama.cpp's cache type `kind` stores it (mla_convert.kvquant): a converted
     model's cached row [latent, rope key], a source's keys and values (with llama.cpp's Hadamard rotation). -> the

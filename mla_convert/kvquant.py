@@ -75,29 +75,41 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
-def _symmetric(blocks: torch.Tensor, levels: int) -> torch.Tensor:
+FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Blocks:
+    """Rows quantized in blocks of 32: the integer per value (`codes`, [..., blocks, 32]; iq4_nl: the index of its
+    level), the float16 scale and, for the `_1` types, the float16 minimum (both [..., blocks, 1], float32 holding
+    float16 values): what a ggml block stores, unpacked."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor | None = None
+
+
+def _symmetric(blocks: torch.Tensor, levels: int) -> Blocks:
     """q4_0 / q5_0: the block's value of largest magnitude (its first, on ties) maps to -levels/2."""
     half = levels // 2
     index = blocks.abs().argmax(dim=-1, keepdim=True)
     d = blocks.gather(-1, index) / -half
-    q = torch.trunc(blocks * _inverse(d) + (half + 0.5)).clamp(0, levels - 1)
-    return (q - half) * _fp16(d)
+    return Blocks(torch.trunc(blocks * _inverse(d) + (half + 0.5)).clamp(0, levels - 1), _fp16(d))
 
 
-def _affine(blocks: torch.Tensor, levels: int) -> torch.Tensor:
+def _affine(blocks: torch.Tensor, levels: int) -> Blocks:
     """q4_1 / q5_1: the block's minimum and step, both stored in float16."""
     low = blocks.amin(dim=-1, keepdim=True)
     d = (blocks.amax(dim=-1, keepdim=True) - low) / (levels - 1)
-    q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(0, levels - 1)
-    return q * _fp16(d) + _fp16(low)
+    return Blocks(torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(0, levels - 1), _fp16(d), _fp16(low))
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q8_0(blocks: torch.Tensor) -> Blocks:
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    return _roundf(blocks * _inverse(d)) * _fp16(d)
+    return Blocks(_roundf(blocks * _inverse(d)), _fp16(d))
 
 
-def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+def _iq4_nl(blocks: torch.Tensor) -> Blocks:
     """iq4_nl as a cache stores it (ggml's from_float for the type: quantize_row_iq4_nl_ref, no scale search): each
     value to the nearest of IQ4_NL_VALUES at the scale that sends the block's largest magnitude to -127 (ties to the
     upper level), then the block's float16 scale refitted by least squares weighted by each value's square."""
@@ -105,32 +117,106 @@ def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     index = blocks.abs().argmax(dim=-1, keepdim=True)
     largest = blocks.gather(-1, index)
     scaled = blocks * _inverse(largest / values[0])
-    level = values[torch.bucketize(scaled, (values[1:] + values[:-1]) / 2, right=True)]
+    codes = torch.bucketize(scaled, (values[1:] + values[:-1]) / 2, right=True)
+    level = values[codes]
     weight = blocks * blocks
     sum_qx, sum_q2 = (weight * level * blocks).sum(-1, keepdim=True), (weight * level * level).sum(-1, keepdim=True)
     d = torch.where(sum_q2 > 0, sum_qx / torch.where(sum_q2 > 0, sum_q2, torch.ones_like(sum_q2)), 0.0)
     empty = largest.abs() < 1e-15  # ggml's GROUP_MAX_EPS: a zero scale
-    return torch.where(empty, 0.0, level * _fp16(d))
+    return Blocks(codes.float(), torch.where(empty, 0.0, _fp16(d)))
+
+
+def quantize(x: torch.Tensor, kind: str) -> Blocks:
+    """Rows `x` [..., n] (n a multiple of 32) in the quantized cache type `kind`, as ggml's reference rounding
+    quantizes them (arithmetic in float32)."""
+    spec = cache_type(kind)
+    if not spec.levels:
+        raise ValueError(f"{kind} is a float type: nothing to quantize")
+    check_row(x.shape[-1], kind)
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+    if kind == "q8_0":
+        return _q8_0(blocks)
+    if kind == "iq4_nl":
+        return _iq4_nl(blocks)
+    return _affine(blocks, spec.levels) if spec.offset else _symmetric(blocks, spec.levels)
+
+
+def dequantize(q: Blocks, kind: str) -> torch.Tensor:
+    """The values blocks `q` of cache type `kind` read back as, float32 [..., n]."""
+    spec = cache_type(kind)
+    if kind == "iq4_nl":
+        values = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=q.codes.device)
+        out = torch.where(q.scale == 0, 0.0, values[q.codes.long()] * q.scale)
+    elif kind == "q8_0":
+        out = q.codes * q.scale
+    elif spec.offset:
+        out = q.codes * q.scale + q.low
+    else:
+        out = (q.codes - spec.levels // 2) * q.scale
+    return out.reshape(*out.shape[:-2], -1)
 
 
 def round_trip(x: torch.Tensor, kind: str) -> torch.Tensor:
     """What a cache of type `kind` gives back for rows `x` [..., n] (blocks along the last dim), in x's dtype."""
-    spec = cache_type(kind)
     if kind == "f32":
         return x
+    if not cache_type(kind).levels:
+        return x.to(FLOAT_DTYPES[kind]).to(x.dtype)
+    return dequantize(quantize(x, kind), kind).to(x.dtype)
+
+
+def _bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype` as its bytes along the last dim, little-endian as ggml writes them (torch's view gives the
+    machine's order: every platform torch ships for is little-endian)."""
+    return x.to(dtype).contiguous().view(torch.uint8)
+
+
+def pack(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Rows `x` [..., n] as cache type `kind` holds them in memory: ggml's block structs byte for byte (q8_0: scale,
+    32 int8; q4_0 / iq4_nl: scale, 16 bytes of two 4-bit codes, value j in the low and j+16 in the high nibble; q4_1:
+    scale, minimum, codes; q5_0 / q5_1: scale, (minimum,) the 32 fifth bits as a little-endian uint32, then the low 4
+    bits as q4_0's), uint8 [..., n / 32 * bytes_per_block]; a float type: its values' own bytes."""
+    spec = cache_type(kind)
     if not spec.levels:
-        return x.to(torch.float16 if kind == "f16" else torch.bfloat16).to(x.dtype)
-    check_row(x.shape[-1], kind)
-    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+        return _bytes(x, FLOAT_DTYPES[kind])
+    q = quantize(x, kind)
+    codes = q.codes.to(torch.int64)
+    parts = [_bytes(q.scale, torch.float16)] + ([_bytes(q.low, torch.float16)] if q.low is not None else [])
     if kind == "q8_0":
-        out = _q8_0(blocks)
-    elif kind == "iq4_nl":
-        out = _iq4_nl(blocks)
-    elif spec.offset:
-        out = _affine(blocks, spec.levels)
+        parts.append(codes.to(torch.int8).view(torch.uint8))
     else:
-        out = _symmetric(blocks, spec.levels)
-    return out.reshape(x.shape).to(x.dtype)
+        if spec.levels == 32:  # the fifth bits, bit j of a little-endian uint32 for value j
+            high = ((codes >> 4) & 1) << torch.arange(32, device=codes.device)
+            word = high.sum(-1, keepdim=True)
+            parts.append(((word >> torch.arange(0, 32, 8, device=codes.device)) & 255).to(torch.uint8))
+        parts.append(((codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)).to(torch.uint8))
+    return torch.cat(parts, dim=-1).reshape(*x.shape[:-1], -1)
+
+
+def unpack(data: torch.Tensor, kind: str) -> torch.Tensor:
+    """`pack`'s bytes [..., bytes] of cache type `kind` read back, float32 [..., n] (exactly `round_trip`'s values)."""
+    spec = cache_type(kind)
+    if not spec.levels:
+        return data.contiguous().view(FLOAT_DTYPES[kind]).float()
+    blocks = data.reshape(*data.shape[:-1], -1, spec.bytes_per_block)
+
+    def half(at: int) -> torch.Tensor:
+        return blocks[..., at : at + 2].contiguous().view(torch.float16).float()
+
+    scale, at = half(0), 2
+    low = None
+    if spec.offset:
+        low, at = half(2), 4
+    if kind == "q8_0":
+        codes = blocks[..., at:].contiguous().view(torch.int8).float()
+    else:
+        qs = blocks[..., -16:].to(torch.int64)
+        codes = torch.cat((qs & 15, qs >> 4), dim=-1)
+        if spec.levels == 32:
+            word = (blocks[..., at : at + 4].to(torch.int64) << torch.arange(0, 32, 8, device=data.device)).sum(-1)
+            codes = codes | (((word.unsqueeze(-1) >> torch.arange(32, device=data.device)) & 1) << 4)
+        codes = codes.float()
+    return dequantize(Blocks(codes, scale, low), kind)
 
 
 def interleaved_order(head_dim: int) -> torch.Tensor:

@@ -40,6 +40,30 @@ def test_round_trip_is_ggml_bit_for_bit(kind):
     np.testing.assert_array_equal(kvquant.round_trip(x, kind).numpy(), reference)
 
 
+@pytest.mark.parametrize("kind", sorted(GGUF_TYPES) + ["iq4_nl", "f16", "bf16"])
+def test_pack_is_ggml_block_bytes(kind):
+    """`pack` writes ggml's block structs byte for byte (gguf-py's quantizers; iq4_nl read back by gguf-py's
+    dequantizer, its bytes from llama.cpp's own library in test_iq4_nl_is_llamacpps_cache_rounding), and `unpack`
+    reads them back as exactly `round_trip`'s values."""
+    import gguf
+    from gguf import quants
+
+    x = rows()
+    packed = kvquant.pack(x, kind)
+    assert packed.dtype == torch.uint8 and packed.shape == (48, kvquant.row_bytes(256, kind))
+    assert torch.equal(kvquant.unpack(packed, kind), kvquant.round_trip(x, kind).float())
+    if kind in GGUF_TYPES:
+        qtype = getattr(gguf.GGMLQuantizationType, GGUF_TYPES[kind])
+        np.testing.assert_array_equal(packed.numpy(), quants.quantize(x.numpy(), qtype))
+    elif kind == "iq4_nl":
+        read = quants.dequantize(packed.numpy(), gguf.GGMLQuantizationType.IQ4_NL)
+        np.testing.assert_array_equal(read, kvquant.round_trip(x, kind).numpy())
+    else:
+        assert torch.equal(packed.view(kvquant.FLOAT_DTYPES[kind]), x.to(kvquant.FLOAT_DTYPES[kind]))
+    # rows packed one at a time are the rows packed together (a cache appends them)
+    assert torch.equal(torch.cat([kvquant.pack(x[i : i + 1], kind) for i in range(3)]), packed[:3])
+
+
 def test_bytes_and_rows():
     assert kvquant.row_bytes(96, "q4_0") == 54 and kvquant.row_bytes(96, "q8_0") == 102
     assert kvquant.latent_padding(16, 32, "q4_0") == 16 and kvquant.latent_padding(16, 32, "f16") == 0
@@ -149,6 +173,45 @@ def test_latent_cache_type_reads_alike_in_prefill_and_decode(converted):
     assert (whole - reference).abs().max() > 1e-4 * whole.abs().max()
 
 
+def stepped(model, ids: torch.Tensor, prompt: int = 5) -> tuple[torch.Tensor, object]:
+    """Logits of a prefill of `prompt` tokens then one token at a time over the cache (absorbed form), and the cache."""
+    out = model(ids[:, :prompt], use_cache=True)
+    steps, cache = [out.logits], output_cache(out)
+    for t in range(prompt, ids.shape[1]):
+        out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
+        steps.append(out.logits)
+        cache = output_cache(out)
+    return torch.cat(steps, dim=1), cache
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q5_1", "q8_0", "f16"])
+def test_latent_cache_holds_the_type_for_real(converted, kind, monkeypatch):
+    """A model with `latent_cache_type` holds its dynamic cache in the type's bytes (ggml's blocks; the latent
+    zero-padded to whole blocks) and reads back exactly the values the simulated cache (the model's dtype, each row
+    rounded as the type) reads: the same logits bit for bit, in a prefill and in a token-by-token decode."""
+    from mla_convert import evaluate
+    from mla_convert.modeling import modeling_mla
+
+    _, folder = converted
+    model = load(folder)
+    model.config.latent_cache_type = kind
+    config = model.config
+    ids = tokens()
+    per_token = sum(kvquant.latent_row_bytes(r, config.qk_rope_head_dim, kind) for r in config.kv_lora_ranks)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        held, held_cache = stepped(model, ids)
+        assert evaluate.kv_cache_bytes_per_token(model) == per_token
+        monkeypatch.setattr(modeling_mla, "hold_latent_typed", lambda cache, config: None)
+        simulated, simulated_cache = stepped(model, ids)
+        assert torch.equal(out.logits, model(ids, use_cache=False).logits)
+    assert all(isinstance(layer, modeling_mla.TypedLatentLayer) for layer in held_cache.layers)
+    assert torch.equal(held, simulated)
+    assert evaluate.cache_bytes(held_cache) == ids.numel() * per_token
+    floats = sum(r + config.qk_rope_head_dim for r in config.kv_lora_ranks) * 4  # float32 rows, unpadded
+    assert evaluate.cache_bytes(simulated_cache) == ids.numel() * floats > ids.numel() * per_token
+
+
 @pytest.mark.parametrize("basis", ["rotation", "balanced"])
 def test_latent_basis_changes_no_logit(converted, basis):
     """The basis folded into kv_a_proj and kv_b_proj: the logits stay the source's at full rank (float rounding)."""
@@ -230,7 +293,9 @@ def test_generate_cache_type(sources, convert_tiny):
 
     out = convert_tiny(sources["llama-gqa"], rank=24, rope_dims=8, rank_allocation="uniform", **CLOSED_FORM)
     code, output = run("generate", out, "-p", "w1 w2 w3", "-n", 4, "--cache-type", "q4_0")
-    assert code == 0 and "read as a q4_0 cache: 36 bytes/token" in output, output
+    assert code == 0 and "KV cache: 36 bytes/token (q4_0 blocks, as llama.cpp stores them" in output, output
+    code, output = run("generate", out, "-p", "w1 w2 w3", "-n", 4, "--cache-type", "q4_0", "--cache", "static")
+    assert code == 0 and "read as a q4_0 cache: 36 bytes/token" in output, output  # a static cache: simulated
 
 
 IQ4_NL_BY_GGML = """

@@ -183,7 +183,8 @@ def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: 
             net, tokenizer, label = evaluate.load_model(model, dtype, device)
             cache_type, stored = evaluate.read_cache_as_served(net, cache_type)
             result = evaluate.perplexity(net, evaluate.tokenize(tokenizer, text), seq_len, windows, progress=not quiet)
-            result["kv_cache_bytes_per_token"] = stored or evaluate.kv_cache_bytes_per_token(net)
+            held = stored is None or evaluate.holds_cache_type(net)  # else a source's cache type: its bytes, computed
+            result["kv_cache_bytes_per_token"] = evaluate.kv_cache_bytes_per_token(net) if held else stored
             result["cache_type"] = cache_type
         return result, label
     raise UserError(f"--engine must be transformers, vllm or llamacpp, got {engine}")
@@ -280,13 +281,15 @@ def generate_command(
         line += ", after the compiling first decode step)" if run.compiled_first_step else ")"
     typer.echo(line)
     total = run.cache_bytes
+    held = stored is not None and cache == "dynamic" and evaluate.holds_cache_type(net)
+    kind = f"{cache_type} blocks, as llama.cpp stores them" if held else dtype
     if run.capacity is None:
-        typer.echo(f"KV cache: {run.bytes_per_token} bytes/token ({dtype}, all layers); {run.cached_tokens} tokens "
+        typer.echo(f"KV cache: {run.bytes_per_token} bytes/token ({kind}, all layers); {run.cached_tokens} tokens "
                    f"cached = {total} bytes ({total / 2**20:.2f} MiB)")
     else:  # preallocated: the bytes are the capacity's, whatever was written
-        typer.echo(f"KV cache: {run.bytes_per_token} bytes/token ({dtype}, all layers); {run.cached_tokens} tokens "
+        typer.echo(f"KV cache: {run.bytes_per_token} bytes/token ({kind}, all layers); {run.cached_tokens} tokens "
                    f"cached in a static cache of {run.capacity} tokens = {total} bytes ({total / 2**20:.2f} MiB)")
-    if stored is not None:
+    if stored is not None and not held:
         typer.echo(f"read as a {cache_type} cache: {stored:g} bytes/token as llama.cpp stores it (this process holds "
                    "the values it reads back, de-quantized, at the size above)")
 
