@@ -208,6 +208,17 @@ def test_latent_cache_holds_the_type_for_real(converted, kind, monkeypatch):
     assert all(isinstance(layer, modeling_mla.TypedLatentLayer) for layer in held_cache.layers)
     assert torch.equal(held, simulated)
     assert evaluate.cache_bytes(held_cache) == ids.numel() * per_token
+    held_cache.reset()  # an emptied cache after the type changed: retyped, or back to floats
+    model.config.latent_cache_type = "q8_0" if kind != "q8_0" else "q4_0"
+    monkeypatch.undo()
+    with torch.no_grad():
+        model(ids, cache=held_cache, use_cache=True)
+    assert all(layer.kind == model.config.latent_cache_type for layer in held_cache.layers)
+    held_cache.reset()
+    model.config.latent_cache_type = None
+    with torch.no_grad():
+        plain = model(ids, cache=held_cache, use_cache=True).logits
+    assert torch.equal(plain, model(ids, use_cache=False).logits) and not evaluate.holds_cache_type(model)
     floats = sum(r + config.qk_rope_head_dim for r in config.kv_lora_ranks) * 4  # float32 rows, unpadded
     assert evaluate.cache_bytes(simulated_cache) == ids.numel() * floats > ids.numel() * per_token
 
@@ -296,6 +307,7 @@ def test_generate_cache_type(sources, convert_tiny):
     assert code == 0 and "KV cache: 36 bytes/token (q4_0 blocks, as llama.cpp stores them" in output, output
     code, output = run("generate", out, "-p", "w1 w2 w3", "-n", 4, "--cache-type", "q4_0", "--cache", "static")
     assert code == 0 and "read as a q4_0 cache: 36 bytes/token" in output, output  # a static cache: simulated
+    assert "KV cache: 256 bytes/token (float32, all layers)" in output, output  # 2 layers x (24 + 8) x 4 bytes
 
 
 IQ4_NL_BY_GGML = """

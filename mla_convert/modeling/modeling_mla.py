@@ -229,7 +229,7 @@ class MLAAttention(nn.Module):
             if self.qk_norm != "exact":  # exact qk norm: cached before norm and rotation (see _normalized_keys)
                 k_rope = rotate(k_rope, cos, sin)
         kind = getattr(self.config, "latent_cache_type", None)
-        if kind and not isinstance(cache_layer(cache, self.layer_idx), TypedLatentLayer):
+        if kind and getattr(cache_layer(cache, self.layer_idx), "kind", None) != kind:  # not held in the type
             latent, k_rope = round_trip_latent(latent, k_rope, kind)  # each row as the cache type gives it back
         filled = None  # a static cache's count of written rows (0-d tensor on the cache's device), else None
         capacity = None  # a static cache's row count where only its written rows are attended to
@@ -667,17 +667,21 @@ def cache_layer(cache: Cache | None, index: int):
 
 
 def hold_latent_typed(cache: Cache | None, config: MLAConfig) -> None:
-    """A new dynamic cache of a model whose latent is served in a cache type (`latent_cache_type`) holds its full
-    attention layers' rows in that type for real (`TypedLatentLayer`); sliding-window and static layers keep the
-    model's dtype and read the rows as the type gives them back (the same values, the float bytes)."""
+    """A new (empty) dynamic cache of a model whose latent is served in a cache type (`latent_cache_type`) holds its
+    layers' rows in that type for real (`TypedLatentLayer`); a model with sliding-window layers, and a static cache,
+    keep the model's dtype and read the rows as the type gives them back (the same values, the float bytes). An empty
+    cache typed for another type (the config changed since) is retyped."""
     kind = getattr(config, "latent_cache_type", None)
-    if kind is None or kind == "f32" or not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0:
+    kind = None if kind == "f32" or any(t != "full_attention" for t in config.layer_types or []) else kind
+    if not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0:
         return
-    if not cache.layers and cache.layer_class_to_replicate is DynamicLayer:
+    if kind is not None and not cache.layers and cache.layer_class_to_replicate is DynamicLayer:
         cache.layers.extend(DynamicLayer() for _ in range(config.num_hidden_layers))
     for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer and not layer.is_initialized:
-            cache.layers[i] = TypedLatentLayer(kind, config.kv_lora_ranks[i], config.qk_rope_head_dim)
+        if layer.is_initialized or type(layer) not in (DynamicLayer, TypedLatentLayer) or getattr(layer, "kind", None) == kind:
+            continue
+        typed = kind is not None
+        cache.layers[i] = TypedLatentLayer(kind, config.kv_lora_ranks[i], config.qk_rope_head_dim) if typed else DynamicLayer()
 
 
 def key_positions(position_ids: torch.Tensor, cache: Cache | None) -> torch.Tensor:
