@@ -296,6 +296,9 @@ def test_quantized_cache_refused_for_rows_not_in_blocks(tmp_path):
     from mla_convert.serving.llamacpp import llamacpp_serve_line
     whole_blocks = llamacpp_serve_line("m.gguf", 64, 32)
     assert "-fa on (exact, the f16 cache); add --cache-type-k q8_0 --cache-type-v q8_0" in whole_blocks
+    planned = llamacpp_serve_line("m.gguf", 128, 32, "iq4_nl", 30 * 160)  # --kv-bytes 0.125's plan on SmolLM2
+    assert "-fa on --cache-type-k iq4_nl --cache-type-v iq4_nl (the cache type this conversion was planned for: " \
+        "2,700 bytes per token)" in planned
     text = tmp_path / "eval.txt"
     text.write_text(tiny_text(seed=9))
     result = CliRunner().invoke(app, ["eval", str(tmp_path / "m.gguf"), "--data", str(text), "--seq-len", "64",

@@ -389,6 +389,7 @@ def export_gguf(model: str | os.PathLike, out: str | os.PathLike, gguf_type: str
     finally:
         source.close()
     record["parent_provenance_kind"] = (provenance.load(folder) or {}).get("kind")
+    record["latent_cache_type"] = getattr(config, "latent_cache_type", None)  # the type the conversion planned for
     return record
 
 
@@ -451,4 +452,5 @@ def report_gguf(record: dict, output: Path, say) -> None:
         "per token (f16 cache: x2 bytes)")
     say(llamacpp_cache_types(record["kv_lora_rank"], record["qk_rope_head_dim"]))
     say(f"run it: mla-convert eval {output} --engine llamacpp --data TEXT (llama.cpp from scripts/install-llamacpp.sh)")
-    say(llamacpp_serve_line(output, record["kv_lora_rank"], record["qk_rope_head_dim"]))
+    say(llamacpp_serve_line(output, record["kv_lora_rank"], record["qk_rope_head_dim"],
+                            record.get("latent_cache_type"), record["kv_cache_elements_per_token"]))

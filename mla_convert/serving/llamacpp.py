@@ -92,15 +92,23 @@ def llamacpp_cache_types(kv_lora_rank: int, rope_dims: int) -> str:
             f"rope dims in whole blocks of {LLAMACPP_BLOCK} (here {kv_lora_rank} + {rope_dims}): {fix}")
 
 
-def llamacpp_serve_line(model, kv_lora_rank: int, rope_dims: int) -> str:
+def llamacpp_serve_line(model, kv_lora_rank: int, rope_dims: int, planned: str | None = None,
+                        values_per_token: int | None = None) -> str:
     """How to serve an MLA GGUF in llama.cpp with the flags that decoded it fastest on a CPU (flash attention on: its
     MLA path without it copies the latent transposed every step; a q8_0 cache where the row is whole blocks, at about
-    +0.1% perplexity), from benchmarks/llamacpp/README.md."""
+    +0.1% perplexity), from benchmarks/llamacpp/README.md; a conversion planned for a cache type (`--kv-bytes`,
+    `--cache-type`: its config's `latent_cache_type`, `planned`) is served in that type, its bytes per token said."""
     line = f"serve it: llama-server -m {model} -fa on"
-    if quantized_cache_ok(kv_lora_rank, rope_dims):
-        return line + (" (exact, the f16 cache); add --cache-type-k q8_0 --cache-type-v q8_0 to decode faster still at "
-                       "about +0.1% perplexity")
-    return line + " (exact, the f16 cache)"
+    if not quantized_cache_ok(kv_lora_rank, rope_dims):
+        return line + " (exact, the f16 cache)"
+    if planned is not None and planned in CACHE_TYPES:
+        from mla_convert.kvquant import row_bytes
+
+        size = f": {row_bytes(values_per_token, planned):,.0f} bytes per token" if values_per_token else ""
+        return line + (f" --cache-type-k {planned} --cache-type-v {planned} (the cache type this conversion was "
+                       f"planned for{size})")
+    return line + (" (exact, the f16 cache); add --cache-type-k q8_0 --cache-type-v q8_0 to decode faster still at "
+                   "about +0.1% perplexity")
 
 
 def gguf_ints(model: str | os.PathLike, *keys: str) -> list[int | None]:
