@@ -191,6 +191,7 @@ def test_latent_cache_holds_the_type_for_real(converted, kind, monkeypatch):
     rounded as the type) reads: the same logits bit for bit, in a prefill and in a token-by-token decode."""
     from mla_convert import evaluate
     from mla_convert.modeling import modeling_mla
+    from mla_convert.modeling.latent_cache import TypedLatentLayer
 
     _, folder = converted
     model = load(folder)
@@ -205,7 +206,7 @@ def test_latent_cache_holds_the_type_for_real(converted, kind, monkeypatch):
         monkeypatch.setattr(modeling_mla, "hold_latent_typed", lambda cache, config: None)
         simulated, simulated_cache = stepped(model, ids)
         assert torch.equal(out.logits, model(ids, use_cache=False).logits)
-    assert all(isinstance(layer, modeling_mla.TypedLatentLayer) for layer in held_cache.layers)
+    assert all(isinstance(layer, TypedLatentLayer) for layer in held_cache.layers)
     assert torch.equal(held, simulated)
     assert evaluate.cache_bytes(held_cache) == ids.numel() * per_token
     held_cache.reset()  # an emptied cache after the type changed: retyped, or back to floats

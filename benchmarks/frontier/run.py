@@ -13,15 +13,17 @@ Routes (one line each on the chart):
   source, unrotated   the same without the rotation (llama.cpp before April 2026, or LLAMA_ATTN_ROT_DISABLE=1).
   MODEL, BASIS        a conversion whose cached row [latent, rope key] is stored in each cache type
                       (`latent_cache_type`), its latent in BASIS (mla_convert.latent_basis; folded in memory).
-  LABEL, llama.cpp (real)  a GGUF (`--gguf LABEL=FILE`; `source=auto`: the embedded default re-typed to f32) run in
-                      llama.cpp itself with each of its cache types (`--gguf-types`, flash attention on), on the same
+  LABEL, llama.cpp (real)  a GGUF (`--gguf LABEL=FILE`; `source=auto`: the embedded default re-typed to f32;
+                      LABEL=FOLDER: a `--target deepseek` conversion, exported to out/frontier-gguf/LABEL.gguf in f32
+                      weights, as `mla-convert export --format gguf` writes it) run in llama.cpp itself with each of its cache types (`--gguf-types`, flash attention on), on the same
                       token ids; bytes per token from llama.cpp's own allocation log. A GGUF exported from a
                       `--models` folder of the same LABEL gets its parity column: llama.cpp against the simulation.
 Simulated points are transformers with ggml's rounding bit for bit (tests/test_kvquant.py); real ones are labelled
 with the engine. Bytes per token are all layers' cached rows in the cache type
 (ggml's block sizes). The balanced basis is fitted on the first windows of the conversion's own calibration text
 (`--calib`, default the data-free self text the conversion sampled), never on a development text.
-Writes OUT/frontier.json (rewritten after each point: a stopped run keeps what it measured), OUT/frontier.md (the
+Writes OUT/frontier.json (rewritten after each point: a stopped run keeps what it measured; `--keep` measures only
+the points it lacks, on the same windows), OUT/frontier.md (the
 table) and OUT/frontier.png (x: bytes per token, log scale; y: perplexity ratio to the source, the geometric mean
 over the domains).
 """
@@ -44,6 +46,25 @@ TEXTS = {"wiki-dev": DEV / "wiki.valid.second-half.tokens", "devref-dev": DEV / 
          "fortunes-dev": DEV / "fortunes.txt"}  # fmt: skip
 SOURCE_TYPES = "f16,q8_0,q5_0,q4_1,q4_0,iq4_nl"
 LATENT_TYPES = "f16,q8_0,q5_0,q4_0,iq4_nl"
+
+
+class Points:
+    """frontier.json's points: `record` adds one (the file rewritten at once), `has` says whether `--keep` may
+    reuse one already measured."""
+
+    def __init__(self, data: dict, path: Path, keep: bool):
+        self.data, self.path, self.keep = data, path, keep
+
+    def has(self, route: str, kind: str) -> bool:
+        return self.keep and any((p["route"], p["cache"]) == (route, kind) for p in self.data["points"])
+
+    def __call__(self, route, kind, byte_count, ppl, measured="simulated (transformers, ggml rounding)") -> None:
+        points = [p for p in self.data["points"] if (p["route"], p["cache"]) != (route, kind)]
+        self.data["points"] = points + [{"route": route, "cache": kind, "bytes_per_token": byte_count,
+                                         "perplexity": ppl, "measured": measured, "at": time.strftime("%F %T")}]
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+        print(f"{route:28s} {kind:6s} {byte_count:9,.0f} B/token  " + "  ".join(f"{t} {v:.3f}" for t, v in ppl.items()),
+              flush=True)
 
 
 def perplexities(model, ids: dict, args) -> dict:
@@ -73,11 +94,13 @@ def source_points(args, ids: dict, record) -> None:
     for rotation, kinds in ((True, args.source_types), (False, args.unrotated_types)):
         for kind in [k for k in kinds.split(",") if k]:
             route = "source, llama.cpp" if rotation else "source, unrotated"
+            if record.has(route, kind):
+                continue
             kvquant.read_source_cache_as(model, kind, rotation=rotation)
             record(route, kind, layers * kvquant.row_bytes(row, kind), perplexities(model, ids, args))
 
 
-def model_points(label: str, folder: str, args, ids: dict, record) -> None:
+def model_points(label: str, folder: str, kinds: list, args, ids: dict, record) -> None:
     from transformers import AutoModelForCausalLM
 
     import mla_convert  # noqa: F401
@@ -92,16 +115,18 @@ def model_points(label: str, folder: str, args, ids: dict, record) -> None:
             if moments is None:
                 moments = latent_basis.latent_moments(model, calibration_windows(model, args))
             latent_basis.apply_basis(model, basis, moments)
-        for kind in args.latent_types.split(","):
+        for kind in kinds:
             if kind in ("f16", "f32") and basis != "native":
                 continue  # a basis changes nothing in 16 bits
+            if record.has(f"{label}, {basis}", kind):
+                continue
             model.config.latent_cache_type = None if kind == "f32" else kind
             byte_count = sum(kvquant.latent_row_bytes(r, d_r, kind) for r in model.config.kv_lora_ranks)
             record(f"{label}, {basis}", kind, byte_count, perplexities(model, ids, args))
 
 
-def gguf_points(label: str, gguf: str, args, ids: dict, record) -> None:
-    """`label`'s GGUF in llama.cpp itself at each of `--gguf-types` the file takes (flash attention for quantized
+def gguf_points(label: str, gguf: str, kinds: list, args, ids: dict, record) -> None:
+    """`label`'s GGUF in llama.cpp itself at each cache type of `kinds` the file takes (flash attention for quantized
     types); the source's (`auto`) is the embedded default re-typed to f32 by llama.cpp."""
     from mla_convert.serving import llamacpp
 
@@ -109,8 +134,12 @@ def gguf_points(label: str, gguf: str, args, ids: dict, record) -> None:
         from benchmarks.llamacpp.run import source_gguf
 
         gguf = str(source_gguf(ROOT / "out"))  # weights stay out of benchmarks/ (out/ is ignored)
+    elif Path(gguf).is_dir():
+        gguf = str(exported_gguf(label, Path(gguf)))
     layout = llamacpp.gguf_mla_layout(gguf)
-    for kind in args.gguf_types.split(","):
+    for kind in kinds:
+        if record.has(f"{label}, llama.cpp (real)", kind):
+            continue
         quantized = kind not in llamacpp.FLOAT_CACHE_TYPES
         if layout and quantized and not llamacpp.quantized_cache_ok(*layout):
             print(f"{label}: skips {kind}: " + llamacpp.llamacpp_cache_types(*layout), flush=True)
@@ -121,6 +150,30 @@ def gguf_points(label: str, gguf: str, args, ids: dict, record) -> None:
         record(f"{label}, llama.cpp (real)", kind, first["kv_cache_bytes_per_token"],
                {name: r["perplexity"] for name, r in runs.items()},
                measured=f"real: {first['engine']}, flash attention " + ("on" if quantized else "off"))
+
+
+def specs(text: str, default_types: str) -> list[tuple[str, str, list]]:
+    """`LABEL=PATH[@TYPE+TYPE...],...` as (label, path, cache types); no @: `default_types` (comma-separated)."""
+    out = []
+    for spec in [s for s in text.split(",") if s]:
+        label, _, rest = spec.partition("=")
+        path, _, kinds = rest.partition("@")
+        out.append((label, path, kinds.split("+") if kinds else default_types.split(",")))
+    return out
+
+
+def exported_gguf(label: str, folder: Path) -> Path:
+    """`folder` (a native conversion made with `--target deepseek`) as llama.cpp reads it: the GGUF the user's
+    `mla-convert export FOLDER --format gguf` writes (f32 weights, like the source's), re-written when the folder's
+    weights are newer."""
+    from mla_convert.export.gguf import export_gguf
+
+    out = ROOT / "out" / "frontier-gguf" / f"{label}.gguf"
+    weights = max(p.stat().st_mtime for p in folder.glob("*.safetensors"))
+    if not out.is_file() or out.stat().st_mtime < weights:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        export_gguf(folder, out, "f32", overwrite=True)
+    return out
 
 
 def reference_for(point: dict, points: list) -> dict:
@@ -187,8 +240,8 @@ def report(data: dict, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("KV-cache bytes per token, all layers (log)")
     ax.set_ylabel("perplexity / source's (16-bit), geometric mean of 3 dev domains")
-    ax.set_title(f"SmolLM2-135M: quality per cache byte ({data['windows']} x {data['seq_len']} tokens per domain; "
-                 "dashed: llama.cpp itself; solid: simulated, ggml rounding)", fontsize=9)
+    ax.set_title(f"SmolLM2-135M: quality per cache byte ({data['windows']} x {data['seq_len']} tokens per domain)\n"
+                 "dashed: llama.cpp itself; solid: simulated in transformers, ggml rounding", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -197,7 +250,8 @@ def report(data: dict, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="", help="LABEL=FOLDER,... (converted MLA folders)")
+    ap.add_argument("--models", default="", help="LABEL=FOLDER[@TYPE+TYPE],... (converted MLA folders; their "
+                    "latent cache types, else --latent-types)")
     ap.add_argument("--source", default=None, help="the source (default: the embedded default)")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -209,10 +263,12 @@ def main() -> None:
     ap.add_argument("--calib-temperature", type=float, default=None,
                     help="the self text's temperature, where the conversions were made with --calib-temperature")
     ap.add_argument("--gguf", default="", help="LABEL=FILE,... GGUFs run in llama.cpp itself (source=auto: the "
-                    "embedded default re-typed to f32)")
+                    "embedded default re-typed to f32; LABEL=FOLDER: a --target deepseek conversion, exported; @TYPE+TYPE: "
+                    "its cache types, else --gguf-types)")
     ap.add_argument("--gguf-types", default="f16,q8_0,q5_1,q5_0,q4_1,q4_0,iq4_nl", help="llama.cpp cache types")
     ap.add_argument("--texts", default="", help="NAME=FILE,... instead of the three development domains")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "frontier")
+    ap.add_argument("--keep", action="store_true", help="measure only the points OUT/frontier.json lacks")
     ap.add_argument("--report-only", action="store_true", help="rewrite the table and chart from frontier.json")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -233,26 +289,18 @@ def main() -> None:
     _, tokenizer, _ = evaluate.load_model(args.source)
     ids = {name: evaluate.tokenize(tokenizer, load_text(str(p))) for name, p in texts.items()}
     data = json.loads(path.read_text()) if path.is_file() else {"points": []}
-    data.update(texts=list(texts), windows=args.windows, seq_len=args.seq_len, threads=torch.get_num_threads(),
-                machine=platform.processor() or platform.machine())
-    done = {(p["route"], p["cache"]) for p in data["points"]}
-
-    def record(route, kind, byte_count, ppl, measured="simulated (transformers, ggml rounding)"):
-        data["points"] = [p for p in data["points"] if (p["route"], p["cache"]) != (route, kind)]
-        data["points"].append({"route": route, "cache": kind, "bytes_per_token": byte_count, "perplexity": ppl,
-                               "measured": measured, "at": time.strftime("%F %T")})
-        path.write_text(json.dumps(data, indent=1) + "\n")
-        print(f"{route:28s} {kind:5s} {byte_count:9,.0f} B/token  " + "  ".join(f"{t} {v:.3f}" for t, v in ppl.items()),
-              flush=True)
-
-    if not any(r in ("source, llama.cpp", "source, unrotated") for r, _ in done) and args.source_types:
+    protocol = {"texts": list(texts), "windows": args.windows, "seq_len": args.seq_len}
+    if data["points"] and any(data.get(k) != v for k, v in protocol.items()):
+        sys.exit(f"{path} holds points on other windows ({ {k: data.get(k) for k in protocol} }): choose another "
+                 "--out, or pass the same --texts, --windows and --seq-len")
+    data.update(protocol, threads=torch.get_num_threads(), machine=platform.processor() or platform.machine())
+    record = Points(data, path, keep=args.keep)
+    if args.source_types or args.unrotated_types:
         source_points(args, ids, record)
-    for spec in [s for s in args.gguf.split(",") if s]:
-        label, _, gguf = spec.partition("=")
-        gguf_points(label, gguf, args, ids, record)
-    for spec in [s for s in args.models.split(",") if s]:
-        label, _, folder = spec.partition("=")
-        model_points(label, folder, args, ids, record)
+    for label, gguf, kinds in specs(args.gguf, args.gguf_types):
+        gguf_points(label, gguf, kinds, args, ids, record)
+    for label, folder, kinds in specs(args.models, args.latent_types):
+        model_points(label, folder, kinds, args, ids, record)
     report(data, args.out)
 
 
