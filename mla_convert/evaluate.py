@@ -308,9 +308,9 @@ def holds_cache_type(model) -> bool:
     """Whether `model`'s dynamic cache really holds its rows in the cache type it reads them as: a converted model's
     latent cache type does (`TypedLatentLayer`: ggml's block bytes); a source's quantized cache is simulated (the
     values it reads back, in the model's dtype)."""
-    config = model.config
-    full = all(t == "full_attention" for t in getattr(config, "layer_types", None) or [])  # sliding layers: floats
-    return config.model_type == "mla" and getattr(config, "latent_cache_type", None) not in (None, "f32") and full
+    from mla_convert.modeling.latent_cache import held_type
+
+    return model.config.model_type == "mla" and held_type(model.config) is not None
 
 
 def use_cache_type(model, kind: str) -> float:

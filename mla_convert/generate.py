@@ -95,7 +95,8 @@ def generate(net, tokenizer, ids: torch.Tensor, max_new_tokens: int, sample: boo
     new = out.sequences[0, ids.shape[1]:]
     held = output_cache(out)
     if cache == "static" and held is not None:  # preallocated: what its buffers hold per row
-        per_token = sum(evaluate.tensor_bytes((layer.keys, layer.values)) // layer.keys.shape[-2] for layer in held.layers)
+        per_token = sum(evaluate.tensor_bytes((layer.keys, layer.values)) // layer.keys.shape[-2]
+                        for layer in held.layers)
     else:
         per_token = evaluate.kv_cache_bytes_per_token(net)
     # first token = prefill; the rest are decode steps over the cache. A static cache on CUDA compiles at the first

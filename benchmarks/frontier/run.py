@@ -15,7 +15,8 @@ Routes (one line each on the chart):
                       (`latent_cache_type`), its latent in BASIS (mla_convert.latent_basis; folded in memory).
   LABEL, llama.cpp (real)  a GGUF (`--gguf LABEL=FILE`; `source=auto`: the embedded default re-typed to f32;
                       LABEL=FOLDER: a `--target deepseek` conversion, exported to out/frontier-gguf/LABEL.gguf in f32
-                      weights, as `mla-convert export --format gguf` writes it) run in llama.cpp itself with each of its cache types (`--gguf-types`, flash attention on), on the same
+                      weights, as `mla-convert export --format gguf` writes it) run in llama.cpp itself with each
+                      of its cache types (`--gguf-types`, flash attention on), on the same
                       token ids; bytes per token from llama.cpp's own allocation log. A GGUF exported from a
                       `--models` folder of the same LABEL gets its parity column: llama.cpp against the simulation.
 Simulated points are transformers with ggml's rounding bit for bit (tests/test_kvquant.py); real ones are labelled
@@ -63,8 +64,8 @@ class Points:
         self.data["points"] = points + [{"route": route, "cache": kind, "bytes_per_token": byte_count,
                                          "perplexity": ppl, "measured": measured, "at": time.strftime("%F %T")}]
         self.path.write_text(json.dumps(self.data, indent=1) + "\n")
-        print(f"{route:28s} {kind:6s} {byte_count:9,.0f} B/token  " + "  ".join(f"{t} {v:.3f}" for t, v in ppl.items()),
-              flush=True)
+        scores = "  ".join(f"{t} {v:.3f}" for t, v in ppl.items())
+        print(f"{route:28s} {kind:6s} {byte_count:9,.0f} B/token  {scores}", flush=True)
 
 
 def perplexities(model, ids: dict, args) -> dict:
@@ -263,8 +264,8 @@ def main() -> None:
     ap.add_argument("--calib-temperature", type=float, default=None,
                     help="the self text's temperature, where the conversions were made with --calib-temperature")
     ap.add_argument("--gguf", default="", help="LABEL=FILE,... GGUFs run in llama.cpp itself (source=auto: the "
-                    "embedded default re-typed to f32; LABEL=FOLDER: a --target deepseek conversion, exported; @TYPE+TYPE: "
-                    "its cache types, else --gguf-types)")
+                    "embedded default re-typed to f32; LABEL=FOLDER: a --target deepseek conversion, exported; "
+                    "@TYPE+TYPE: its cache types, else --gguf-types)")
     ap.add_argument("--gguf-types", default="f16,q8_0,q5_1,q5_0,q4_1,q4_0,iq4_nl", help="llama.cpp cache types")
     ap.add_argument("--texts", default="", help="NAME=FILE,... instead of the three development domains")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "frontier")

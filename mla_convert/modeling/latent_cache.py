@@ -50,19 +50,27 @@ def rows_as_cached(latent: torch.Tensor, k_rope: torch.Tensor, config, cache: Ca
     return kvquant.round_trip_latent(latent, k_rope, kind)
 
 
-def hold_latent_typed(cache: Cache | None, config) -> None:
-    """A new (empty) dynamic cache of a model whose latent is served in a cache type (`latent_cache_type`) holds its
-    layers' rows in that type for real (`TypedLatentLayer`); a model with sliding-window layers, and a static cache,
-    keep the model's dtype and read the rows as the type gives them back (the same values, the float bytes). An empty
-    cache typed for another type (the config changed since) is retyped."""
+def held_type(config) -> str | None:
+    """The cache type a model's dynamic cache holds its rows in (`latent_cache_type`), None where it holds floats: no
+    type or f32, or sliding-window layers (their cache drops rows; they read the rows as the type gives them back)."""
     kind = getattr(config, "latent_cache_type", None)
-    kind = None if kind == "f32" or any(t != "full_attention" for t in config.layer_types or []) else kind
+    sliding = any(t != "full_attention" for t in getattr(config, "layer_types", None) or [])
+    return None if kind == "f32" or sliding else kind
+
+
+def hold_latent_typed(cache: Cache | None, config) -> None:
+    """A new (empty) dynamic cache of a model whose latent is served in a cache type holds its layers' rows in that
+    type for real (`TypedLatentLayer`, see `held_type`); a static cache keeps the model's dtype and reads the rows as
+    the type gives them back (the same values, the float bytes). An empty cache typed for another type (the config
+    changed since) is retyped."""
+    kind = held_type(config)
     if not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0:
         return
     if kind is not None and not cache.layers and cache.layer_class_to_replicate is DynamicLayer:
         cache.layers.extend(DynamicLayer() for _ in range(config.num_hidden_layers))
     for i, layer in enumerate(cache.layers):
-        if layer.is_initialized or type(layer) not in (DynamicLayer, TypedLatentLayer) or getattr(layer, "kind", None) == kind:
+        if layer.is_initialized or type(layer) not in (DynamicLayer, TypedLatentLayer):
             continue
-        typed = kind is not None
-        cache.layers[i] = TypedLatentLayer(kind, config.kv_lora_ranks[i], config.qk_rope_head_dim) if typed else DynamicLayer()
+        if getattr(layer, "kind", None) != kind:
+            ranks = config.kv_lora_ranks[i], config.qk_rope_head_dim
+            cache.layers[i] = TypedLatentLayer(kind, *ranks) if kind is not None else DynamicLayer()
