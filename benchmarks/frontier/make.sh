@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The frontier (benchmarks/frontier/frontier.{json,md,png}) from one command: every conversion it plots is made if
-# its folder is missing (the commands below; about 2 h on 2 CPU cores), then every point the table lacks is measured
+# its folder is missing (the commands below; `--dry-run` on each estimates its time), then every point the table lacks is measured
 # (`--keep`): the source and the two `--target deepseek` conversions in llama.cpp itself at its cache types (their
 # GGUFs exported by run.py), and every conversion simulated in transformers with ggml's rounding.
 #   bash benchmarks/frontier/make.sh            (from the repository root; scripts/install-llamacpp.sh first)
