@@ -157,12 +157,16 @@ def dequantize(q: Blocks, kind: str) -> torch.Tensor:
 
 
 def round_trip(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """What a cache of type `kind` gives back for rows `x` [..., n] (blocks along the last dim), in x's dtype."""
+    """What a cache of type `kind` gives back for rows `x` [..., n] (blocks along the last dim), in x's dtype. Where
+    x needs a gradient (training), the rounding passes it straight through: the forward values are the type's (to the
+    last bit of x's dtype's addition), the backward is the identity, so the layers that write the cache learn what its
+    rounding costs instead of a zero gradient through the rounded codes."""
     if kind == "f32":
         return x
     if not cache_type(kind).levels:
         return x.to(FLOAT_DTYPES[kind]).to(x.dtype)
-    return dequantize(quantize(x, kind), kind).to(x.dtype)
+    out = dequantize(quantize(x.detach(), kind), kind).to(x.dtype)
+    return x + (out - x).detach() if x.requires_grad and torch.is_grad_enabled() else out
 
 
 def _bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
