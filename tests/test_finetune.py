@@ -187,6 +187,27 @@ def test_one_process_distillation_writes_a_complete_checkpoint(tiny_run):
     assert _foreign_entries(out) == ["final/notes.md", f"{step.name}/trainer/extra.bin"]  # overwrite=true refuses
 
 
+def test_fine_tuning_a_latent_served_in_a_block_type(tiny_run, tmp_path):
+    """A student whose latent is served in a block cache type trains through that type's rounding (the gradient
+    straight through: tests/test_kvquant.py), keeps the type, and says so in its provenance."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    student = tmp_path / "student-q8"
+    shutil.copytree(tiny_run["student"], student)
+    config = json.loads((student / "config.json").read_text())
+    (student / "config.json").write_text(json.dumps({**config, "latent_cache_type": "q8_0"}))
+    cfg = finetune.load_config(tiny_run["recipe"], [f"model={student}", f"output={tmp_path / 'run'}", "max_steps=2",
+                                                    "save_every=0", "eval_every=0"])
+    final = run_in_process(cfg)
+    assert "through the q8_0 latent cache's rounding" in provenance.load(final)["method"]
+    before, after = (AutoModelForCausalLM.from_pretrained(f) for f in (student, final))
+    assert after.config.latent_cache_type == "q8_0"
+    name = "model.layers.0.self_attn.kv_a_proj.weight"
+    assert not torch.equal(before.state_dict()[name], after.state_dict()[name])
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_finetuned_folder_serves_exactly_in_vllm(tiny_run):

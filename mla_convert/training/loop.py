@@ -65,6 +65,9 @@ class Trainer:
                  cfg.model, self.n_train, sum(p.numel() for p in self.accelerator.unwrap_model(self.model).parameters()),
                  cfg.train, steps, self.world, self.mp,
                  ", fresh self text sampled as it is read" if self.fresh else "")
+        if self.cache_type:
+            log.info("the latent is read through its %s cache's rounding (latent_cache_type), the gradient passed "
+                     "straight through", self.cache_type)
 
     def _setup_accelerator(self) -> None:
         from accelerate import Accelerator
@@ -146,6 +149,9 @@ class Trainer:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        # a latent served in a block cache type: every forward reads the type's values, the gradient passes its
+        # rounding straight through (kvquant.round_trip), so the run trains for the cache it will be served with
+        self.cache_type = getattr(model.config, "latent_cache_type", None)
         self.teacher = None
         if cfg.kd_weight > 0:
             self.teacher = load_teacher(teacher_spec(cfg), torch_dtype(cfg.teacher_dtype, self.device)).to(self.device)
@@ -488,10 +494,12 @@ class Trainer:
                 "sampler_tokens_per_second": round(stream.sampled / stream.seconds, 1) if stream.seconds else None,
                 "trainer_tokens_per_second": round(self.total_steps * self.tokens_per_step / train_s, 1),
             }
+        loss = "distillation" if cfg.kd_weight == 1 else "LM" if cfg.kd_weight == 0 else "LM + distillation"
+        through = f", through the {self.cache_type} latent cache's rounding" if self.cache_type else ""
         record = provenance.new(
             "finetune",
             source=(parent or {}).get("source") or {"model": cfg.model},
-            method=f"fine-tune ({'distillation' if cfg.kd_weight == 1 else 'LM' if cfg.kd_weight == 0 else 'LM + distillation'}, train={cfg.train})",
+            method=f"fine-tune ({loss}, train={cfg.train}{through})",
             options={**dataclasses.asdict(cfg), "teacher_resolved": teacher_spec(cfg) if teacher else None},
             kv_cache=(parent or {}).get("kv_cache"),
             measurements={"finetune": measurement},
