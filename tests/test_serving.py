@@ -321,6 +321,9 @@ def test_eval_engine_bad_input(tmp_path, convert_tiny, sources, calib_text):
     assert_user_error(*_eval(out, "--data", text, "--seq-len", 32, "--engine", "vllm", env=missing),
                       "install-vllm.sh")
     assert_user_error(*_eval("--data", text, "--engine", "vllm"), "model folder")
+    # vLLM's cache types and llama.cpp's are each refused by the other engines, the fix named
+    assert_user_error(*_eval(out, "--data", text, "--cache-type", "fp8", "-q"), "add --engine vllm")
+    assert_user_error(*_eval(out, "--data", text, "--cache-type", "q4_0", "--engine", "vllm"), "fp8_e5m2")
 
 
 @needs_vllm
@@ -340,3 +343,27 @@ def test_eval_engine_vllm_equals_transformers(tmp_path, convert_tiny, sources):
     ppl = [float(re.search(r"perplexity ([\d.]+)", o)[1]) for o in (out_v, out_t)]
     assert abs(ppl[0] / ppl[1] - 1) < 1e-4
     assert "KV cache 4608 bytes/token" in out_v  # 2 layers x 576 x 4 bytes
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_eval_engine_vllm_with_its_fp8_cache(tmp_path, convert_tiny, sources):
+    """`eval --engine vllm --cache-type fp8_e5m2` scores a source in vLLM's own fp8 cache (one byte an element, a
+    perplexity of its own); an MLA folder is refused in one line: vLLM's CPU MLA backend allocates an fp8 latent
+    cache, but its decode kernel refuses it and scoring never reads it (the same perplexity, a false figure)."""
+    from conftest import assert_user_error
+
+    text = tmp_path / "eval.txt"
+    text.write_text(__import__("tiny").tiny_text(seed=5))
+    src = tiny_source("llama-gqa", tmp_path / "src", seed=3, head_dim=64)  # vLLM's CPU attention takes no head_dim 16
+    args = (src, "--data", text, "--seq-len", 48, "--windows", 3, "--engine", "vllm")
+    code, output = _eval(*args, "--json", tmp_path / "auto.json")
+    assert code == 0, output
+    code, output = _eval(*args, "--cache-type", "fp8_e5m2", "--json", tmp_path / "fp8.json")
+    assert code == 0 and "fp8_e5m2, as vLLM allocates it" in output, output
+    auto, fp8 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("auto", "fp8"))
+    assert fp8["cache_type"] == "fp8_e5m2" and auto["cache_type"] is None
+    assert fp8["kv_cache_bytes_per_token"] * 4 == auto["kv_cache_bytes_per_token"]  # float32 -> one byte
+    assert fp8["perplexity"] != auto["perplexity"] and abs(fp8["perplexity"] / auto["perplexity"] - 1) < 0.2
+    out = convert_tiny(sources["llama-gqa"], rank=24, rope_dims=8)
+    assert_user_error(*_eval(out, *args[1:], "--cache-type", "fp8"), "does not serve an MLA model with a fp8")

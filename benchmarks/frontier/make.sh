@@ -24,6 +24,6 @@ convert out/ds125 --kv-bytes 0.125 --target deepseek            # an eighth of t
 
 TYPES=f16+q8_0+q5_1+q5_0+q4_1+q4_0+iq4_nl
 exec "$PY" benchmarks/frontier/run.py --windows 2 --keep --source-types f16 --unrotated-types "" --bases native \
-  --gguf "source=auto@$TYPES,ds25=out/ds25@$TYPES,ds125=out/ds125@$TYPES,ds125kd=runs/ds125-kd/final@iq4_nl+q4_0" \
+  --gguf "source=auto@$TYPES,ds25=out/ds25@$TYPES,ds125=out/ds125@$TYPES,ds125kd=runs/ds125-kd/final@$TYPES" \
   --models "ds25=out/ds25@f16+q8_0+q4_1+q4_0+iq4_nl,ds125=out/ds125@f16+q4_0+iq4_nl,ds125kd=runs/ds125-kd/final@iq4_nl+q4_0,main25=out/qc-slots@f16+q8_0,kv256=out/kv256@f16+q5_1" \
   "$@"

@@ -13,6 +13,9 @@ from mla_convert.cli.base import QuietOpt, VerboseOpt, app, friendly, setup_logg
 from mla_convert.errors import UserError
 from mla_convert.writes import room_for
 
+# vLLM's own KV-cache types (its --kv-cache-dtype) that `eval --engine vllm --cache-type` passes on
+VLLM_CACHE_TYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
 
 # ---------------------------------------------------------------------------------------------------------- eval
 
@@ -60,7 +63,8 @@ def eval_command(
         None, "--cache-type", help="Score with the KV cache stored in a llama.cpp cache type (f16, q8_0, q5_1, q5_0, "
         "q4_1, q4_0, iq4_nl; ggml's blocks, bit for bit): a converted model's cached latent and rope key, or a "
         "source's keys and values as llama.cpp stores them (its Hadamard rotation included). With --engine llamacpp: "
-        "llama.cpp's own --cache-type-k/-v (flash attention on for quantized types)."
+        "llama.cpp's own --cache-type-k/-v (flash attention on for quantized types). With --engine vllm: vLLM's "
+        "own --kv-cache-dtype (fp8, fp8_e4m3, fp8_e5m2)."
     ),
     long_context: bool = LongContextOpt,
     lengths: Optional[str] = LengthsOpt,
@@ -87,9 +91,7 @@ def eval_command(
     warning = calibration_overlap(model, data, text)
     if warning:
         typer.echo(f"warning: {warning}", err=True)
-    if cache_type is not None and engine == "vllm":
-        raise UserError("--cache-type applies to --engine transformers and llamacpp; vLLM takes its own cache options "
-                        "(drop --cache-type, or use another --engine)")
+    _check_engine_cache_type(engine, cache_type)
     if long_run is not None:
         return _long_context(model, text, data, seq_len, windows, dtype, device, engine, cache_type, json_out,
                              overwrite, quiet, **long_run)
@@ -99,7 +101,7 @@ def eval_command(
     cache_type = result.get("cache_type", cache_type)
     cache = dtype if cache_type is None else f"{cache_type} cache: ggml's blocks, as llama.cpp stores them"
     if engine == "vllm":
-        cache = f"{dtype}, as vLLM allocates it, {result['attention_backend']}"
+        cache = f"{cache_type or dtype}, as vLLM allocates it, {result['attention_backend']}"
     elif engine == "llamacpp":
         cache = f"{(result.get('kv_cache_log') or {}).get('k_type', 'unknown')} cache, as llama.cpp allocates it"
     typer.echo(
@@ -149,6 +151,18 @@ def _check_record(model: Optional[str]) -> None:
     render_model_card(model)  # a card that cannot be rewritten fails now, before provenance.json is changed
 
 
+def _check_engine_cache_type(engine: str, cache_type: Optional[str]) -> None:
+    """vLLM takes its own cache types, transformers and llama.cpp llama.cpp's: a type for the other engine is an error
+    that names the fix."""
+    if engine == "vllm" and cache_type is not None and cache_type not in VLLM_CACHE_TYPES:
+        raise UserError(f"with --engine vllm, --cache-type takes vLLM's own cache types "
+                        f"({', '.join(VLLM_CACHE_TYPES)}); {cache_type} is a llama.cpp type: use --engine transformers "
+                        "or llamacpp for it")
+    if engine != "vllm" and cache_type in VLLM_CACHE_TYPES:
+        raise UserError(f"--cache-type {cache_type} is vLLM's: add --engine vllm (transformers and llama.cpp take "
+                        "f16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl)")
+
+
 def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: int, dtype: str, device: str,
            quiet: bool, cache_type: Optional[str] = None) -> tuple[dict, str]:
     """The perplexity result of `model` on `text` in `engine`, and the model's label."""
@@ -169,7 +183,8 @@ def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: 
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"cannot load the tokenizer of {model} ({type(e).__name__}): the folder needs its "
                             "tokenizer files") from None
-        return vllm_perplexity(model, evaluate.tokenize(tokenizer, text), seq_len, windows, dtype), str(model)
+        return (vllm_perplexity(model, evaluate.tokenize(tokenizer, text), seq_len, windows, dtype,
+                                kv_cache_dtype=cache_type or "auto"), str(model))
     if engine == "llamacpp":
         from mla_convert.serving.llamacpp import gguf_tokenizer, llamacpp_perplexity
 

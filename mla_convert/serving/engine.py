@@ -29,7 +29,8 @@ def vllm_python() -> Path | None:
 
 def score_in_vllm(folder: str | os.PathLike, windows: list[list[int]] = (), prompts: list[list[int]] = (),
                   new_tokens: int = 16, dtype: str = "auto", max_model_len: int = 2048, decode: dict | None = None,
-                  timeout: float = 3600, env: dict | None = None, attention_backend: str | None = None) -> dict:
+                  timeout: float = 3600, env: dict | None = None, attention_backend: str | None = None,
+                  kv_cache_dtype: str = "auto") -> dict:
     """vllm_score's RESULT for `folder` (see that module); raises RuntimeError with vLLM's last lines on failure."""
     python = vllm_python()
     if python is None:
@@ -38,6 +39,7 @@ def score_in_vllm(folder: str | os.PathLike, windows: list[list[int]] = (), prom
         "model": str(Path(folder).resolve()), "dtype": dtype, "max_model_len": max_model_len,
         "windows": [list(map(int, w)) for w in windows], "prompts": [list(map(int, p)) for p in prompts],
         "new_tokens": new_tokens, "decode": decode, "attention_backend": attention_backend,
+        "kv_cache_dtype": kv_cache_dtype,
     }  # fmt: skip
     out = run_worker([str(python), "-m", "mla_convert.serving.vllm_score"], request, f"vLLM failed on {folder}",
                      timeout, env)
@@ -102,22 +104,31 @@ def max_logprob_difference(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for wa, wb in zip(a, b, strict=True) for x, y in zip(wa, wb, strict=True))
 
 
-def vllm_perplexity(folder: str | os.PathLike, ids: torch.Tensor, seq_len: int, windows: int, dtype: str) -> dict:
+def vllm_perplexity(folder: str | os.PathLike, ids: torch.Tensor, seq_len: int, windows: int, dtype: str,
+                    kv_cache_dtype: str = "auto") -> dict:
     """`evaluate.perplexity`'s protocol (the first `windows` non-overlapping windows of `seq_len` tokens of `ids`,
-    each scored on its own) run in vLLM; adds vLLM's own KV-cache bytes per token (all layers, as allocated)."""
+    each scored on its own) run in vLLM with its KV cache in `kv_cache_dtype` (auto, or vLLM's fp8 types);
+    adds vLLM's own KV-cache bytes per token (all layers, as allocated)."""
     from mla_convert.errors import UserError
     from mla_convert.evaluate import eval_windows
 
     from mla_convert.serving.layout import check_servable
 
-    check_servable(json.loads((Path(folder) / "config.json").read_text()), "vLLM's MLA kernels", query_norm=True)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    check_servable(config, "vLLM's MLA kernels", query_norm=True)
+    if kv_cache_dtype != "auto" and "kv_lora_rank" in config:
+        # vLLM 0.32's CPU MLA backend allocates the fp8 latent cache, but scoring a window never reads it (prefill
+        # attends to the fresh latent) and its decode kernel refuses it ("expected scalar type Float")
+        raise UserError(f"vLLM's CPU build does not serve an MLA model with a {kv_cache_dtype} cache (its decode "
+                        "kernel takes none): score the latent's quantized cache with --engine transformers or llamacpp "
+                        "--cache-type q8_0 (or drop --cache-type)")
     chunks = eval_windows(ids, seq_len, windows).tolist()
     windows = len(chunks)
     if vllm_python() is None:
         raise UserError("--engine vllm needs vLLM's environment: run scripts/install-vllm.sh (or set "
                         "MLA_CONVERT_VLLM_PYTHON to the python of an environment with vLLM and mla-convert)")
     try:
-        res = score_in_vllm(folder, chunks, dtype=dtype, max_model_len=seq_len + 16)
+        res = score_in_vllm(folder, chunks, dtype=dtype, max_model_len=seq_len + 16, kv_cache_dtype=kv_cache_dtype)
     except RuntimeError as e:
         last = [line for line in str(e).splitlines() if line.strip()][-1]
         raise UserError(f"vLLM could not run {folder}: {last[:300]}") from None
@@ -127,4 +138,5 @@ def vllm_perplexity(folder: str | os.PathLike, ids: torch.Tensor, seq_len: int, 
     return {"perplexity": ppl, "nll": math.log(ppl), "tokens": sum(len(w) for w in res["logprobs"]),
             "windows": windows, "seq_len": seq_len, "engine": f"vllm {res['vllm_version']}",
             "attention_backend": res["attention_backend"],
+            "cache_type": None if kv_cache_dtype == "auto" else kv_cache_dtype,
             "kv_cache_bytes_per_token": res["kv_cache"].get("bytes_per_token")}

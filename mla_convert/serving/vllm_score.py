@@ -82,6 +82,7 @@ def main(request_path: str, result_path: str) -> None:
         seed=0,
         trust_remote_code=False,
         max_num_seqs=req.get("max_num_seqs", 8),
+        kv_cache_dtype=req.get("kv_cache_dtype") or "auto",  # vLLM's own: auto, fp8, fp8_e4m3, fp8_e5m2
     )
     out: dict = {"vllm_version": __import__("vllm").__version__}
     layer = model_class = None
