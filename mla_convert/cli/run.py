@@ -159,8 +159,10 @@ def _check_engine_cache_type(engine: str, cache_type: Optional[str]) -> None:
                         f"({', '.join(VLLM_CACHE_TYPES)}); {cache_type} is a llama.cpp type: use --engine transformers "
                         "or llamacpp for it")
     if engine != "vllm" and cache_type in VLLM_CACHE_TYPES:
+        from mla_convert.kvquant import CACHE_TYPES
+
         raise UserError(f"--cache-type {cache_type} is vLLM's: add --engine vllm (transformers and llama.cpp take "
-                        "f16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl)")
+                        f"{', '.join(CACHE_TYPES)})")
 
 
 def _score(engine: str, model: Optional[str], text: str, seq_len: int, windows: int, dtype: str, device: str,
