@@ -353,6 +353,29 @@ def test_self_generated_training_text(tiny_run, tmp_path, monkeypatch):
                                                                         "max_tokens=256"]), tokenizer)
 
 
+def test_self_doc_training_text_is_one_document_a_window(tiny_run, tmp_path, monkeypatch):
+    """data=self-doc: every training sequence and every held-out window is one document the teacher continued from its
+    BOS alone (the document style, keyed apart from chat text in the cache), fresh or as a pool."""
+    from mla_convert.conversion import selftext
+
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(tmp_path / "cache"))
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_run["student"])
+    start = selftext.prompts(tokenizer, 0, 1, "document")[0]
+    for extra in ([], ["data_tokens=128"]):
+        cfg = finetune.load_config(tiny_run["recipe"], ["data=self-doc", "max_tokens=256", "max_steps=2",
+                                                        f"output={tmp_path / 'run'}", *extra])  # fmt: skip
+        train, windows = finetune.prepare_data(cfg, tokenizer)
+        assert isinstance(train, finetune.FreshSequences) == (not extra)
+        if not extra:
+            assert train.stream.style == "document"
+        rows = train[list(range(4))] if not extra else train[:4]
+        for row in [*rows, *windows]:
+            assert row[: len(start)].tolist() == start
+        chat, _ = finetune.prepare_data(finetune.load_config(tiny_run["recipe"], [
+            "data=self", "max_tokens=256", "max_steps=2", f"output={tmp_path / 'run'}", *extra]), tokenizer)
+        assert not torch.equal(chat[[0, 1]] if not extra else chat[:2], rows[:2])
+
+
 def test_fresh_self_text_bounded_by_time_alone(tiny_run, tmp_path, monkeypatch):
     """data=self without a pool needs no step or token budget: max_seconds alone ends the run (the sampling counted
     in it), and final/ records the steps it took."""

@@ -232,6 +232,22 @@ def test_long_context_options_alone_and_bad_references(tiny, tmp_path):
 # ---------------------------------------------------------------------------------------------- llama.cpp
 
 
+def test_llamacpp_time_limit_grows_with_the_work(monkeypatch):
+    """llama.cpp's scoring worker is stopped as hung after an hour plus a share per token at its context: the
+    long-context measures at 8K get hours, and score_gguf passes that limit to the worker."""
+    from mla_convert.serving import llamacpp
+
+    assert llamacpp.time_limit() == 3600
+    short = llamacpp.time_limit(windows=[[0] * 2048] * 2, n_ctx=2048)
+    long = llamacpp.time_limit(windows=[[0] * 8192] * 2, prompts=[[0] * 4000] * 24, n_ctx=8192)
+    assert 3600 < short < 1.1 * 3600 and long > 2.5 * 3600
+    seen = {}
+    monkeypatch.setattr(llamacpp, "llamacpp_python", lambda: Path(sys.executable))
+    monkeypatch.setattr(llamacpp, "run_llamacpp", lambda *a, **k: seen.update(k) or {})
+    llamacpp.score_gguf("model.gguf", windows=[[0] * 8192] * 2, prompts=[[0] * 4000] * 24, n_ctx=8192)
+    assert seen["timeout"] == long
+
+
 @needs_llamacpp
 def test_llamacpp_agrees_with_transformers(tiny, tmp_path):
     """A tiny conversion exported as an f32 GGUF, run in llama.cpp with an f32 cache: every bucket's NLL within 1e-3

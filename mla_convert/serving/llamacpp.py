@@ -132,6 +132,19 @@ def gguf_mla_layout(model: str | os.PathLike) -> tuple[int, int] | None:
     return (rank, rope) if rank and rope is not None else None
 
 
+# llama.cpp's worker is stopped as hung past an hour plus this many seconds per token it reads at a 2,048-token context
+# (more at longer contexts, whose attention costs more per token): the long-context measures of a 135M model at 8K
+# took over 32 minutes alone on 2 cores and passed the hour beside another job, 100,000 tokens and more
+SECONDS_PER_TOKEN = 0.02
+
+
+def time_limit(windows=(), prompts=(), new_tokens: int = 16, n_ctx: int = 2048) -> float:
+    """Seconds before a scoring worker is taken as hung: an hour, plus SECONDS_PER_TOKEN per token scored or
+    generated, scaled by the context over 2,048."""
+    tokens = sum(len(w) for w in windows) + sum(len(p) + new_tokens for p in prompts)
+    return 3600 + SECONDS_PER_TOKEN * tokens * max(1.0, n_ctx / 2048)
+
+
 def score_gguf(model: str | os.PathLike, windows=(), prompts=(), new_tokens: int = 16, n_ctx: int = 2048,
                cache_type: str = "f16", threads: int = 0, env: dict | None = None) -> dict:
     """run_llamacpp for `eval --engine llamacpp`: its environment and `cache_type` checked first, and llama.cpp's
@@ -149,7 +162,8 @@ def score_gguf(model: str | os.PathLike, windows=(), prompts=(), new_tokens: int
         raise UserError(f"--cache-type {cache_type}: {model} takes {takes}")
     try:
         return run_llamacpp(model, windows=windows, prompts=prompts, new_tokens=new_tokens, n_ctx=n_ctx,
-                            threads=threads, cache_type=cache_type, env=env)
+                            threads=threads, cache_type=cache_type, env=env,
+                            timeout=time_limit(windows, prompts, new_tokens, n_ctx))
     except RuntimeError as e:
         last = [line for line in str(e).splitlines() if line.strip()][-1]
         raise UserError(f"llama.cpp could not run {model} with a {cache_type} cache: {last[:300]}") from None

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.conversion.selftext import SELF
+from mla_convert.conversion.selftext import STYLES
 from mla_convert.training.recipe import FINAL_DIR, FinetuneConfig, METRICS_FILE, PLOT_FILE, STATE_FILE, TRAINER_DIR
 
 
@@ -156,7 +156,7 @@ def check_output(cfg: FinetuneConfig) -> Path:
     if student.exists() and not (student / "config.json").is_file():
         raise UserError(f"the student {cfg.model} has no config.json: set model to a converted model folder")
     for spec in (cfg.data, cfg.eval_data):
-        if spec is not None and spec != SELF:
+        if spec is not None and spec not in STYLES:
             data.check_text_spec(spec)
     out = Path(cfg.output).expanduser().resolve()
     _check_output(cfg, out)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.conversion.selftext import SELF
+from mla_convert.conversion.selftext import SELF_DOC, STYLES
 from mla_convert.training.recipe import FinetuneConfig
 from mla_convert.training.models import teacher_spec
 
@@ -85,13 +85,21 @@ def reach(stream, need: int, is_main: bool = True, barrier=None) -> None:
                         "process of a run must share one cache folder (MLA_CONVERT_CACHE)")
 
 
+def _style(cfg: FinetuneConfig, seq_len: int) -> dict:
+    """How data=self or data=self-doc text is sampled: chat answers, or one unbroken document per `seq_len` window."""
+    if cfg.data == SELF_DOC:
+        return dict(style=STYLES[SELF_DOC], sample_tokens=seq_len)
+    return dict(style=STYLES[cfg.data])
+
+
 def _teacher_source(cfg: FinetuneConfig):
-    """The source the teacher is, opened for sampling (data=self)."""
+    """The source the teacher is, opened for sampling (data=self or self-doc)."""
     from mla_convert.sources import open_source
 
     spec = teacher_spec(cfg) if cfg.teacher is not None else None
     if spec is None:
-        raise UserError("data=self samples the training text from the teacher: set teacher (auto, or the source)")
+        raise UserError(f"data={cfg.data} samples the training text from the teacher: set teacher (auto, or the "
+                        "source)")
     return open_source(None if spec == "embedded" else spec)
 
 
@@ -107,7 +115,8 @@ def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -
         per_step = cfg.seq_len * cfg.batch_size * cfg.grad_accum * world
         need = min(need, cfg.max_steps * per_step if cfg.max_steps is not None else cfg.max_tokens)
     need += 0 if cfg.eval_data is not None else cfg.eval_windows * cfg.eval_seq_len
-    stream = self_tokens(source, need + cfg.seq_len, cfg.seed, batch=cfg.sample_batch, device=device)
+    stream = self_tokens(source, need + cfg.seq_len, cfg.seed, batch=cfg.sample_batch, device=device,
+                         **_style(cfg, cfg.seq_len))
     return stream[: need + cfg.seq_len]  # the pool, then the held-out tail
 
 
@@ -126,11 +135,13 @@ def fresh_self_text(cfg: FinetuneConfig, device: str = "cpu", is_main: bool = Tr
         raise UserError("data=self samples fresh text as long as the run lasts: bound it with max_seconds, max_tokens "
                         "or max_steps (or sample a pool once: data_tokens)")
     source = _teacher_source(cfg)
-    train = FreshSequences(Stream(source, cfg.seed, batch=cfg.sample_batch, device=device), cfg.seq_len, is_main)
+    train = FreshSequences(Stream(source, cfg.seed, batch=cfg.sample_batch, device=device, **_style(cfg, cfg.seq_len)),
+                           cfg.seq_len, is_main)
     if cfg.eval_data is not None:
         return train, None
     held = cfg.eval_windows * cfg.eval_seq_len
-    stream = Stream(source, cfg.seed + HELD_OUT_SEED_OFFSET, batch=cfg.sample_batch, device=device)
+    stream = Stream(source, cfg.seed + HELD_OUT_SEED_OFFSET, batch=cfg.sample_batch, device=device,
+                    **_style(cfg, cfg.eval_seq_len))
     reach(stream, held, is_main, barrier)
     stream.close()  # its sampler's copy of the source is not kept for the run
     return train, torch.tensor(stream.tokens[:held], dtype=torch.long)
@@ -143,9 +154,9 @@ def report_windows(cfg: FinetuneConfig, tokenizer) -> dict[str, torch.Tensor]:
     from mla_convert.evaluate import eval_windows
 
     out: dict[str, torch.Tensor] = {}
-    train_text = None if cfg.data == SELF else data.load_text(cfg.data)
+    train_text = None if cfg.data in STYLES else data.load_text(cfg.data)
     for spec in [s.strip() for s in (cfg.report_data or "").split(",") if s.strip()]:
-        if cfg.data != SELF and Path(spec).expanduser().resolve() == Path(cfg.data).expanduser().resolve():
+        if cfg.data not in STYLES and Path(spec).expanduser().resolve() == Path(cfg.data).expanduser().resolve():
             raise UserError(f"report_data names the training text {spec}: report on text the run does not train on")
         text = data.load_text(spec)
         if train_text is not None:
@@ -167,10 +178,10 @@ def prepare_data(cfg: FinetuneConfig, tokenizer, world: int = 1, device: str = "
         raise UserError(f"training text {cfg.data} looks like a test split: train on other text "
                         "(or set allow_test_split=true if it really is not evaluation text)")
     fresh = None
-    if cfg.data == SELF and cfg.data_tokens is None:
+    if cfg.data in STYLES and cfg.data_tokens is None:
         fresh, ids = fresh_self_text(cfg, device, is_main, barrier)  # ids: the held-out head (None with eval_data)
         text = ""
-    elif cfg.data == SELF:
+    elif cfg.data in STYLES:
         ids = self_training_tokens(cfg, world, device)
         text = tokenizer.decode(ids.tolist())
     else:

@@ -36,7 +36,9 @@ class FinetuneConfig:
 
     model: str  # student: a model folder or hub id that AutoModelForCausalLM loads (native MLA or any causal LM)
     output: str  # run folder (checkpoints, metrics, final/)
-    data: str  # training text: local .txt/.jsonl file, datasets name[:config[:split]], or self (sampled from the teacher)
+    # training text: local .txt/.jsonl file, datasets name[:config[:split]], self (chat answers sampled from the
+    # teacher) or self-doc (one document sampled from the teacher per seq_len window)
+    data: str
     teacher: str | None = "auto"  # "auto": the source named in the student's provenance; a folder/.gguf/hub id; none
     eval_data: str | None = None  # held-out text; None: the last eval_windows*eval_seq_len tokens of `data`
     seq_len: int = 512  # tokens per packed training sequence
