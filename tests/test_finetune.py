@@ -388,6 +388,24 @@ def test_fresh_self_text_bounded_by_time_alone(tiny_run, tmp_path, monkeypatch):
     assert m["fresh_self_text"]["sampled_tokens"] >= 32 * 2 * 2 and m["fresh_self_text"]["sampling_seconds"] > 0
 
 
+def test_max_seconds_ends_the_run_before_a_step_that_would_pass_it():
+    """max_seconds is spent when the time so far plus the run's mean step would pass it (a step's batch of samples
+    can take minutes: the run ends near the bound, not that past it); the schedule reads the share actually spent."""
+    from types import SimpleNamespace
+
+    from mla_convert.training.loop import Trainer
+
+    trainer = SimpleNamespace(cfg=SimpleNamespace(max_seconds=100.0), elapsed=80.0, device="cpu",
+                              accelerator=SimpleNamespace(gather=lambda t: t))
+    assert Trainer._spend_time(trainer, 4) is False and trainer.time_share == pytest.approx(0.8)  # 80 + 20 = 100
+    assert Trainer._spend_time(trainer, 3) is True and trainer.time_share == pytest.approx(0.8)  # 80 + 26.7 > 100
+    assert Trainer._spend_time(trainer, 0) is False  # before any step (a resumed run's first call): no projection
+    trainer.elapsed = 101.0
+    assert Trainer._spend_time(trainer, 0) is True and trainer.time_share == 1.0
+    trainer.cfg.max_seconds = None
+    assert Trainer._spend_time(trainer, 3) is False
+
+
 def test_self_text_stream_read_in_pieces_is_the_text_sampled_at_once(tiny_run, tmp_path, monkeypatch):
     """selftext.Stream: asked for a little at a time (the sampler's slots kept open between requests) it gives the
     text it gives when asked for all at once, leaves no inference mode behind, and a reader of the cache after it

@@ -338,7 +338,7 @@ class Trainer:
                 self._log_step(done, per_rank, lr, grad_norm)
                 raise UserError(f"the loss is NaN or infinite at step {done}: the run diverged, and no final/ is "
                                 "written; lower lr (or use dtype=float32) and run again")
-            out_of_time = self._spend_time()
+            out_of_time = self._spend_time(done)
             if out_of_time:
                 of = f" of {self.total_steps}" if self.total_steps < UNBOUNDED_STEPS else ""
                 log.info("max_seconds=%g spent after %d%s steps: finishing", cfg.max_seconds, done, of)
@@ -379,15 +379,17 @@ class Trainer:
                  self.best[1], self.best[0], last["perplexity"])
         return self.best[1]
 
-    def _spend_time(self) -> bool:
+    def _spend_time(self, done: int = 0) -> bool:
         """With max_seconds: the share of it spent (the slowest process's, so that all agree) into self.time_share,
-        which the schedule reads. -> whether it is spent."""
+        which the schedule reads. -> whether it is spent, or would be by the end of one more step of the run's mean
+        step time after `done` steps (so that a run ends near max_seconds rather than a step, or a batch of samples
+        taken in it, past)."""
         if self.cfg.max_seconds is None:
             return False
         elapsed = torch.tensor([self.elapsed], dtype=torch.float64, device=self.device)
         slowest = self.accelerator.gather(elapsed).max().item()
         self.time_share = min(1.0, slowest / self.cfg.max_seconds)
-        return self.time_share >= 1.0
+        return slowest + (slowest / done if done else 0.0) > self.cfg.max_seconds
 
     def _log_step(self, done: int, per_rank: torch.Tensor, lr: float, grad_norm) -> None:
         mean = per_rank.mean(0)
