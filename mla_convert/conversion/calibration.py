@@ -11,7 +11,8 @@ import torch
 
 from mla_convert.data import load_text, tokenize, written_as_path  # one loader and one tokenizer for every text
 from mla_convert.errors import UserError
-from mla_convert.conversion.selftext import CALIB_TEMPERATURE, SAMPLE_TOKENS, SELF_DOC, STYLES, missing_tokens, self_tokens
+from mla_convert.conversion.selftext import (CALIB_TEMPERATURE, SAMPLE_TOKENS, STYLES, length_args, missing_tokens,
+                                             self_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +112,7 @@ def _parts(spec: str, n_samples: int, seq_len: int, sample_tokens: int):
     """(name, windows, the self text's length arguments or None for a text) of each part of a calibration spec."""
     parts = check_calib_spec(spec, n_samples)
     for (name, _), count in zip(parts, window_counts([w for _, w in parts], n_samples)):
-        length = None
-        if name in STYLES:  # a document a window; chat answers of sample_tokens at most
-            length = dict(sample_tokens=seq_len, style=STYLES[name]) if name == SELF_DOC else dict(
-                sample_tokens=sample_tokens)
-        yield name, count, length
+        yield name, count, length_args(name, seq_len, sample_tokens) if name in STYLES else None
 
 
 def self_tokens_to_sample(source, spec: str, n_samples: int, seq_len: int, seed: int,

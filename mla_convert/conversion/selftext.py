@@ -165,6 +165,14 @@ PROMPTS = [
 ]
 
 
+def length_args(name: str, seq_len: int, sample_tokens: int | None = None) -> dict:
+    """Sampling arguments of `self` / `self-doc` text cut into `seq_len` windows: one document a window, or chat
+    answers of `sample_tokens` at most (None: the default)."""
+    if name == SELF_DOC:
+        return dict(sample_tokens=seq_len, style=STYLES[SELF_DOC])
+    return {} if sample_tokens is None else dict(sample_tokens=sample_tokens)
+
+
 def calib_temperature(kept: float) -> float:
     """The default temperature of `self` calibration text for a conversion that keeps `kept` (a fraction) of the
     source's KV cache (`policy.CALIB_TEMPERATURE`): above 1 for small latents, else 1, the model's own distribution.

@@ -132,9 +132,8 @@ def gguf_mla_layout(model: str | os.PathLike) -> tuple[int, int] | None:
     return (rank, rope) if rank and rope is not None else None
 
 
-# llama.cpp's worker is stopped as hung past an hour plus this many seconds per token it reads at a 2,048-token context
-# (more at longer contexts, whose attention costs more per token): the long-context measures of a 135M model at 8K
-# took over 32 minutes alone on 2 cores and passed the hour beside another job, 100,000 tokens and more
+# llama.cpp's worker is taken as hung past an hour plus this many seconds per token at a 2,048-token context (longer
+# contexts cost more per token): a flat hour stopped long-context measures that were still running
 SECONDS_PER_TOKEN = 0.02
 
 

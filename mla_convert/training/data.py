@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from mla_convert.errors import UserError
-from mla_convert.conversion.selftext import SELF_DOC, STYLES
+from mla_convert.conversion.selftext import STYLES, length_args
 from mla_convert.training.recipe import FinetuneConfig
 from mla_convert.training.models import teacher_spec
 
@@ -85,13 +85,6 @@ def reach(stream, need: int, is_main: bool = True, barrier=None) -> None:
                         "process of a run must share one cache folder (MLA_CONVERT_CACHE)")
 
 
-def _style(cfg: FinetuneConfig, seq_len: int) -> dict:
-    """How data=self or data=self-doc text is sampled: chat answers, or one unbroken document per `seq_len` window."""
-    if cfg.data == SELF_DOC:
-        return dict(style=STYLES[SELF_DOC], sample_tokens=seq_len)
-    return dict(style=STYLES[cfg.data])
-
-
 def _teacher_source(cfg: FinetuneConfig):
     """The source the teacher is, opened for sampling (data=self or self-doc)."""
     from mla_convert.sources import open_source
@@ -116,7 +109,7 @@ def self_training_tokens(cfg: FinetuneConfig, world: int, device: str = "cpu") -
         need = min(need, cfg.max_steps * per_step if cfg.max_steps is not None else cfg.max_tokens)
     need += 0 if cfg.eval_data is not None else cfg.eval_windows * cfg.eval_seq_len
     stream = self_tokens(source, need + cfg.seq_len, cfg.seed, batch=cfg.sample_batch, device=device,
-                         **_style(cfg, cfg.seq_len))
+                         **length_args(cfg.data, cfg.seq_len))
     return stream[: need + cfg.seq_len]  # the pool, then the held-out tail
 
 
@@ -132,16 +125,16 @@ def fresh_self_text(cfg: FinetuneConfig, device: str = "cpu", is_main: bool = Tr
     from mla_convert.conversion.selftext import Stream
 
     if cfg.max_tokens is None and cfg.max_steps is None and cfg.max_seconds is None:
-        raise UserError("data=self samples fresh text as long as the run lasts: bound it with max_seconds, max_tokens "
-                        "or max_steps (or sample a pool once: data_tokens)")
+        raise UserError(f"data={cfg.data} samples fresh text as long as the run lasts: bound it with max_seconds, "
+                        "max_tokens or max_steps (or sample a pool once: data_tokens)")
     source = _teacher_source(cfg)
-    train = FreshSequences(Stream(source, cfg.seed, batch=cfg.sample_batch, device=device, **_style(cfg, cfg.seq_len)),
-                           cfg.seq_len, is_main)
+    train = FreshSequences(Stream(source, cfg.seed, batch=cfg.sample_batch, device=device,
+                                  **length_args(cfg.data, cfg.seq_len)), cfg.seq_len, is_main)
     if cfg.eval_data is not None:
         return train, None
     held = cfg.eval_windows * cfg.eval_seq_len
     stream = Stream(source, cfg.seed + HELD_OUT_SEED_OFFSET, batch=cfg.sample_batch, device=device,
-                    **_style(cfg, cfg.eval_seq_len))
+                    **length_args(cfg.data, cfg.eval_seq_len))
     reach(stream, held, is_main, barrier)
     stream.close()  # its sampler's copy of the source is not kept for the run
     return train, torch.tensor(stream.tokens[:held], dtype=torch.long)
