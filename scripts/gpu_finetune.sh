@@ -30,7 +30,6 @@ recipe=${RECIPE:-recipes/smollm2-135m-gpu.yaml}
 mkdir -p "$out" "$work" "$site"
 out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export MLA_CONVERT_CACHE=$PWD/.gpu/cache
 exec > >(tee -a "$out/log.txt") 2>&1
 
 . "$(dirname "$0")/step.sh"
@@ -57,7 +56,15 @@ done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
 
-texts=wiki=.gpu/texts/wiki.txt,debian-reference=.gpu/texts/debian-reference.txt,gnu-standards=.gpu/texts/gnu-standards.txt
+# The texts and the self-text caches live in $work, which later calls on the same machine keep, while each call
+# replaces the working tree and drops what it does not carry: a second call (the 50% budget) needs no carry and reads
+# the first call's sampled pool instead of sampling it again.
+mkdir -p "$work/cache" "$work/texts"
+[ -d .gpu/cache ] && cp -rn .gpu/cache/. "$work/cache/"
+[ -d .gpu/texts ] && cp -n .gpu/texts/*.txt "$work/texts/"
+export MLA_CONVERT_CACHE=$work/cache
+texts=wiki=$work/texts/wiki.txt,debian-reference=$work/texts/debian-reference.txt,gnu-standards=$work/texts/gnu-standards.txt
+for f in ${texts//,/ }; do [ -f "${f#*=}" ] || { echo "missing ${f#*=}: carry .gpu/texts in the first call"; exit 3; }; done
 first=1 i=0
 for budget in ${BUDGETS:-0.25 0.5}; do
     n=${tokens[$i]:-${tokens[-1]}} secs=${seconds[$i]:-${seconds[-1]}}; i=$((i + 1))
