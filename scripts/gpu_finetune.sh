@@ -11,7 +11,8 @@
 # .gpu/smollm2.part* with .gpu/smollm2.sha256 when the file is larger than one transfer), .gpu/wheels/gguf-*.whl (the
 # GGUF reader transformers needs), .gpu/cache (self-text caches: calibration text sampled before, so the conversion
 # does not sample it again), .gpu/texts/{wiki,debian-reference,gnu-standards}.txt (WikiText-2 test and the two Debian
-# texts of benchmarks/common/domain_texts.py). Knobs: BUDGETS ("0.25 0.5"), TOKENS (training-token cap per budget), SECONDS_FT
+# texts of benchmarks/common/domain_texts.py). Knobs: BUDGETS ("0.25 0.5"), TOKENS (training-token cap per budget), LR
+# (learning rate, else by budget), SECONDS_FT
 # (training-time budget per budget: the run stops there and its schedule ends there), CONVERT_ARGS (extra conversion
 # options), FT_ARGS (recipe overrides), SCORE_ARGS, RECIPE, *_LIMIT (seconds per step), DEVICE (cuda), PARTS.
 # Everything lands in OUTDIR as it finishes: log.txt, scores_<b>.json, finetune_<b>.tar.gz (metrics, plot,
@@ -69,13 +70,17 @@ first=1 i=0
 for budget in ${BUDGETS:-0.25 0.5}; do
     n=${tokens[$i]:-${tokens[-1]}} secs=${seconds[$i]:-${seconds[-1]}}; i=$((i + 1))
     tag=$($py -c "print(round(float('$budget') * 100))")
+    # The learning rate (LR sets one for all): the recipe's 3e-4 below 50%; from 50% on, where 3e-4 made every
+    # evaluation text worse from the first check on an H200 (benchmarks/finetune/gpu.md, third run), 2e-5, which
+    # gained on every development text on 2 CPU cores (docs/decisions.md#fine-tuning-recipes).
+    lr=${LR:-$([ "$tag" -ge 50 ] && echo 2e-5 || echo 3e-4)}
     conv=$work/c$tag run=$work/ft$tag
     if [ ! -f "$conv/provenance.json" ]; then
         step "convert ${tag}%" "${CONVERT_LIMIT:-240}" \
             $py -m mla_convert.cli llama --kv-budget "$budget" -o "$conv" --device "$device" ${CONVERT_ARGS:-} || continue
     fi
-    step "fine-tune ${tag}% for ${secs}s (at most $n tokens)" "${FINETUNE_LIMIT:-$((secs + 150))}" \
-        $py -m mla_convert.cli finetune --config "$recipe" model="$conv" output="$run" max_tokens="$n" max_seconds="$secs" \
+    step "fine-tune ${tag}% for ${secs}s at lr $lr (at most $n tokens)" "${FINETUNE_LIMIT:-$((secs + 150))}" \
+        $py -m mla_convert.cli finetune --config "$recipe" model="$conv" output="$run" max_tokens="$n" max_seconds="$secs" lr="$lr" \
             report_data="$(echo "$texts" | sed 's/[a-z-]*=//g')" overwrite=true ${FT_ARGS:-}
     models="c$tag=$conv"
     [ -f "$run/final/provenance.json" ] && models="$models,ft$tag=$run/final"
