@@ -136,4 +136,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mla_convert.errors import UserError
+
+    try:
+        sys.exit(main())
+    except UserError as err:  # a missing text or model: one line, as the CLI prints it
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
