@@ -64,15 +64,17 @@ mkdir -p "$work/cache" "$work/texts"
 [ -d .gpu/cache ] && cp -rn .gpu/cache/. "$work/cache/"
 [ -d .gpu/texts ] && cp -n .gpu/texts/*.txt "$work/texts/"
 export MLA_CONVERT_CACHE=$work/cache
-texts=wiki=$work/texts/wiki.txt,debian-reference=$work/texts/debian-reference.txt,gnu-standards=$work/texts/gnu-standards.txt
-for f in ${texts//,/ }; do [ -f "${f#*=}" ] || { echo "missing ${f#*=}: carry .gpu/texts in the first call"; exit 3; }; done
+t=$work/texts
+texts=wiki=$t/wiki.txt,debian-reference=$t/debian-reference.txt,gnu-standards=$t/gnu-standards.txt
+for f in ${texts//,/ }; do
+    [ -f "${f#*=}" ] || { echo "missing ${f#*=}: carry .gpu/texts in the first call"; exit 3; }
+done
 first=1 i=0
 for budget in ${BUDGETS:-0.25 0.5}; do
     n=${tokens[$i]:-${tokens[-1]}} secs=${seconds[$i]:-${seconds[-1]}}; i=$((i + 1))
     tag=$($py -c "print(round(float('$budget') * 100))")
-    # The learning rate (LR sets one for all): the recipe's 3e-4 below 50%; from 50% on, where 3e-4 made every
-    # evaluation text worse from the first check on an H200 (benchmarks/finetune/gpu.md, third run), 2e-5, which
-    # gained on every development text on 2 CPU cores (docs/decisions.md#fine-tuning-recipes).
+    # The learning rate (LR sets one for all): the recipe's 3e-4 below 50%, 2e-5 from 50% on, whose conversion a
+    # higher rate makes worse on text other than the sampled (docs/decisions.md#fine-tuning-recipes).
     lr=${LR:-$([ "$tag" -ge 50 ] && echo 2e-5 || echo 3e-4)}
     conv=$work/c$tag run=$work/ft$tag
     if [ ! -f "$conv/provenance.json" ]; then
